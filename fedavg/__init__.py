@@ -1,0 +1,42 @@
+"""fedavg: train many, then merge.
+
+Independent nodes each train a full copy of one model on their own data; a coordinator merges
+the copies (FedAvg over rounds, or one-shot merging) into one saved model for prediction. Runs on
+Flower's simulation engine (one machine) and deployment engine (many machines).
+
+Python API (the CLI is a thin layer over it)::
+
+    import fedavg
+    result = fedavg.simulate(dataset="digits", num_nodes=5, rounds=5, output="runs/demo")
+    model = fedavg.load_model(result.model_dir)          # torch.nn.Module
+    fedavg.evaluate_model("runs/demo")                   # {"accuracy": ..., "loss": ...}
+    fedavg.predict("runs/demo", ["digit.png"])           # [{"prediction": "7", ...}]
+"""
+
+from importlib import import_module
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "simulate": "fedavg.simulation",
+    "SimulationResult": "fedavg.simulation",
+    "load_model": "fedavg.predict",
+    "evaluate_model": "fedavg.predict",
+    "predict": "fedavg.predict",
+    "RunConfig": "fedavg.config",
+    "DataConfig": "fedavg.config",
+    "TrainConfig": "fedavg.config",
+    "MergeConfig": "fedavg.config",
+    "UserError": "fedavg.errors",
+    "RunError": "fedavg.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `import fedavg` stays cheap; torch and flwr load on first use.
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'fedavg' has no attribute {name!r}")

@@ -1,0 +1,113 @@
+"""Self-describing model artifacts: ``model.safetensors`` (weights) + ``model.json`` (metadata).
+
+The metadata holds everything needed to rebuild and use the model with no other flag: model
+name and arguments, class names, input normalisation, dataset, strategy, rounds and metrics.
+Weights never go through pickle. Files are written atomically (temporary file + rename), so an
+interrupted run leaves the previous round's model intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from fedavg.errors import UserError
+
+WEIGHTS = "model.safetensors"
+META = "model.json"
+FORMAT = "fedavg-model/1"
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Write ``obj`` as indented JSON, atomically."""
+
+    def _write(tmp: str) -> None:
+        with open(tmp, "w") as fh:
+            json.dump(obj, fh, indent=2, sort_keys=False)
+            fh.write("\n")
+
+    _atomic_write(Path(path), _write)
+
+
+def save(directory: str | Path, state_dict: Mapping[str, torch.Tensor],
+         meta: dict[str, Any]) -> Path:
+    """Save weights and metadata into ``directory``.
+
+    Parameters
+    ----------
+    directory : path
+        Created if missing.
+    state_dict : mapping of str to torch.Tensor
+        Weights; tensors are made contiguous and moved to the CPU.
+    meta : dict
+        JSON-serialisable metadata; must hold ``model`` (``{"name", "args"}``), ``classes``
+        and ``input`` (see :meth:`fedavg.data.LoadedData.input_spec`).
+
+    Returns
+    -------
+    pathlib.Path
+        The directory.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    meta = {"format": FORMAT, **meta}
+    _atomic_write(directory / WEIGHTS,
+                  lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
+    write_json(directory / META, meta)
+    return directory
+
+
+def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Load ``(state_dict, meta)`` saved by :func:`save`.
+
+    Raises
+    ------
+    UserError
+        Missing folder or files, unreadable or corrupt weights or metadata.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(f"no such model folder: {directory} (pass a run's --output folder)")
+    weights, meta_path = directory / WEIGHTS, directory / META
+    for path in (weights, meta_path):
+        if not path.is_file():
+            raise UserError(f"{directory} has no {path.name}: is it a fedavg run's output folder?")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{meta_path} is not valid JSON ({exc}); the artifact is damaged") from None
+    if not isinstance(meta, dict) or not str(meta.get("format", "")).startswith("fedavg-model/"):
+        raise UserError(f"{meta_path} is not a fedavg model description")
+    for key in ("model", "classes", "input"):
+        if key not in meta:
+            raise UserError(f"{meta_path} lacks {key!r}; the artifact is damaged")
+    try:
+        state_dict = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise UserError(
+            f"{weights} is not a readable safetensors file ({str(exc)[:120]}); the artifact is "
+            "damaged: re-run or use another checkpoint"
+        ) from None
+    return state_dict, meta

@@ -1,0 +1,188 @@
+"""The ``fedavg`` command line: a thin typer layer over :mod:`fedavg`'s functions."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from fedavg.config import DataConfig, MergeConfig, RunConfig, TrainConfig
+from fedavg.errors import RunError, UserError
+
+app = typer.Typer(
+    name="fedavg",
+    help="Train many, then merge: federated averaging on Flower's engines.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+_D, _T, _M = DataConfig(), TrainConfig(), MergeConfig()
+
+
+@contextlib.contextmanager
+def _guard():
+    """Turn user mistakes into one line on stderr and exit code 2 (1 for failed runs)."""
+    try:
+        yield
+    except UserError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    except RunError as exc:
+        err_console.print(f"[bold red]run failed:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def simulate(
+    dataset: Annotated[str, typer.Option(help="digits (built in), a local path, or a hub id")] = _D.dataset,
+    num_nodes: Annotated[int, typer.Option(help="Number of nodes (= partitions)")] = _M.num_nodes,
+    rounds: Annotated[int, typer.Option(help="Number of rounds")] = _M.rounds,
+    strategy: Annotated[str, typer.Option(help="Merge strategy (see `fedavg strategies`)")] = _M.strategy,
+    model: Annotated[str, typer.Option(help="Model (see `fedavg models`), or auto")] = _T.model,
+    local_epochs: Annotated[int, typer.Option(help="Local epochs per round")] = _T.local_epochs,
+    batch_size: Annotated[int, typer.Option(help="Samples per SGD step")] = _T.batch_size,
+    lr: Annotated[float, typer.Option(help="SGD learning rate")] = _T.lr,
+    momentum: Annotated[float, typer.Option(help="SGD momentum")] = _T.momentum,
+    weight_decay: Annotated[float, typer.Option(help="L2 penalty")] = _T.weight_decay,
+    fraction: Annotated[float, typer.Option(help="Participation fraction: share of nodes per round")] = _M.fraction,
+    partitioner: Annotated[str, typer.Option(help="iid | dirichlet | pathological | natural")] = _D.partitioner,
+    alpha: Annotated[float, typer.Option(help="Dirichlet alpha (> 0; smaller = more skew)")] = _D.alpha,
+    classes_per_node: Annotated[int, typer.Option(help="Labels per node (pathological)")] = _D.classes_per_node,
+    partition_by: Annotated[Optional[str], typer.Option(help="Column of natural node ids (natural)")] = None,
+    image_column: Annotated[Optional[str], typer.Option(help="Input column (default: detected)")] = None,
+    label_column: Annotated[Optional[str], typer.Option(help="Label column (default: detected)")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of partitioning, hold-out, init and sampling")] = _D.seed,
+    device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu, cuda, cuda:N")] = _T.device,
+    round_timeout: Annotated[float, typer.Option(help="Seconds to wait for nodes in a round")] = _M.round_timeout,
+    cpus_per_node: Annotated[float, typer.Option(help="CPU cores each simulated node reserves")] = 1.0,
+    gpus_per_node: Annotated[Optional[float], typer.Option(help="GPUs each node reserves (default 1 with CUDA)")] = None,
+    output: Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<timestamp>)")] = None,
+    verbose: Annotated[bool, typer.Option(help="Show Flower's and Ray's logs")] = False,
+) -> None:
+    """Train N nodes on one machine (Flower simulation engine) and save the merged model."""
+    from fedavg.simulation import shutdown_ray, simulate as run
+
+    config = RunConfig(
+        data=DataConfig(dataset=dataset, image_column=image_column, label_column=label_column,
+                        partitioner=partitioner, alpha=alpha, classes_per_node=classes_per_node,
+                        partition_by=partition_by, seed=seed),
+        train=TrainConfig(model=model, local_epochs=local_epochs, batch_size=batch_size, lr=lr,
+                          momentum=momentum, weight_decay=weight_decay, device=device),
+        merge=MergeConfig(strategy=strategy, rounds=rounds, num_nodes=num_nodes,
+                          fraction=fraction, round_timeout=round_timeout),
+    )
+    def _terminate(signum, frame):  # SIGTERM: clean up like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    with _guard():
+        try:
+            run(config, output=output, console=console, verbose=verbose,
+                cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node)
+        except KeyboardInterrupt:
+            shutdown_ray()
+            where = f" in {output}" if output else ""
+            err_console.print(f"interrupted: finished rounds are kept{where}")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # The ServerApp thread may still wait on replies; do not wait for it.
+            os._exit(130)
+
+
+@app.command()
+def evaluate(
+    model_dir: Annotated[Path, typer.Argument(help="A run's output folder")],
+    dataset: Annotated[Optional[str], typer.Option(help="Dataset (default: the training one)")] = None,
+    split: Annotated[str, typer.Option(help="Split to evaluate on")] = "test",
+    image_column: Annotated[Optional[str], typer.Option(help="Input column")] = None,
+    label_column: Annotated[Optional[str], typer.Option(help="Label column")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+) -> None:
+    """Accuracy and loss of a saved model on a dataset split."""
+    from fedavg.predict import evaluate_model
+
+    with _guard():
+        res = evaluate_model(model_dir, dataset, split=split, image_column=image_column,
+                             label_column=label_column, device=device)
+    if as_json:
+        print(json.dumps(res))
+    else:
+        console.print(
+            f"{res['dataset']} [{res['split']}]: accuracy [bold]{res['accuracy']:.4f}[/], "
+            f"loss {res['loss']:.4f}, {res['num_examples']} samples"
+        )
+
+
+@app.command()
+def predict(
+    model_dir: Annotated[Path, typer.Argument(help="A run's output folder")],
+    inputs: Annotated[list[str], typer.Argument(help="Image files, folders of images, or datasets")],
+    output: Annotated[Optional[Path], typer.Option(help="Write predictions to FILE.csv or FILE.json")] = None,
+    split: Annotated[str, typer.Option(help="Split of dataset inputs")] = "test",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
+) -> None:
+    """Predict classes with a saved model."""
+    from fedavg.predict import predict as run, write_predictions
+
+    with _guard():
+        if output is not None and output.suffix.lower() not in (".csv", ".json"):
+            raise UserError(f"--output must end in .csv or .json (got {output.name})")
+        rows = run(model_dir, inputs, split=split, device=device)
+        if output is not None:
+            write_predictions(rows, output)
+            console.print(f"{len(rows)} predictions written to {output}")
+            return
+    from rich.table import Table
+
+    table = Table("input", "prediction", "confidence")
+    for row in rows[:50]:
+        table.add_row(row["input"], row["prediction"], f"{row['confidence']:.3f}")
+    console.print(table)
+    if len(rows) > 50:
+        console.print(f"... and {len(rows) - 50} more (use --output FILE.csv for all)")
+
+
+@app.command()
+def strategies() -> None:
+    """List the merge strategies with their papers."""
+    import strategies as registry
+    from rich.table import Table
+
+    table = Table("name", "description", "paper")
+    for name, cls in registry.available().items():
+        table.add_row(name, cls.description, cls.paper)
+    console.print(table)
+
+
+@app.command()
+def models() -> None:
+    """List the registered models."""
+    from rich.table import Table
+
+    from fedavg.models import available_models
+
+    table = Table("name", "description")
+    for name, desc in available_models().items():
+        table.add_row(name, desc)
+    table.add_row("auto", "mlp for tabular or < 16x16 inputs, cnn for grey, cnn-cifar for colour")
+    console.print(table)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""Flower ServerApp: run the rounds, merge node models with a ``strategies`` method, checkpoint.
+
+Flower's own strategy class samples nodes and sends messages; :class:`FlowerAdapter` only
+replaces its aggregation with our registered, Flower-free merge (by parameter name, dtypes
+kept, integer buffers not averaged). A round-end hook (Flower's ``evaluate_fn``) evaluates the
+merged model on the test split, writes ``model.safetensors`` + ``model.json`` and appends to
+``metrics.jsonl``, so an interrupted run keeps every finished round.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+
+import strategies
+from fedavg import checkpoint, keys
+from fedavg.config import RunConfig
+from fedavg.data import Split
+from fedavg.errors import RunError
+from fedavg.models import build_model
+from fedavg.train import evaluate
+
+log = logging.getLogger("fedavg")
+
+
+@dataclass
+class RoundRecord:
+    """What one round produced (one line of ``metrics.jsonl``)."""
+
+    round: int
+    accuracy: float
+    loss: float
+    train_loss: float | None
+    num_nodes: int
+    num_failed: int
+    wall_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON."""
+        return dict(self.__dict__)
+
+
+@dataclass
+class RunState:
+    """Shared between the ServerApp thread and the caller: progress and results."""
+
+    rounds: list[RoundRecord] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+class FlowerAdapter(FlowerFedAvg):
+    """Flower's FedAvg for sampling and messaging, with aggregation by a ``strategies`` method.
+
+    Replies with an error, or whose content is malformed (missing arrays or ``num-examples``,
+    mismatched keys, shapes or dtypes, NaN), are reported through ``on_failure`` with the
+    node id and left out of the merge; the others are merged.
+
+    Raises
+    ------
+    fedavg.errors.RunError
+        From ``aggregate_train`` when no reply of a round is usable.
+    """
+
+    def __init__(self, merge: strategies.Strategy, reference: dict[str, torch.Tensor],
+                 on_failure: Callable[[int, int, str], None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.merge = merge
+        self.reference = reference
+        self.on_failure = on_failure
+        self.last_train: dict[str, float] = {}
+        self.round_started = time.monotonic()
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Sample nodes and build their messages; start the round's clock."""
+        self.round_started = time.monotonic()
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        """Merge usable replies one at a time; report the others."""
+        self.merge.begin(self.reference)
+        used, failed, loss_sum, weight_sum = 0, 0, 0.0, 0.0
+        reasons = []
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            try:
+                if msg.has_error():
+                    raise RunError(f"node failed: {msg.error.reason}")
+                content = msg.content
+                if keys.ARRAYS not in content.array_records:
+                    raise RunError(f"reply has no {keys.ARRAYS!r} record")
+                metrics = content.metric_records.get(keys.METRICS)
+                if metrics is None or keys.NUM_EXAMPLES not in metrics:
+                    raise RunError(f"reply has no {keys.NUM_EXAMPLES!r} metric")
+                weight = metrics[keys.NUM_EXAMPLES]
+                state = content.array_records[keys.ARRAYS].to_torch_state_dict(
+                    keep_input=False
+                )
+                self.merge.add(state, weight, node=str(node))
+                del state
+            except (RunError, strategies.MergeError, ValueError, TypeError) as exc:
+                failed += 1
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                reasons.append(f"node {node}: {reason}")
+                self.on_failure(server_round, node, reason)
+                continue
+            used += 1
+            weight_sum += float(weight)
+            if keys.TRAIN_LOSS in metrics:
+                loss_sum += float(metrics[keys.TRAIN_LOSS]) * float(weight)
+        if not used:
+            detail = "; ".join(reasons[:3]) or "no replies before --round-timeout"
+            raise RunError(f"round {server_round}: no usable model from any node ({detail})")
+        merged = self.merge.result()
+        self.last_train = {
+            "train_loss": loss_sum / weight_sum if weight_sum else float("nan"),
+            "num_nodes": used,
+            "num_failed": failed,
+        }
+        metrics_out = MetricRecord({"train-loss": self.last_train["train_loss"],
+                                    "num-nodes": used})
+        return ArrayRecord(merged.state_dict), metrics_out
+
+
+@dataclass
+class ModelSpec:
+    """How to rebuild the model: registry name, builder args, input shape, classes."""
+
+    name: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON and the wire."""
+        return {"name": self.name, "input_shape": list(self.input_shape),
+                "num_classes": self.num_classes, "args": dict(self.args)}
+
+    def build(self) -> torch.nn.Module:
+        """A fresh instance."""
+        return build_model(self.name, self.input_shape, self.num_classes, **self.args)
+
+
+def make_server_app(
+    config: RunConfig,
+    spec: ModelSpec,
+    test: Split,
+    meta: dict[str, Any],
+    output: Path,
+    state: RunState,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    on_failure: Callable[[int, int, str], None] | None = None,
+) -> ServerApp:
+    """Build the coordinator ServerApp for one run.
+
+    Parameters
+    ----------
+    config : RunConfig
+        Validated run settings.
+    spec : ModelSpec
+        The model every node trains.
+    test : Split
+        Held-out data for centralised evaluation after every round.
+    meta : dict
+        Base of ``model.json`` (classes, input normalisation, dataset, ...).
+    output : pathlib.Path
+        Run folder for ``model.safetensors``, ``model.json``, ``metrics.jsonl``.
+    state : RunState
+        Filled with one :class:`RoundRecord` per round.
+    on_round, on_failure : callable, optional
+        Progress hooks: after each round; on each failed node reply ``(round, node, reason)``.
+    """
+    app = ServerApp()
+    metrics_path = output / "metrics.jsonl"
+
+    def report_failure(server_round: int, node: int, reason: str) -> None:
+        state.failures.append(f"round {server_round}, node {node}: {reason}")
+        log.warning("round %d: node %d left out: %s", server_round, node, reason)
+        if on_failure:
+            on_failure(server_round, node, reason)
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        try:
+            _run(grid)
+        except BaseException as exc:
+            state.error = exc
+            raise
+
+    def _run(grid: Grid) -> None:
+        random.seed(config.data.seed)  # Flower samples nodes with the random module
+        torch.manual_seed(config.data.seed)
+        model = spec.build()
+        initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        merge = strategies.get(config.merge.strategy)
+        n = config.merge.num_nodes
+        adapter = FlowerAdapter(
+            merge,
+            initial,
+            report_failure,
+            fraction_train=config.merge.fraction,
+            fraction_evaluate=0.0,
+            min_train_nodes=config.nodes_per_round,
+            min_evaluate_nodes=0,
+            min_available_nodes=n,
+        )
+        train_config = ConfigRecord(
+            {
+                "model": json.dumps(spec.as_dict(), sort_keys=True),
+                "input": json.dumps(meta["input"]),
+                "local-epochs": config.train.local_epochs,
+                "batch-size": config.train.batch_size,
+                "lr": config.train.lr,
+                "momentum": config.train.momentum,
+                "weight-decay": config.train.weight_decay,
+                "seed": config.data.seed,
+            }
+        )
+        metrics_path.unlink(missing_ok=True)
+
+        def round_end(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            if server_round == 0:
+                return None
+            sd = arrays.to_torch_state_dict()
+            model.load_state_dict(sd)
+            res = evaluate(model, test.x, test.y, meta["input"])
+            info = adapter.last_train
+            record = RoundRecord(
+                round=server_round,
+                accuracy=res["accuracy"],
+                loss=res["loss"],
+                train_loss=info.get("train_loss"),
+                num_nodes=int(info.get("num_nodes", 0)),
+                num_failed=int(info.get("num_failed", 0)),
+                wall_s=round(time.monotonic() - adapter.round_started, 3),
+            )
+            state.rounds.append(record)
+            checkpoint.save(output, sd, {**meta, "rounds": server_round,
+                                         "metrics": {"accuracy": record.accuracy,
+                                                     "loss": record.loss}})
+            with open(metrics_path, "a") as fh:
+                fh.write(json.dumps(record.as_dict()) + "\n")
+            if on_round:
+                on_round(record)
+            return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
+
+        adapter.start(
+            grid=grid,
+            initial_arrays=ArrayRecord(initial),
+            num_rounds=config.merge.rounds,
+            timeout=config.merge.round_timeout,
+            train_config=train_config,
+            evaluate_fn=round_end,
+        )
+
+    return app

@@ -1,0 +1,13 @@
+"""Errors that mean "the user asked for something we cannot do".
+
+The CLI prints them as one line (``error: ...``) and exits with code 2, without a traceback.
+Anything else is a bug and keeps its traceback.
+"""
+
+
+class UserError(Exception):
+    """A mistake in the input (path, column, option value) with a message saying what to fix."""
+
+
+class RunError(Exception):
+    """A run could not finish (e.g. no node replied in a round); artifacts so far are kept."""

@@ -1,0 +1,28 @@
+"""Wire-contract constants shared by the coordinator and the nodes.
+
+These are the record keys inside Flower messages; both sides of a run must agree on them.
+"""
+
+ARRAYS = "arrays"
+"""Key of the :class:`flwr.app.ArrayRecord` carrying model weights (a state dict)."""
+
+CONFIG = "config"
+"""Key of the :class:`flwr.app.ConfigRecord` carrying the round's training settings."""
+
+METRICS = "metrics"
+"""Key of the :class:`flwr.app.MetricRecord` in a node's reply."""
+
+NUM_EXAMPLES = "num-examples"
+"""Number of training samples a node used; the FedAvg weight of its reply."""
+
+TRAIN_LOSS = "train-loss"
+"""Mean training loss over a node's local epochs (cross-entropy, nats per sample)."""
+
+PARTITION_ID = "partition-id"
+"""Node config key: which partition of the dataset a node trains on."""
+
+NUM_PARTITIONS = "num-partitions"
+"""Node config key: into how many partitions the dataset is split."""
+
+SERVER_ROUND = "server-round"
+"""Config key set by Flower's strategies: the current round, starting at 1."""

@@ -1,0 +1,129 @@
+"""Flower ClientApp: a node receives the global model, trains it on its partition, replies.
+
+Message contract (keys in :mod:`fedavg.keys`):
+
+- in: ``arrays`` (ArrayRecord, the global state dict) and ``config`` (ConfigRecord with the
+  model spec, the input normalisation and the training settings of the round);
+- out: ``arrays`` (the locally trained state dict) and ``metrics`` (``num-examples``,
+  ``train-loss``).
+
+A node process keeps its data and model in memory between rounds (one load per process).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedavg import keys
+from fedavg.models import build_model
+from fedavg.train import resolve_device, train
+
+
+@functools.lru_cache(maxsize=2)
+def load_node_data(path: str) -> dict[str, np.ndarray]:
+    """Load a prepared data file (see :func:`fedavg.simulation.write_node_data`) once per process.
+
+    Returns
+    -------
+    dict
+        ``x`` ``(N, ...)`` inputs, ``y`` ``(N,)`` labels, ``offsets`` ``(P + 1,)`` and
+        ``indices`` (concatenated partition index arrays: partition ``i`` is
+        ``indices[offsets[i]:offsets[i + 1]]``).
+    """
+    from safetensors.numpy import load_file
+
+    return load_file(path)
+
+
+def partition_arrays(path: str, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs and labels of one partition of a prepared data file."""
+    data = load_node_data(path)
+    offsets = data["offsets"]
+    if not 0 <= partition_id < len(offsets) - 1:
+        raise ValueError(f"partition-id {partition_id} outside 0..{len(offsets) - 2}")
+    idx = data["indices"][offsets[partition_id] : offsets[partition_id + 1]]
+    return data["x"][idx], data["y"][idx]
+
+
+@functools.lru_cache(maxsize=4)
+def _model_for(spec_json: str) -> torch.nn.Module:
+    spec = json.loads(spec_json)
+    return build_model(spec["name"], tuple(spec["input_shape"]), spec["num_classes"],
+                       **spec.get("args", {}))
+
+
+def train_config(config: Any, **extra: Any) -> dict[str, Any]:
+    """Decode a round's ConfigRecord into plain values."""
+    return {
+        "model": json.loads(str(config["model"])),
+        "input": json.loads(str(config["input"])),
+        "local_epochs": int(config["local-epochs"]),
+        "batch_size": int(config["batch-size"]),
+        "lr": float(config["lr"]),
+        "momentum": float(config["momentum"]),
+        "weight_decay": float(config["weight-decay"]),
+        "seed": int(config["seed"]),
+        "round": int(config.get(keys.SERVER_ROUND, 0)),
+        **extra,
+    }
+
+
+def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
+              partition_id: int) -> Message:
+    """Train the received model on ``(x, y)`` and build the reply message."""
+    cfg = train_config(message.content[keys.CONFIG])
+    model = _model_for(json.dumps(cfg["model"], sort_keys=True))
+    state = message.content[keys.ARRAYS].to_torch_state_dict()
+    model.load_state_dict(state, strict=True)
+    stats = train(
+        model,
+        x,
+        y,
+        cfg["input"],
+        epochs=cfg["local_epochs"],
+        batch_size=cfg["batch_size"],
+        lr=cfg["lr"],
+        momentum=cfg["momentum"],
+        weight_decay=cfg["weight_decay"],
+        device=resolve_device(device),
+        # distinct, reproducible batch order per node and round
+        seed=cfg["seed"] * 1_000_003 + partition_id * 1009 + cfg["round"],
+    )
+    reply = RecordDict(
+        {
+            keys.ARRAYS: ArrayRecord(model.state_dict()),
+            keys.METRICS: MetricRecord(
+                {keys.NUM_EXAMPLES: stats["num_examples"], keys.TRAIN_LOSS: stats["train_loss"]}
+            ),
+        }
+    )
+    return Message(reply, reply_to=message)
+
+
+def make_client_app(data_path: str, device: str = "auto") -> ClientApp:
+    """Build the node ClientApp for a prepared data file.
+
+    Parameters
+    ----------
+    data_path : str
+        File written by :func:`fedavg.simulation.write_node_data`; each node trains on the
+        partition named by its ``partition-id`` node config.
+    device : str
+        ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+    """
+    app = ClientApp()
+
+    @app.train()
+    def _train(message: Message, context: Context) -> Message:
+        pid = int(context.node_config[keys.PARTITION_ID])
+        x, y = partition_arrays(data_path, pid)
+        return run_train(message, x, y, device, pid)
+
+    return app

@@ -1,0 +1,271 @@
+"""Load a saved model from its artifacts alone; evaluate it on a dataset; predict on inputs."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from fedavg import checkpoint
+from fedavg.data import FILE_BUILDERS, IMAGE_SUFFIXES, BUILTIN, decode_images, load, looks_like_path
+from fedavg.errors import UserError
+from fedavg.models import build_model
+from fedavg.train import evaluate as _evaluate
+from fedavg.train import predict_proba, resolve_device
+
+
+def load_model(directory: str | Path, device: str = "cpu") -> torch.nn.Module:
+    """Rebuild the model saved in ``directory`` (a run's output folder).
+
+    Parameters
+    ----------
+    directory : path
+        Holds ``model.safetensors`` and ``model.json``.
+    device : str
+        Where to put the model.
+
+    Returns
+    -------
+    torch.nn.Module
+        In eval mode; maps normalised ``(N, *input_shape)`` floats to ``(N, K)`` logits.
+        Its ``fedavg_meta`` attribute is the ``model.json`` content (classes, input
+        normalisation, ...); :func:`fedavg.data.normalize` applies the normalisation.
+
+    Raises
+    ------
+    UserError
+        Missing or damaged artifacts, or weights that do not fit the described model.
+    """
+    state, meta = checkpoint.load(directory)
+    spec = meta["model"]
+    try:
+        model = build_model(spec["name"], tuple(spec["input_shape"]), int(spec["num_classes"]),
+                            **spec.get("args", {}))
+    except (KeyError, TypeError) as exc:
+        raise UserError(f"{directory}/model.json has an unusable model entry ({exc})") from None
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise UserError(
+            f"weights in {directory} do not fit model {spec['name']!r}: "
+            f"{str(exc).splitlines()[0][:200]}"
+        ) from None
+    model.fedavg_meta = meta
+    return model.to(resolve_device(device)).eval()
+
+
+def _align_classes(model_classes: list[str], data_classes: list[str], source: str) -> np.ndarray:
+    if list(model_classes) == list(data_classes):
+        return np.arange(len(data_classes))
+    index = {c: i for i, c in enumerate(model_classes)}
+    missing = [c for c in data_classes if c not in index]
+    if missing:
+        raise UserError(
+            f"{source} has labels the model does not know: {missing[:5]} (model classes: "
+            f"{', '.join(model_classes[:10])})"
+        )
+    return np.asarray([index[c] for c in data_classes])
+
+
+def _check_shape(x: np.ndarray, meta: dict[str, Any], source: str) -> None:
+    want = tuple(meta["input"]["shape"])
+    if tuple(x.shape[1:]) != want:
+        raise UserError(
+            f"{source} has inputs of shape {tuple(x.shape[1:])}, the model expects {want}"
+        )
+
+
+def evaluate_model(
+    directory: str | Path,
+    dataset: str | None = None,
+    *,
+    split: str = "test",
+    image_column: str | None = None,
+    label_column: str | None = None,
+    device: str = "auto",
+    batch_size: int = 512,
+) -> dict[str, Any]:
+    """Accuracy and loss of a saved model on a dataset split.
+
+    Parameters
+    ----------
+    directory : path
+        A run's output folder.
+    dataset : str, optional
+        Dataset name, path or hub id; default: the one the model was trained on.
+    split : str
+        ``test`` (the same seeded hold-out as in training when the dataset has no test
+        split), ``train`` or another split name.
+
+    Returns
+    -------
+    dict
+        ``accuracy`` (fraction), ``loss`` (mean cross-entropy, nats), ``num_examples``,
+        ``split``, ``dataset``.
+
+    Raises
+    ------
+    UserError
+        Bad artifacts, dataset, split, columns, labels or input shapes.
+    """
+    model = load_model(directory, device="cpu")
+    meta = model.fedavg_meta
+    ds_meta = meta.get("dataset", {})
+    source = dataset or ds_meta.get("source")
+    if not source:
+        raise UserError("pass --dataset: the model does not record its dataset")
+    cols = ds_meta.get("columns", {}) if source == ds_meta.get("source") else {}
+    data = load(
+        source,
+        image_column=image_column or cols.get("image"),
+        label_column=label_column or cols.get("label"),
+        seed=int(ds_meta.get("seed", 0)),
+        test_fraction=float(ds_meta.get("test_fraction", 0.2)),
+    )
+    if split not in data.splits:
+        raise UserError(f"{source} has no split {split!r}; splits: {', '.join(data.splits)}")
+    part = data.splits[split]
+    _check_shape(part.x, meta, source)
+    y = _align_classes(meta["classes"], data.classes, source)[part.y]
+    res = _evaluate(model, part.x, y, meta["input"], batch_size=batch_size,
+                    device=resolve_device(device))
+    return {**res, "split": split, "dataset": source}
+
+
+def _collect(inputs: Sequence[str]) -> list[tuple[str, Any]]:
+    """Turn inputs into ``("image", path)`` and ``("dataset", source)`` items."""
+    items: list[tuple[str, Any]] = []
+    for raw in inputs:
+        path = Path(raw).expanduser()
+        if not path.exists():
+            if raw in BUILTIN or (not looks_like_path(raw) and "/" in raw):
+                items.append(("dataset", raw))
+                continue
+            raise UserError(f"no such file or folder: {raw}")
+        if path.is_file():
+            suffix = path.suffix.lower()
+            if suffix in IMAGE_SUFFIXES:
+                items.append(("image", path))
+            elif suffix in FILE_BUILDERS:
+                items.append(("dataset", str(path)))
+            else:
+                raise UserError(f"{raw} is neither an image ({', '.join(sorted(IMAGE_SUFFIXES))}) "
+                                "nor a dataset file")
+            continue
+        is_dataset = (path / "dataset_dict.json").exists() or (path / "state.json").exists() or any(
+            p.suffix.lower() in FILE_BUILDERS for p in path.rglob("*") if p.is_file()
+        )
+        if is_dataset:
+            items.append(("dataset", str(path)))
+            continue
+        images = sorted(p for p in path.rglob("*")
+                        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        if not images:
+            raise UserError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in folder {raw}")
+        items.extend(("image", p) for p in images)
+    if not items:
+        raise UserError("nothing to predict: pass image files, folders or a dataset")
+    return items
+
+
+def predict(
+    directory: str | Path,
+    inputs: Sequence[str],
+    *,
+    split: str = "test",
+    device: str = "auto",
+    batch_size: int = 512,
+) -> list[dict[str, Any]]:
+    """Predict classes for images, folders of images or datasets with a saved model.
+
+    Parameters
+    ----------
+    directory : path
+        A run's output folder.
+    inputs : sequence of str
+        Image files; folders (searched recursively for images); dataset files, folders,
+        names or hub ids (their ``split`` is used).
+    split : str
+        Split of dataset inputs.
+
+    Returns
+    -------
+    list of dict
+        One per sample: ``input``, ``prediction`` (class name), ``class_index``,
+        ``confidence`` (softmax probability of the prediction).
+
+    Raises
+    ------
+    UserError
+        Missing inputs, undecodable images, inputs the model cannot take.
+    """
+    model = load_model(directory, device="cpu")
+    meta = model.fedavg_meta
+    shape = tuple(meta["input"]["shape"])
+    dev = resolve_device(device)
+    names: list[str] = []
+    batches: list[np.ndarray] = []
+    items = _collect(inputs)
+    images = [p for kind, p in items if kind == "image"]
+    if images:
+        if len(shape) != 3:
+            raise UserError("this model takes feature vectors, not images: pass a dataset")
+        mode = "L" if shape[0] == 1 else "RGB"
+        x = decode_images([str(p) for p in images], "the inputs", size=shape[1:], mode=mode)
+        if meta["input"].get("dtype") != "uint8":
+            x = x.astype(np.float32) / 255.0
+        batches.append(x)
+        names.extend(str(p) for p in images)
+    for kind, source in items:
+        if kind != "dataset":
+            continue
+        data = load(source)
+        if split not in data.splits:
+            raise UserError(f"{source} has no split {split!r}; splits: {', '.join(data.splits)}")
+        part = data.splits[split]
+        _check_shape(part.x, meta, source)
+        batches.append(part.x)
+        names.extend(f"{source}#{split}[{i}]" for i in range(len(part)))
+    rows = []
+    classes = meta["classes"]
+    offset = 0
+    for x in batches:
+        proba = predict_proba(model, x, meta["input"], batch_size=batch_size, device=dev)
+        conf, idx = proba.max(dim=1)
+        for j in range(len(x)):
+            k = int(idx[j])
+            rows.append({"input": names[offset + j], "prediction": classes[k],
+                         "class_index": k, "confidence": round(float(conf[j]), 6)})
+        offset += len(x)
+    return rows
+
+
+def write_predictions(rows: list[dict[str, Any]], path: str | Path) -> Path:
+    """Write rows as CSV (``.csv``) or JSON (``.json``).
+
+    Raises
+    ------
+    UserError
+        Another suffix, or a folder that cannot be written.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".csv", ".json"):
+        raise UserError(f"--output must end in .csv or .json (got {path.name})")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if suffix == ".json":
+            path.write_text(json.dumps(rows, indent=2) + "\n")
+        else:
+            with open(path, "w", newline="") as fh:
+                writer = csv.DictWriter(fh, fieldnames=["input", "prediction", "class_index",
+                                                        "confidence"])
+                writer.writeheader()
+                writer.writerows(rows)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror}") from None
+    return path

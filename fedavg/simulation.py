@@ -1,0 +1,432 @@
+"""``fedavg simulate``: N nodes on one machine, on Flower's simulation engine (Ray backend).
+
+The driver loads and partitions the data once, writes the partitioned training arrays to a
+temporary file that every node process memory-maps once, builds the ServerApp
+(:mod:`fedavg.coordinator`) and ClientApp (:mod:`fedavg.node`) and runs them with
+``flwr.simulation.run_simulation``. The simulation runs in this process: no SuperLink, no
+per-run dependency installation, and Ray is shut down on return, error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedavg.config import RunConfig
+from fedavg.data import LoadedData, load
+from fedavg.errors import RunError, UserError
+from fedavg.partition import label_counts, partition
+
+log = logging.getLogger("fedavg")
+
+
+@dataclass
+class Prepared:
+    """Data, partitions and model spec of a run, before any training."""
+
+    data: LoadedData
+    parts: list[np.ndarray]
+    spec: Any  # fedavg.coordinator.ModelSpec
+    meta: dict[str, Any]
+
+
+@dataclass
+class SimulationResult:
+    """What :func:`simulate` returns.
+
+    Attributes
+    ----------
+    accuracy, loss : float
+        Test accuracy (fraction) and mean cross-entropy (nats) of the final merged model.
+    rounds : list of dict
+        One entry per round, as in ``metrics.jsonl``.
+    output : pathlib.Path
+        Run folder; ``model_dir`` is the same folder (load it with :func:`fedavg.load_model`).
+    wall_s : float
+        Seconds from start to end of the run, data loading included.
+    """
+
+    accuracy: float
+    loss: float
+    rounds: list[dict[str, Any]]
+    output: Path
+    wall_s: float
+    num_nodes: int
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def model_dir(self) -> Path:
+        """Folder holding ``model.safetensors`` and ``model.json``."""
+        return self.output
+
+    @property
+    def metrics_path(self) -> Path:
+        """``metrics.jsonl``: one JSON object per round."""
+        return self.output / "metrics.jsonl"
+
+    @property
+    def summary_path(self) -> Path:
+        """``summary.json``: the run's final figures and settings."""
+        return self.output / "summary.json"
+
+
+def default_output() -> Path:
+    """``runs/<YYYYmmdd-HHMMSS>`` under the current folder."""
+    return Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def prepare(config: RunConfig) -> Prepared:
+    """Load the dataset, partition it and choose the model.
+
+    Raises
+    ------
+    UserError
+        Bad dataset, columns, partitioning or model.
+    """
+    from fedavg.coordinator import ModelSpec
+    from fedavg.models import build_model, resolve_model
+
+    d = config.data
+    data = load(d.dataset, image_column=d.image_column, label_column=d.label_column,
+                partition_by=d.partition_by if d.partitioner == "natural" else None,
+                seed=d.seed, test_fraction=d.test_fraction)
+    parts = partition(data.train.y, config.merge.num_nodes, d.partitioner, alpha=d.alpha,
+                      classes_per_node=d.classes_per_node, groups=data.train.groups,
+                      seed=d.seed)
+    name = resolve_model(config.train.model, data.input_shape)
+    spec = ModelSpec(name, data.input_shape, len(data.classes))
+    build_model(spec.name, spec.input_shape, spec.num_classes)  # fail early on bad shapes
+    meta = {
+        "model": spec.as_dict(),
+        "classes": data.classes,
+        "input": data.input_spec(),
+        "dataset": {
+            "source": data.source,
+            "columns": data.columns,
+            "train_samples": len(data.train),
+            "test_samples": len(data.test),
+            "seed": d.seed,
+            "test_fraction": d.test_fraction,
+            "notes": data.notes,
+        },
+        "strategy": config.merge.strategy,
+        "config": config.as_dict(),
+    }
+    return Prepared(data, parts, spec, meta)
+
+
+def write_node_data(path: str | Path, x: np.ndarray, y: np.ndarray,
+                    parts: list[np.ndarray]) -> None:
+    """Write training arrays and partitions for the node processes (safetensors, no pickle)."""
+    from safetensors.numpy import save_file
+
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(p) for p in parts])
+    indices = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    save_file({"x": np.ascontiguousarray(x), "y": np.ascontiguousarray(y, dtype=np.int64),
+               "offsets": offsets, "indices": indices}, str(path))
+
+
+def partition_table(prepared: Prepared, max_rows: int = 12):
+    """A rich Table: samples per node and label spread."""
+    from rich.table import Table
+
+    classes = prepared.data.classes
+    counts = label_counts(prepared.data.train.y, prepared.parts, len(classes))
+    table = Table(title=f"{len(prepared.parts)} nodes, {prepared.meta['config']['data']['partitioner']}"
+                  f" partition of {len(prepared.data.train)} samples", title_justify="left")
+    table.add_column("node", justify="right")
+    table.add_column("samples", justify="right")
+    table.add_column("labels", justify="right")
+    table.add_column("top label share", justify="right")
+    if len(classes) <= 10:
+        table.add_column("per label: " + " ".join(c[:4] for c in classes))
+    rows = list(range(len(prepared.parts)))
+    if len(rows) > max_rows:
+        rows = rows[: max_rows - 2] + rows[-2:]
+    for i in rows:
+        c = counts[i]
+        total = int(c.sum())
+        cells = [str(i), str(total), str(int((c > 0).sum())),
+                 f"{c.max() / total:.0%}" if total else "-"]
+        if len(classes) <= 10:
+            cells.append(" ".join(str(int(v)) for v in c))
+        table.add_row(*cells)
+    return table
+
+
+def _quiet_logs(verbose: bool) -> None:
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    import flwr.common.logger  # noqa: F401  (configures the "flwr" logger on import)
+
+    level = logging.INFO if verbose else logging.CRITICAL
+    logging.getLogger("flwr").setLevel(level)
+
+
+def _backend_config(device: str, cpus_per_node: float, gpus_per_node: float | None,
+                    verbose: bool) -> dict[str, Any]:
+    import torch
+
+    cores = os.cpu_count() or 1
+    use_gpu = device != "cpu" and torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if use_gpu else 0
+    if gpus_per_node is None:
+        gpus_per_node = 1.0 if gpus else 0.0
+    if cpus_per_node <= 0 or cpus_per_node > cores:
+        raise UserError(f"--cpus-per-node must be in (0, {cores}] on this machine")
+    if gpus_per_node < 0 or (gpus_per_node > 0 and not gpus):
+        raise UserError("--gpus-per-node > 0 needs a CUDA device; use --device cpu")
+    return {
+        "client_resources": {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node},
+        "init_args": {
+            "num_cpus": cores,
+            "num_gpus": gpus,
+            "include_dashboard": False,
+            "logging_level": logging.INFO if verbose else logging.ERROR,
+            "log_to_driver": verbose,
+        },
+    }
+
+
+def simulate(
+    config: RunConfig | None = None,
+    *,
+    output: str | Path | None = None,
+    console=None,
+    verbose: bool = False,
+    cpus_per_node: float = 1.0,
+    gpus_per_node: float | None = None,
+    **overrides: Any,
+) -> SimulationResult:
+    """Train ``num_nodes`` nodes on Flower's simulation engine and save the merged model.
+
+    Parameters
+    ----------
+    config : RunConfig, optional
+        Run settings; defaults (digits, 5 nodes, 5 rounds, FedAvg) when omitted.
+    output : path, optional
+        Run folder (default ``runs/<timestamp>``): ``model.safetensors``, ``model.json``,
+        ``metrics.jsonl``, ``summary.json``.
+    console : rich.console.Console, optional
+        Where to print the partition table and progress; ``None`` prints nothing.
+    verbose : bool
+        Show Flower's and Ray's own logs.
+    cpus_per_node, gpus_per_node : float
+        Resources each simulated node reserves; nodes run in parallel as far as the
+        machine's cores (and GPUs) allow. GPUs: 1 per node when CUDA is used, else 0.
+    **overrides
+        Flat settings applied on top of ``config`` (``num_nodes=10``, ``alpha=0.1`` ...).
+
+    Returns
+    -------
+    SimulationResult
+
+    Raises
+    ------
+    UserError
+        Invalid settings or data (nothing is written).
+    RunError
+        A round in which no node produced a usable model; finished rounds stay saved.
+    """
+    t0 = time.monotonic()
+    config = (config or RunConfig()).replace(**overrides) if overrides else (config or RunConfig())
+    config.validate()
+    import strategies
+
+    try:
+        strategies.get(config.merge.strategy)
+    except strategies.UnknownStrategyError as exc:
+        raise UserError(str(exc)) from None
+    from fedavg.train import resolve_device
+
+    resolve_device(config.train.device)
+    backend = _backend_config(config.train.device, cpus_per_node, gpus_per_node, verbose)
+    _quiet_logs(verbose)
+
+    prepared = prepare(config)
+    out = Path(output) if output is not None else default_output()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create output folder {out}: {exc.strerror}") from None
+    if console is not None:
+        for note in prepared.data.notes:
+            console.print(f"[yellow]note:[/] {note}")
+        console.print(partition_table(prepared))
+        console.print(
+            f"model [bold]{prepared.spec.name}[/] on inputs {tuple(prepared.spec.input_shape)}, "
+            f"{prepared.spec.num_classes} classes; strategy [bold]{config.merge.strategy}[/], "
+            f"{config.merge.rounds} rounds, {config.nodes_per_round}/{config.merge.num_nodes} "
+            f"nodes per round, {config.train.local_epochs} local epoch(s)"
+        )
+
+    from fedavg.coordinator import RunState, make_server_app
+    from fedavg.node import make_client_app
+
+    state = RunState()
+    with tempfile.TemporaryDirectory(prefix="fedavg-") as tmp:
+        data_path = str(Path(tmp) / "train.safetensors")
+        write_node_data(data_path, prepared.data.train.x, prepared.data.train.y, prepared.parts)
+        progress, on_round, on_failure = _progress(console, config)
+        server = make_server_app(config, prepared.spec, prepared.data.test, prepared.meta, out,
+                                 state, on_round=on_round, on_failure=on_failure)
+        client = make_client_app(data_path, device=config.train.device)
+        before = child_pids()
+        try:
+            if progress is not None:
+                progress.start()
+            _run_engine(server, client, config.merge.num_nodes, backend)
+        except Exception as exc:
+            if state.error is not None and isinstance(state.error, (RunError, UserError)):
+                raise state.error from None
+            if state.error is not None:
+                raise state.error
+            raise RunError(f"simulation engine failed: {str(exc).splitlines()[0]}") from exc
+        finally:
+            if progress is not None:
+                progress.stop()
+            shutdown_ray(keep=before)
+    if state.error is not None:
+        raise state.error
+    if len(state.rounds) != config.merge.rounds:
+        raise RunError(
+            f"the run stopped after {len(state.rounds)} of {config.merge.rounds} rounds; "
+            f"finished rounds are in {out}"
+        )
+    wall = time.monotonic() - t0
+    last = state.rounds[-1]
+    result = SimulationResult(
+        accuracy=last.accuracy,
+        loss=last.loss,
+        rounds=[r.as_dict() for r in state.rounds],
+        output=out,
+        wall_s=round(wall, 3),
+        num_nodes=config.merge.num_nodes,
+        failures=state.failures,
+    )
+    _write_summary(result, prepared, config)
+    if console is not None:
+        console.print(rounds_table(result.rounds))
+        console.print(
+            f"[bold green]done[/] in {wall:.1f} s: test accuracy [bold]{last.accuracy:.4f}[/], "
+            f"loss {last.loss:.4f}; model saved in [bold]{out}[/]"
+        )
+    return result
+
+
+def _write_summary(result: SimulationResult, prepared: Prepared, config: RunConfig) -> None:
+    from fedavg.checkpoint import write_json
+
+    write_json(
+        result.summary_path,
+        {
+            "accuracy": result.accuracy,
+            "loss": result.loss,
+            "best_accuracy": max(r["accuracy"] for r in result.rounds),
+            "rounds": len(result.rounds),
+            "num_nodes": result.num_nodes,
+            "wall_s": result.wall_s,
+            "strategy": config.merge.strategy,
+            "model": prepared.spec.name,
+            "dataset": prepared.data.source,
+            "train_samples": len(prepared.data.train),
+            "test_samples": len(prepared.data.test),
+            "failures": result.failures,
+            "config": config.as_dict(),
+        },
+    )
+
+
+def rounds_table(rounds: list[dict[str, Any]]):
+    """A rich Table of per-round metrics."""
+    from rich.table import Table
+
+    table = Table(title="rounds", title_justify="left")
+    for col in ("round", "accuracy", "loss", "train loss", "nodes", "wall s"):
+        table.add_column(col, justify="right")
+    for r in rounds:
+        tl = r.get("train_loss")
+        table.add_row(str(r["round"]), f"{r['accuracy']:.4f}", f"{r['loss']:.4f}",
+                      "-" if tl is None else f"{tl:.4f}",
+                      f"{r['num_nodes']}" + (f" ({r['num_failed']} failed)" if r.get("num_failed")
+                                             else ""),
+                      f"{r['wall_s']:.2f}")
+    return table
+
+
+def _progress(console, config: RunConfig):
+    if console is None:
+        return None, None, None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("[bold]rounds"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TextColumn("{task.description}"),
+                        console=console, transient=True)
+    task = progress.add_task("training round 1", total=config.merge.rounds)
+
+    def on_round(rec) -> None:
+        progress.console.print(
+            f"round {rec.round:>3}/{config.merge.rounds}: accuracy {rec.accuracy:.4f}  "
+            f"loss {rec.loss:.4f}  train loss "
+            f"{rec.train_loss if rec.train_loss is None else format(rec.train_loss, '.4f')}  "
+            f"nodes {rec.num_nodes}  {rec.wall_s:.2f} s"
+        )
+        nxt = rec.round + 1
+        progress.update(task, advance=1, description=(
+            f"training round {nxt}" if nxt <= config.merge.rounds else "finishing"))
+
+    def on_failure(server_round: int, node: int, reason: str) -> None:
+        progress.console.print(f"[red]round {server_round}: node {node} failed:[/] {reason}")
+
+    return progress, on_round, on_failure
+
+
+def _run_engine(server, client, num_nodes: int, backend: dict[str, Any]) -> None:
+    from flwr.simulation import run_simulation
+
+    run_simulation(server_app=server, client_app=client, num_supernodes=num_nodes,
+                   backend_config=backend)
+
+
+def child_pids() -> set[int]:
+    """Process ids of this process's children and their descendants."""
+    import psutil
+
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+def shutdown_ray(timeout_s: float = 10.0, keep: set[int] | frozenset = frozenset()) -> None:
+    """Stop Ray if this process started it, and wait until its processes are gone.
+
+    ``ray.shutdown()`` returns while the raylet and GCS server are still exiting; this waits
+    up to ``timeout_s`` seconds for the child processes started since the run began (all
+    but ``keep``) and kills those still alive, so that nothing outlives the command.
+    """
+    import psutil
+
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - ray comes with flwr[simulation]
+        return
+    me = psutil.Process()
+    children = me.children(recursive=True)
+    if ray.is_initialized():
+        ray.shutdown()
+    children = [c for c in children + me.children(recursive=True)
+                if c.pid not in keep and c.is_running()]
+    _, alive = psutil.wait_procs(children, timeout=timeout_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=timeout_s)

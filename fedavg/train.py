@@ -1,0 +1,172 @@
+"""Plain PyTorch local training and evaluation. No Flower import."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedavg.data import normalize
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; anything else as given.
+
+    Raises
+    ------
+    fedavg.errors.UserError
+        A CUDA device asked for on a machine without one, or an unknown device string.
+    """
+    from fedavg.errors import UserError
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device}: no CUDA device here; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(
+                f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here"
+            )
+    return dev
+
+
+def _batches(n: int, batch_size: int, generator: torch.Generator | None):
+    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+    for start in range(0, n, batch_size):
+        yield order[start : start + batch_size]
+
+
+def train(
+    model: nn.Module,
+    x: np.ndarray | torch.Tensor,
+    y: np.ndarray | torch.Tensor,
+    input_spec: dict[str, Any],
+    *,
+    epochs: int = 1,
+    batch_size: int = 32,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> dict[str, float]:
+    """Train ``model`` in place with SGD on one node's samples.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Maps ``(N, *input_shape)`` normalised floats to ``(N, K)`` logits.
+    x : array
+        ``(N, C, H, W)`` or ``(N, D)`` raw inputs (see :func:`fedavg.data.normalize`).
+    y : array
+        ``(N,)`` int64 labels.
+    input_spec : dict
+        Normalisation, :meth:`fedavg.data.LoadedData.input_spec`.
+    epochs, batch_size, lr, momentum, weight_decay
+        SGD settings (``lr`` per step, ``epochs`` passes over the data).
+    device : str or torch.device
+        Where to train.
+    seed : int
+        Seed of the batch order.
+
+    Returns
+    -------
+    dict
+        ``train_loss`` (mean cross-entropy over all steps, nats), ``num_examples``
+        (samples in the partition), ``steps``.
+    """
+    device = torch.device(device)
+    model.to(device).train()
+    xt, yt = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.long)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
+                          weight_decay=weight_decay)
+    loss_fn = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(seed)
+    total, count, steps = 0.0, 0, 0
+    for _ in range(epochs):
+        for idx in _batches(len(yt), batch_size, g):
+            if len(idx) < 2 and any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                                    for m in model.modules()):
+                continue  # BatchNorm cannot train on a single sample
+            xb = normalize(xt[idx].to(device, non_blocking=True), input_spec)
+            yb = yt[idx].to(device, non_blocking=True)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(xb), yb)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(idx)
+            count += len(idx)
+            steps += 1
+    if count and not math.isfinite(total):
+        raise FloatingPointError(f"training diverged (loss {total / count}); lower --lr")
+    return {
+        "train_loss": total / max(count, 1),
+        "num_examples": int(len(yt)),
+        "steps": steps,
+    }
+
+
+@torch.no_grad()
+def predict_proba(
+    model: nn.Module,
+    x: np.ndarray | torch.Tensor,
+    input_spec: dict[str, Any],
+    *,
+    batch_size: int = 512,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """Class probabilities, ``(N, K)`` float32 on the CPU (softmax of the logits)."""
+    device = torch.device(device)
+    model.to(device).eval()
+    xt = torch.as_tensor(x)
+    out = []
+    for start in range(0, len(xt), batch_size):
+        xb = normalize(xt[start : start + batch_size].to(device), input_spec)
+        out.append(torch.softmax(model(xb).float(), dim=1).cpu())
+    if not out:
+        return torch.zeros(0, 0)
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    x: np.ndarray | torch.Tensor,
+    y: np.ndarray | torch.Tensor,
+    input_spec: dict[str, Any],
+    *,
+    batch_size: int = 512,
+    device: str | torch.device = "cpu",
+) -> dict[str, float]:
+    """Accuracy and mean cross-entropy of ``model`` on ``(x, y)``.
+
+    Returns
+    -------
+    dict
+        ``accuracy`` (fraction in [0, 1]), ``loss`` (mean cross-entropy, nats),
+        ``num_examples``.
+    """
+    device = torch.device(device)
+    model.to(device).eval()
+    xt, yt = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.long)
+    loss_sum, correct = 0.0, 0
+    for start in range(0, len(yt), batch_size):
+        xb = normalize(xt[start : start + batch_size].to(device), input_spec)
+        yb = yt[start : start + batch_size].to(device)
+        logits = model(xb).float()
+        loss_sum += float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
+        correct += int((logits.argmax(1) == yb).sum())
+    n = len(yt)
+    return {
+        "accuracy": correct / n if n else 0.0,
+        "loss": loss_sum / n if n else 0.0,
+        "num_examples": n,
+    }
