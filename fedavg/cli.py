@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -70,7 +71,7 @@ def simulate(
     verbose: Annotated[bool, typer.Option(help="Show Flower's and Ray's logs")] = False,
 ) -> None:
     """Train N nodes on one machine (Flower simulation engine) and save the merged model."""
-    from fedavg.simulation import shutdown_ray, simulate as run
+    from fedavg.simulation import abort_active_runs, simulate as run
 
     config = RunConfig(
         data=DataConfig(dataset=dataset, image_column=image_column, label_column=label_column,
@@ -81,22 +82,21 @@ def simulate(
         merge=MergeConfig(strategy=strategy, rounds=rounds, num_nodes=num_nodes,
                           fraction=fraction, round_timeout=round_timeout),
     )
-    def _terminate(signum, frame):  # SIGTERM: clean up like Ctrl-C
-        raise KeyboardInterrupt
+    def _stop(signum, frame):
+        # Ctrl-C or SIGTERM: stop Ray and clean up now, keep finished rounds, exit 130.
+        # (Raising KeyboardInterrupt instead can deadlock inside Flower's worker pool.)
+        abort_active_runs()
+        where = f" in {output}" if output else ""
+        err_console.print(f"interrupted: finished rounds are kept{where}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
 
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
     with _guard():
-        try:
-            run(config, output=output, console=console, verbose=verbose,
-                cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node)
-        except KeyboardInterrupt:
-            shutdown_ray()
-            where = f" in {output}" if output else ""
-            err_console.print(f"interrupted: finished rounds are kept{where}")
-            sys.stdout.flush()
-            sys.stderr.flush()
-            # The ServerApp thread may still wait on replies; do not wait for it.
-            os._exit(130)
+        run(config, output=output, console=console, verbose=verbose,
+            cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node)
 
 
 @app.command()
@@ -181,6 +181,8 @@ def models() -> None:
 
 def main() -> None:
     """Console-script entry point."""
+    # The CLI shows node failures and progress itself; keep library warnings off stderr.
+    logging.getLogger("fedavg").addHandler(logging.NullHandler())
     app()
 
 

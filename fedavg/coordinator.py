@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,7 +97,7 @@ class FlowerAdapter(FlowerFedAvg):
             node = msg.metadata.src_node_id
             try:
                 if msg.has_error():
-                    raise RunError(f"node failed: {msg.error.reason}")
+                    raise RunError(error_summary(msg.error.reason))
                 content = msg.content
                 if keys.ARRAYS not in content.array_records:
                     raise RunError(f"reply has no {keys.ARRAYS!r} record")
@@ -131,6 +132,27 @@ class FlowerAdapter(FlowerFedAvg):
         metrics_out = MetricRecord({"train-loss": self.last_train["train_loss"],
                                     "num-nodes": used})
         return ArrayRecord(merged.state_dict), metrics_out
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (\S.*)$")
+
+
+def error_summary(reason: str) -> str:
+    """One line from a node's error report: the original exception type and message.
+
+    Flower wraps a node's exception (in simulation, inside Ray's) with tracebacks; this keeps
+    the innermost ``SomeError: message`` line, e.g. ``FloatingPointError: training diverged``.
+    """
+    text = _ANSI.sub("", reason or "")
+    for line in text.splitlines():
+        m = _EXC_LINE.match(line.strip())
+        if m and not m.group(1).startswith(("flwr.", "ray.")):
+            return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}"[:300]
+    if "Message:" in text:
+        return text.rsplit("Message:", 1)[1].strip().strip("'>").strip()[:300]
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "unknown error")
+    return first[:300]
 
 
 @dataclass

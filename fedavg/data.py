@@ -232,6 +232,7 @@ def looks_like_path(name: str) -> bool:
         name.startswith((".", "/", "~"))
         or name.count("/") > 1
         or Path(name).suffix.lower() in FILE_BUILDERS
+        or Path(name).suffix.lower() in IMAGE_SUFFIXES
         or "\\" in name
     )
 
@@ -402,6 +403,8 @@ def _inputs(ds, columns: list[str], source: str) -> np.ndarray:
     if isinstance(feature, datasets.Image):
         raw = ds.cast_column(col, datasets.Image(decode=False))[col]
         return decode_images(raw, source)
+    if isinstance(feature, dict) and "bytes" in feature:  # image structs without HF metadata
+        return decode_images(ds[col], source)
     try:
         arr = np.asarray(ds.with_format("numpy")[col])
     except Exception:

@@ -61,6 +61,7 @@ def partition(
     import datasets
     from flwr_datasets import partitioner as fp
 
+    datasets.disable_progress_bars()
     n = len(labels)
     if num_partitions < 1:
         raise UserError(f"--num-nodes must be >= 1 (got {num_partitions})")

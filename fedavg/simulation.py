@@ -13,11 +13,12 @@ import contextlib
 import datetime as _dt
 import logging
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -147,20 +148,22 @@ def partition_table(prepared: Prepared, max_rows: int = 12):
     table.add_column("node", justify="right")
     table.add_column("samples", justify="right")
     table.add_column("labels", justify="right")
-    table.add_column("top label share", justify="right")
-    if len(classes) <= 10:
-        table.add_column("per label: " + " ".join(c[:4] for c in classes))
+    table.add_column("top label (share)", justify="right")
+    table.add_column("smallest label (share)", justify="right")
     rows = list(range(len(prepared.parts)))
     if len(rows) > max_rows:
         rows = rows[: max_rows - 2] + rows[-2:]
     for i in rows:
         c = counts[i]
         total = int(c.sum())
-        cells = [str(i), str(total), str(int((c > 0).sum())),
-                 f"{c.max() / total:.0%}" if total else "-"]
-        if len(classes) <= 10:
-            cells.append(" ".join(str(int(v)) for v in c))
-        table.add_row(*cells)
+        present = np.flatnonzero(c)
+        top = int(c.argmax())
+        low = int(present[c[present].argmin()]) if len(present) else 0
+        table.add_row(str(i), str(total), f"{len(present)}/{len(classes)}",
+                      f"{classes[top][:12]} ({c[top] / max(total, 1):.0%})",
+                      f"{classes[low][:12]} ({c[low] / max(total, 1):.0%})")
+    if len(prepared.parts) > max_rows:
+        table.caption = f"{len(prepared.parts) - max_rows} more nodes not shown"
     return table
 
 
@@ -168,6 +171,7 @@ def _quiet_logs(verbose: bool) -> None:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     import flwr.common.logger  # noqa: F401  (configures the "flwr" logger on import)
 
     level = logging.INFO if verbose else logging.CRITICAL
@@ -275,17 +279,17 @@ def simulate(
     from fedavg.node import make_client_app
 
     state = RunState()
-    with tempfile.TemporaryDirectory(prefix="fedavg-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="fedavg-") as tmp, _abortable(tmp) as since:
         data_path = str(Path(tmp) / "train.safetensors")
         write_node_data(data_path, prepared.data.train.x, prepared.data.train.y, prepared.parts)
         progress, on_round, on_failure = _progress(console, config)
         server = make_server_app(config, prepared.spec, prepared.data.test, prepared.meta, out,
                                  state, on_round=on_round, on_failure=on_failure)
         client = make_client_app(data_path, device=config.train.device)
-        before = child_pids()
         try:
             if progress is not None:
                 progress.start()
+            _init_ray(backend)
             _run_engine(server, client, config.merge.num_nodes, backend)
         except Exception as exc:
             if state.error is not None and isinstance(state.error, (RunError, UserError)):
@@ -296,7 +300,7 @@ def simulate(
         finally:
             if progress is not None:
                 progress.stop()
-            shutdown_ray(keep=before)
+            shutdown_ray(since=since)
     if state.error is not None:
         raise state.error
     if len(state.rounds) != config.merge.rounds:
@@ -392,6 +396,33 @@ def _progress(console, config: RunConfig):
     return progress, on_round, on_failure
 
 
+def _init_ray(backend: dict[str, Any]) -> None:
+    """Start Ray as Flower's Ray backend would, keeping the application's signal handlers.
+
+    Flower's backend reuses an initialised Ray. Starting it here lets a handler the
+    application installed for SIGINT / SIGTERM (the CLI's clean shutdown) stay in force:
+    ``ray.init`` replaces it with Ray's own, which exits without our clean-up.
+    """
+    import signal
+    import sys
+    import threading
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    main = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    pythonpath = os.pathsep.join(sys.path)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    os.environ["PYTHONPATH"] = pythonpath
+    ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **backend["init_args"])
+    for sig, handler in saved.items():
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(sig, handler)
+
+
 def _run_engine(server, client, num_nodes: int, backend: dict[str, Any]) -> None:
     from flwr.simulation import run_simulation
 
@@ -399,34 +430,102 @@ def _run_engine(server, client, num_nodes: int, backend: dict[str, Any]) -> None
                    backend_config=backend)
 
 
-def child_pids() -> set[int]:
-    """Process ids of this process's children and their descendants."""
-    import psutil
-
-    return {c.pid for c in psutil.Process().children(recursive=True)}
+_ACTIVE: list[Callable[[], None]] = []
 
 
-def shutdown_ray(timeout_s: float = 10.0, keep: set[int] | frozenset = frozenset()) -> None:
-    """Stop Ray if this process started it, and wait until its processes are gone.
+@contextlib.contextmanager
+def _abortable(tmp: str):
+    """Register how to clean up this run if the process must stop at once (signal)."""
+    since = time.time()
 
-    ``ray.shutdown()`` returns while the raylet and GCS server are still exiting; this waits
-    up to ``timeout_s`` seconds for the child processes started since the run began (all
-    but ``keep``) and kills those still alive, so that nothing outlives the command.
+    def abort() -> None:
+        shutdown_ray(since=since, timeout_s=5.0)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    _ACTIVE.append(abort)
+    try:
+        yield since
+    finally:
+        _ACTIVE.remove(abort)
+
+
+def abort_active_runs() -> None:
+    """Stop the engines of runs in progress and remove their temporary files.
+
+    For signal handlers: after this the process can exit at once (``os._exit``) without
+    leaving Ray processes or temporary data behind. Finished rounds stay in the run folder.
+    """
+    for abort in reversed(list(_ACTIVE)):
+        with contextlib.suppress(Exception):
+            abort()
+
+
+def _ray_processes(since: float) -> list:
+    """Ray processes of this process group started at or after ``since`` (epoch seconds).
+
+    Ray's agents can be respawned by a raylet that is shutting down and then outlive it,
+    re-parented away from us; they keep our process group, which is how they are found.
     """
     import psutil
 
+    me, pgid = os.getpid(), os.getpgid(0)
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline", "create_time", "status"]):
+        info = proc.info
+        if proc.pid == me or info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if (info["create_time"] or 0) < since:
+            continue
+        try:
+            if os.getpgid(proc.pid) != pgid:
+                continue
+        except OSError:
+            continue
+        name = info["name"] or ""
+        cmd = " ".join(info["cmdline"] or [])
+        if name.startswith(("ray::", "raylet", "gcs_server")) or "ray::" in cmd \
+                or f"{os.sep}ray{os.sep}" in cmd:
+            found.append(proc)
+    return found
+
+
+def shutdown_ray(since: float = 0.0, timeout_s: float = 10.0) -> None:
+    """Stop Ray if this process started it, and wait until its processes are gone.
+
+    ``ray.shutdown()`` returns while the raylet and GCS server are still exiting, and Ray's
+    agents can outlive a raylet that died first. This shuts Ray down, waits up to
+    ``timeout_s`` seconds for the processes it started (our descendants, and Ray processes
+    of our process group, started at or after ``since``, epoch seconds) and kills whatever
+    is still alive, so that nothing outlives the command.
+    """
+    import psutil
+
+    me = psutil.Process()
+
+    def ours() -> dict:
+        procs = {}
+        for p in me.children(recursive=True) + _ray_processes(since):
+            with contextlib.suppress(psutil.Error):
+                if p.create_time() >= since:
+                    procs[p.pid] = p
+        return procs
+
+    procs = ours()
     try:
         import ray
-    except ImportError:  # pragma: no cover - ray comes with flwr[simulation]
-        return
-    me = psutil.Process()
-    children = me.children(recursive=True)
-    if ray.is_initialized():
-        ray.shutdown()
-    children = [c for c in children + me.children(recursive=True)
-                if c.pid not in keep and c.is_running()]
-    _, alive = psutil.wait_procs(children, timeout=timeout_s)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    psutil.wait_procs(alive, timeout=timeout_s)
+
+        if ray.is_initialized():
+            ray.shutdown()
+    except Exception:  # noqa: BLE001 - clean up the processes below in any case
+        log.debug("ray.shutdown failed", exc_info=True)
+    for attempt in range(3):
+        procs.update(ours())
+        if not procs:
+            return
+        _, alive = psutil.wait_procs(list(procs.values()), timeout=timeout_s if attempt == 0 else 2)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=2.0)
+        time.sleep(0.3)  # let a respawn race show itself
+        procs = {}

@@ -1,0 +1,65 @@
+"""Shared fixtures: where the real datasets are, how to run the CLI, leaked-process checks."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("FEDAVG_SHARED_DATA", ROOT.parent / "shared" / "data"))
+MNIST = SHARED_DATA / "mnist"
+
+# Names of the processes a simulation may start; none may outlive a command or a test.
+ENGINE_PROCESS_MARKERS = ("raylet", "gcs_server", "ray::", "flower-superlink",
+                          "flower-supernode", "flwr-clientapp", "default_worker.py")
+
+
+def engine_processes() -> list[str]:
+    """Live (non-zombie) Ray / Flower processes on this machine."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status", "name"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(proc.info["cmdline"] or []) or (proc.info["name"] or "")
+        except psutil.Error:
+            continue
+        if any(marker in cmd for marker in ENGINE_PROCESS_MARKERS):
+            found.append(f"{proc.info['pid']}: {cmd[:120]}")
+    return found
+
+
+def run_cli(*args, timeout=600, check=True, env=None):
+    """Run ``fedavg ARGS`` as a separate process, the way a user does."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedavg.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "COLUMNS": "120", **(env or {})},
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"fedavg {' '.join(map(str, args))} exited {proc.returncode}\n"
+            f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+@pytest.fixture
+def no_leaks():
+    """Fail the test if it leaves a Ray or Flower process alive."""
+    before = {p.split(":")[0] for p in engine_processes()}
+    yield
+    leaked = [p for p in engine_processes() if p.split(":")[0] not in before]
+    assert not leaked, f"processes left alive: {leaked}"
+
+
+@pytest.fixture(scope="session")
+def mnist_path():
+    if not (MNIST / "train").exists() and not list(MNIST.glob("**/*.parquet")):
+        raise AssertionError(f"MNIST not found at {MNIST}; set FEDAVG_SHARED_DATA")
+    return MNIST

@@ -1,0 +1,73 @@
+"""Checkpoint round trip and damaged artifacts."""
+
+import json
+
+import pytest
+import torch
+
+from fedavg import checkpoint
+from fedavg.errors import UserError
+from fedavg.models import build_model
+from fedavg.predict import load_model
+
+META = {
+    "model": {"name": "cnn-cifar", "input_shape": [3, 32, 32], "num_classes": 4, "args": {}},
+    "classes": ["a", "b", "c", "d"],
+    "input": {"shape": [3, 32, 32], "dtype": "uint8", "scale": 1 / 255,
+              "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25]},
+}
+
+
+def test_round_trip_weights_dtypes_and_meta(tmp_path):
+    model = build_model("resnet18", (3, 32, 32), 4)
+    sd = model.state_dict()
+    meta = {**META, "model": {**META["model"], "name": "resnet18"}, "rounds": 3}
+    checkpoint.save(tmp_path, sd, meta)
+    loaded, meta2 = checkpoint.load(tmp_path)
+    assert set(loaded) == set(sd)
+    for k, v in sd.items():
+        assert loaded[k].dtype == v.dtype and torch.equal(loaded[k], v), k
+    assert meta2["rounds"] == 3 and meta2["classes"] == META["classes"]
+    assert meta2["format"].startswith("fedavg-model/")
+    # nothing but the artifacts is needed to rebuild the model
+    rebuilt = load_model(tmp_path)
+    x = torch.randn(2, 3, 32, 32)
+    model.eval()
+    assert torch.allclose(rebuilt(x), model(x))
+    assert rebuilt.fedavg_meta["classes"] == ["a", "b", "c", "d"]
+    assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporary files
+
+
+def test_corrupt_weights(tmp_path):
+    checkpoint.save(tmp_path, build_model("cnn-cifar", (3, 32, 32), 4).state_dict(), META)
+    (tmp_path / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(UserError, match="damaged"):
+        checkpoint.load(tmp_path)
+
+
+def test_truncated_weights(tmp_path):
+    checkpoint.save(tmp_path, build_model("cnn-cifar", (3, 32, 32), 4).state_dict(), META)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match="safetensors"):
+        checkpoint.load(tmp_path)
+
+
+def test_missing_and_bad_meta(tmp_path):
+    with pytest.raises(UserError, match="no such model folder"):
+        checkpoint.load(tmp_path / "nope")
+    with pytest.raises(UserError, match="model.safetensors"):
+        checkpoint.load(tmp_path)
+    checkpoint.save(tmp_path, {"w": torch.zeros(1)}, META)
+    (tmp_path / "model.json").write_text("{not json")
+    with pytest.raises(UserError, match="JSON"):
+        checkpoint.load(tmp_path)
+    (tmp_path / "model.json").write_text(json.dumps({"format": "fedavg-model/1"}))
+    with pytest.raises(UserError, match="lacks"):
+        checkpoint.load(tmp_path)
+
+
+def test_weights_that_do_not_fit_the_model(tmp_path):
+    checkpoint.save(tmp_path, {"w": torch.zeros(1)}, META)
+    with pytest.raises(UserError, match="do not fit"):
+        load_model(tmp_path)

@@ -1,0 +1,281 @@
+"""Every user mistake on the command line: one ``error:`` line on stderr, exit code 2.
+
+All of these fail before any training starts, so none of them may start Ray. A few run as
+real subprocesses (``python -m fedavg.cli``); the rest go through typer's ``CliRunner``.
+"""
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from fedavg import checkpoint
+from fedavg.cli import app
+from fedavg.models import build_model
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 120
+
+MODEL_META = {
+    "model": {"name": "mlp", "input_shape": [1, 8, 8], "num_classes": 10, "args": {}},
+    "classes": [str(i) for i in range(10)],
+    "input": {"shape": [1, 8, 8], "dtype": "uint8", "scale": 1 / 255,
+              "mean": [0.3], "std": [0.4]},
+}
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def assert_one_error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in re.split(r"[\r\n]+", stderr) if line.strip()]
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{stderr}"
+    assert lines[0].startswith("error:"), lines[0]
+    return lines[0]
+
+
+def ray_processes_of(pids: set[int]) -> list[str]:
+    """Command lines of raylet/gcs_server processes whose Ray session belongs to ``pids``.
+
+    Ray names its session folder ``session_<date>_<time>_<usec>_<driver pid>``; other
+    processes on this machine (e.g. someone else's training run) may have their own.
+    """
+    found = []
+    me = os.getpid()
+    mine = {c.pid for c in psutil.Process(me).children(recursive=True)}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if "raylet" not in cmd and "gcs_server" not in cmd:
+            continue
+        owners = {int(m) for m in re.findall(r"session_[\d_-]+?_(\d+)(?:/|\s|$)", cmd)}
+        if owners & (pids | {me}) or proc.info["pid"] in mine:
+            found.append(cmd[:200])
+    return found
+
+
+def run_cli(args, cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``python -m fedavg.cli ARGS`` offline; check Ray never started for it."""
+    ray_tmp = cwd / "ray-tmp"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "RAY_TMPDIR": str(ray_tmp), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail(f"fedavg {' '.join(args)} did not return within {TIMEOUT} s")
+    assert not ray_tmp.exists(), "Ray was started"
+    assert ray_processes_of({proc.pid}) == []
+    assert not (cwd / "runs").exists(), "a run folder was created"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(autouse=True)
+def keep_signal_handlers():
+    """``fedavg simulate`` installs SIGINT/SIGTERM handlers; do not leave them in pytest."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
+@pytest.fixture
+def invoke(tmp_path, monkeypatch):
+    """Run the typer app in-process from ``tmp_path``; return (exit code, stderr)."""
+    monkeypatch.chdir(tmp_path)
+    # simulate() sets a few environment defaults and Flower's log level; undo that after
+    env = dict(os.environ)
+    flwr_level = logging.getLogger("flwr").level
+    runner = CliRunner()
+
+    def _invoke(*args):
+        result = runner.invoke(app, [str(a) for a in args])
+        assert result.exception is None or isinstance(result.exception, SystemExit), (
+            repr(result.exception))
+        assert not (tmp_path / "runs").exists(), "a run folder was created"
+        return result.exit_code, result.stderr
+
+    yield _invoke
+    os.environ.clear()
+    os.environ.update(env)
+    logging.getLogger("flwr").setLevel(flwr_level)
+    ray = sys.modules.get("ray")
+    assert ray is None or not ray.is_initialized(), "Ray was started in-process"
+    assert ray_processes_of(set()) == []
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A valid saved model (an MLP for 8x8 digits)."""
+    return checkpoint.save(tmp_path / "model", build_model("mlp", (1, 8, 8), 10).state_dict(),
+                           MODEL_META)
+
+
+@pytest.fixture
+def csv_dataset(tmp_path):
+    path = tmp_path / "tiny.csv"
+    rows = ["a,b,label"] + [f"{i},{2 * i},{'xy'[i % 2]}" for i in range(10)]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+# --- subprocess cases ---------------------------------------------------------------------------
+
+SUBPROCESS_CASES = {
+    "unknown-dataset": (["simulate", "--dataset", "no-such-dataset-xyz"],
+                        "unknown dataset 'no-such-dataset-xyz'"),
+    "missing-dir": (["simulate", "--dataset", "./missing-dir"],
+                    "no such file or folder: ./missing-dir"),
+    "too-many-nodes": (["simulate", "--num-nodes", "5000"], "--num-nodes <="),
+    "unknown-model": (["simulate", "--model", "nope"], "unknown model 'nope'"),
+}
+
+
+@pytest.mark.parametrize("case", [
+    "unknown-dataset",
+    "missing-dir",
+    "too-many-nodes",
+    "unknown-model",  # checked after loading and partitioning: no progress bars on stderr
+])
+def test_subprocess_errors(tmp_path, case):
+    args, expected = SUBPROCESS_CASES[case]
+    res = run_cli(args, tmp_path)
+    assert res.returncode == 2, res.stderr
+    line = assert_one_error_line(res.stderr)
+    assert expected in line
+
+
+def test_subprocess_corrupt_model(tmp_path):
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"\x00\x01garbage" * 20)
+    (folder / "model.json").write_text(json.dumps({"format": "fedavg-model/1", **MODEL_META}))
+    res = run_cli(["evaluate", str(folder), "--dataset", "digits"], tmp_path)
+    assert res.returncode == 2
+    line = assert_one_error_line(res.stderr)
+    assert "model.safetensors" in line and "damaged" in line
+
+
+def test_subprocess_missing_image_in_subfolder(tmp_path, model_dir):
+    res = run_cli(["predict", str(model_dir), "pics/missing.png"], tmp_path)
+    assert res.returncode == 2
+    line = assert_one_error_line(res.stderr)
+    assert "no such file or folder: pics/missing.png" in line
+
+
+# --- in-process cases ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--alpha", "0", "--partitioner", "dirichlet"], "--alpha must be > 0"),
+    (["--alpha", "-1"], "--alpha must be > 0 (got -1.0)"),
+    (["--fraction", "0"], "--fraction must be in (0, 1]"),
+    (["--fraction", "1.5"], "--fraction must be in (0, 1]"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--num-nodes", "0"], "--num-nodes must be >= 1"),
+    (["--strategy", "nope"], "unknown strategy 'nope'"),
+    (["--partitioner", "shards"], "unknown partitioner 'shards'"),
+    (["--partitioner", "natural"], "--partition-by"),
+    (["--lr", "0"], "--lr must be > 0"),
+    (["--momentum", "1"], "--momentum must be in [0, 1)"),
+    (["--device", "quantum"], "unknown device 'quantum'"),
+])
+def test_simulate_bad_options(invoke, args, expected):
+    code, stderr = invoke("simulate", *args)
+    assert code == 2
+    assert expected in assert_one_error_line(stderr)
+
+
+def test_simulate_missing_path(invoke):
+    code, stderr = invoke("simulate", "--dataset", "./missing-dir")
+    assert code == 2
+    assert "no such file or folder: ./missing-dir" in assert_one_error_line(stderr)
+
+
+@pytest.mark.parametrize("flag", ["--label-column", "--image-column"])
+def test_simulate_missing_column(invoke, csv_dataset, flag):
+    code, stderr = invoke("simulate", "--dataset", csv_dataset, flag, "nope")
+    assert code == 2
+    line = assert_one_error_line(stderr)
+    assert "'nope'" in line and flag in line and "a, b, label" in line
+
+
+def test_simulate_no_label_column(invoke, tmp_path):
+    path = tmp_path / "nolabel.csv"
+    path.write_text("a,b\n1,2\n3,4\n")
+    code, stderr = invoke("simulate", "--dataset", path)
+    assert code == 2
+    assert "no label column" in assert_one_error_line(stderr)
+
+
+def test_evaluate_missing_folder(invoke):
+    code, stderr = invoke("evaluate", "no-such-run")
+    assert code == 2
+    assert "no such model folder: no-such-run" in assert_one_error_line(stderr)
+
+
+def test_evaluate_folder_without_artifacts(invoke, tmp_path):
+    (tmp_path / "empty").mkdir()
+    code, stderr = invoke("evaluate", tmp_path / "empty")
+    assert code == 2
+    assert "has no model.safetensors" in assert_one_error_line(stderr)
+
+
+def test_evaluate_corrupt_weights(invoke, model_dir):
+    (model_dir / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    code, stderr = invoke("evaluate", model_dir, "--dataset", "digits")
+    assert code == 2
+    assert "damaged" in assert_one_error_line(stderr)
+
+
+def test_evaluate_bad_json(invoke, model_dir):
+    (model_dir / "model.json").write_text("{not json")
+    code, stderr = invoke("evaluate", model_dir)
+    assert code == 2
+    assert "not valid JSON" in assert_one_error_line(stderr)
+
+
+def test_evaluate_unknown_split(invoke, model_dir):
+    code, stderr = invoke("evaluate", model_dir, "--dataset", "digits", "--split", "dev")
+    assert code == 2
+    assert "has no split 'dev'" in assert_one_error_line(stderr)
+
+
+def test_predict_missing_input(invoke, model_dir):
+    code, stderr = invoke("predict", model_dir, "missing.png")
+    assert code == 2
+    assert "no such file or folder: missing.png" in assert_one_error_line(stderr)
+
+
+def test_predict_bad_output_suffix(invoke, model_dir, tmp_path):
+    image = tmp_path / "one.png"
+    from PIL import Image
+
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(image)
+    code, stderr = invoke("predict", model_dir, image, "--output", "x.txt")
+    assert code == 2
+    line = assert_one_error_line(stderr)
+    assert "--output must end in .csv or .json" in line and "x.txt" in line
+    assert not (tmp_path / "x.txt").exists()
+    # the same call with a .csv output works, so only the suffix was wrong
+    code, _ = invoke("predict", model_dir, image, "--output", "x.csv")
+    assert code == 0 and (tmp_path / "x.csv").read_text().startswith("input,prediction")
+
+
+def test_predict_unsupported_input(invoke, model_dir, tmp_path):
+    (tmp_path / "notes.docx").write_bytes(b"PK")
+    code, stderr = invoke("predict", model_dir, "notes.docx")
+    assert code == 2
+    assert "neither an image" in assert_one_error_line(stderr)

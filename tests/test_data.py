@@ -1,0 +1,287 @@
+"""``fedavg.data.load`` on tiny local datasets (no network), and ``input_spec``."""
+
+import io
+import math
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+from PIL import Image
+
+from fedavg.data import LoadedData, Split, load
+from fedavg.errors import UserError
+
+MNIST = Path("/work/shared/data/mnist")
+
+
+def png(value: int, size: int = 6, mode: str = "L") -> bytes:
+    """PNG bytes of a ``size`` x ``size`` image filled with ``value``."""
+    shape = (size, size) if mode == "L" else (size, size, 3)
+    buf = io.BytesIO()
+    Image.fromarray(np.full(shape, value, dtype=np.uint8), mode=mode).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_dataset(values, labels, **extra) -> datasets.Dataset:
+    """A Dataset with an ``image`` column (PNG bytes, Image feature) and the given labels."""
+    cols = {"image": [{"bytes": png(v), "path": None} for v in values], "label": list(labels)}
+    cols.update(extra)
+    return datasets.Dataset.from_dict(cols).cast_column("image", datasets.Image())
+
+
+def pixel_to_label(data: LoadedData) -> dict[int, str]:
+    """Map each sample's (constant) pixel value to its class name, over all splits."""
+    seen = {}
+    for split in data.splits.values():
+        for x, y in zip(split.x, split.y):
+            value = int(x.flat[0])
+            assert np.all(x == value)
+            seen[value] = data.classes[int(y)]
+    return seen
+
+
+# --- digits (built in) -----------------------------------------------------------------------
+
+
+def test_digits_shapes_classes_and_holdout():
+    data = load("digits", seed=0)
+    assert set(data.splits) == {"train", "test"}
+    assert data.train.x.dtype == np.uint8 and data.test.x.dtype == np.uint8
+    assert data.train.x.shape[1:] == (1, 8, 8) and data.test.x.shape[1:] == (1, 8, 8)
+    assert data.input_shape == (1, 8, 8)
+    assert data.train.y.dtype == np.int64
+    assert data.classes == [str(i) for i in range(10)]
+    assert len(data.train) + len(data.test) == 1797
+    assert len(data.test) == round(1797 * 0.2)
+    assert data.train.x.max() == 255  # 0..16 intensities rescaled to 0..255
+    assert len(data.notes) == 1 and "held out" in data.notes[0] and "seed 0" in data.notes[0]
+
+
+def test_digits_holdout_is_seeded():
+    a, b, c = load("digits", seed=0), load("digits", seed=0), load("digits", seed=1)
+    np.testing.assert_array_equal(a.test.x, b.test.x)
+    np.testing.assert_array_equal(a.train.y, b.train.y)
+    assert len(c.test) == len(a.test)
+    assert not np.array_equal(a.test.x, c.test.x)
+
+
+# --- parquet folder laid out like the real MNIST one --------------------------------------------
+
+
+@pytest.fixture
+def parquet_dir(tmp_path):
+    root = tmp_path / "pq"
+    root.mkdir()
+    # pixel value 10 * i identifies sample i; label i % 3
+    image_dataset([10 * i for i in range(9)], [i % 3 for i in range(9)]).to_parquet(
+        str(root / "train-00000-of-00001.parquet"))
+    image_dataset([10 * i + 5 for i in range(4)], [i % 3 for i in range(4)]).to_parquet(
+        str(root / "test-00000-of-00001.parquet"))
+    return root
+
+
+def test_parquet_folder(parquet_dir):
+    data = load(str(parquet_dir))
+    assert data.columns == {"image": "image", "label": "label"}
+    assert set(data.splits) == {"train", "test"}
+    assert data.notes == []  # a real test split: nothing held out
+    assert data.train.x.shape == (9, 1, 6, 6) and data.train.x.dtype == np.uint8
+    assert data.test.x.shape == (4, 1, 6, 6)
+    assert data.classes == ["0", "1", "2"]
+    # every image keeps its own label
+    for split, offset in ((data.train, 0), (data.test, 5)):
+        for x, y in zip(split.x, split.y):
+            assert (int(x.flat[0]) - offset) // 10 % 3 == y
+
+
+def test_parquet_written_by_pyarrow_without_hf_metadata(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    for split, n in (("train", 6), ("test", 3)):
+        table = pa.table({
+            "image": pa.array([{"bytes": png(10 * i), "path": None} for i in range(n)],
+                              type=struct),
+            "label": pa.array([i % 3 for i in range(n)], type=pa.int64()),
+        })
+        pq.write_table(table, str(tmp_path / f"{split}-00000-of-00001.parquet"))
+    data = load(str(tmp_path))
+    assert data.train.x.shape == (6, 1, 6, 6)
+    assert data.test.x.shape == (3, 1, 6, 6)
+
+
+def test_single_parquet_file_gets_holdout(tmp_path):
+    path = tmp_path / "one.parquet"
+    image_dataset([10 * i for i in range(10)], [i % 2 for i in range(10)]).to_parquet(str(path))
+    data = load(str(path), seed=3)
+    assert len(data.train) == 8 and len(data.test) == 2
+    assert data.notes and "held out 2 of 10" in data.notes[0]
+    assert pixel_to_label(data) == {10 * i: str(i % 2) for i in range(10)}
+
+
+# --- save_to_disk, CSV, image folder ----------------------------------------------------------
+
+
+def test_save_to_disk_datasetdict(tmp_path):
+    label = datasets.ClassLabel(names=["zebra", "ant", "moose"])
+    train = image_dataset([1, 2, 3, 4, 5, 6], [0, 1, 2, 0, 1, 2]).cast_column("label", label)
+    val = image_dataset([7, 8], [2, 1]).cast_column("label", label)
+    datasets.DatasetDict({"train": train, "validation": val}).save_to_disk(str(tmp_path / "dd"))
+    data = load(str(tmp_path / "dd"))
+    assert data.classes == ["zebra", "ant", "moose"]  # ClassLabel order, not sorted
+    assert set(data.splits) == {"train", "test"}  # validation serves as test
+    assert data.notes == []
+    assert data.train.x.shape == (6, 1, 6, 6) and data.test.x.shape == (2, 1, 6, 6)
+    assert pixel_to_label(data) == {1: "zebra", 2: "ant", 3: "moose", 4: "zebra", 5: "ant",
+                                    6: "moose", 7: "moose", 8: "ant"}
+
+
+def test_csv_tabular(tmp_path):
+    names = ["pear", "apple", "fig"]
+    rows = ["f1,f2,f3,label"] + [f"{i},{i * 0.5},{-i},{names[i % 3]}" for i in range(12)]
+    path = tmp_path / "table.csv"
+    path.write_text("\n".join(rows) + "\n")
+    data = load(str(path), seed=0)
+    assert data.classes == ["apple", "fig", "pear"]  # sorted label strings
+    assert data.columns == {"features": ["f1", "f2", "f3"], "label": "label"}
+    assert data.train.x.dtype == np.float32 and data.train.x.ndim == 2
+    assert data.input_shape == (3,)
+    assert len(data.train) + len(data.test) == 12 and len(data.test) == round(12 * 0.2)
+    for split in data.splits.values():
+        for x, y in zip(split.x, split.y):
+            i = int(x[0])
+            np.testing.assert_allclose(x, [i, i * 0.5, -i])
+            assert data.classes[y] == names[i % 3]
+
+
+def test_image_folder(tmp_path):
+    root = tmp_path / "imgs"
+    values = {"cat": 40, "dog": 200}
+    for cls, value in values.items():
+        (root / cls).mkdir(parents=True)
+        for k in range(4):
+            (root / cls / f"{k}.png").write_bytes(png(value + k, mode="RGB"))
+    data = load(str(root))
+    assert data.classes == ["cat", "dog"]
+    assert data.train.x.shape[1:] == (3, 6, 6) and data.train.x.dtype == np.uint8
+    assert len(data.train) + len(data.test) == 8
+    seen = pixel_to_label(data)
+    assert seen == {40 + k: "cat" for k in range(4)} | {200 + k: "dog" for k in range(4)}
+
+
+# --- column overrides and detection errors ----------------------------------------------------
+
+
+@pytest.fixture
+def two_columns(tmp_path):
+    """Parquet file with two image columns and two label-like columns."""
+    ds = datasets.Dataset.from_dict({
+        "image": [{"bytes": png(10), "path": None}] * 4,
+        "alt": [{"bytes": png(20 * i, size=4), "path": None} for i in range(4)],
+        "label": ["a", "b", "a", "b"],
+        "target": [3, 1, 2, 0],
+    }).cast_column("image", datasets.Image()).cast_column("alt", datasets.Image())
+    path = tmp_path / "two.parquet"
+    ds.to_parquet(str(path))
+    return path
+
+
+def test_column_detection_default(two_columns):
+    data = load(str(two_columns))
+    assert data.columns == {"image": "image", "label": "label"}
+    assert data.classes == ["a", "b"]
+    assert data.input_shape == (1, 6, 6)
+
+
+def test_column_overrides(two_columns):
+    data = load(str(two_columns), image_column="alt", label_column="target")
+    assert data.columns == {"image": "alt", "label": "target"}
+    assert data.classes == ["0", "1", "2", "3"]
+    assert data.input_shape == (1, 4, 4)
+    # alt pixel 20*i goes with target [3, 1, 2, 0][i]
+    assert pixel_to_label(data) == {0: "3", 20: "1", 40: "2", 60: "0"}
+
+
+@pytest.mark.parametrize("kwargs,flag", [({"label_column": "nope"}, "--label-column"),
+                                         ({"image_column": "nope"}, "--image-column")])
+def test_wrong_column_name(two_columns, kwargs, flag):
+    with pytest.raises(UserError) as info:
+        load(str(two_columns), **kwargs)
+    msg = str(info.value)
+    assert "'nope'" in msg and flag in msg
+    for col in ("image", "alt", "label", "target"):
+        assert col in msg.split("columns are:")[1]
+
+
+def test_no_label_column(tmp_path):
+    ds = datasets.Dataset.from_dict({"pic": [{"bytes": png(i), "path": None} for i in range(3)],
+                                     "kind": [0, 1, 0]}).cast_column("pic", datasets.Image())
+    ds.to_parquet(str(tmp_path / "nolabel.parquet"))
+    with pytest.raises(UserError, match="no label column") as info:
+        load(str(tmp_path / "nolabel.parquet"))
+    assert "--label-column" in str(info.value) and "pic, kind" in str(info.value)
+    # naming it explicitly works
+    data = load(str(tmp_path / "nolabel.parquet"), label_column="kind")
+    assert data.columns == {"image": "pic", "label": "kind"}
+
+
+def test_missing_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="no such file or folder: ./nope"):
+        load("./nope")
+
+
+def test_unsupported_suffix(tmp_path):
+    path = tmp_path / "data.xlsx"
+    path.write_bytes(b"not a spreadsheet")
+    with pytest.raises(UserError, match=r"cannot read .*data\.xlsx"):
+        load(str(path))
+
+
+# --- input_spec ---------------------------------------------------------------------------------
+
+
+def spec_of(x: np.ndarray) -> dict:
+    return LoadedData({"train": Split(x, np.zeros(len(x), np.int64))}, ["a"], "t").input_spec()
+
+
+def test_input_spec_one_channel_by_hand():
+    x = np.array([[[[0, 255], [255, 0]]], [[[51, 102], [153, 204]]]], dtype=np.uint8)
+    spec = spec_of(x)
+    # scaled values: 0 1 1 0 0.2 0.4 0.6 0.8 -> mean 4/8 = 0.5
+    # mean of squares (0+1+1+0+0.04+0.16+0.36+0.64)/8 = 0.4 -> var 0.4 - 0.25 = 0.15
+    assert spec["shape"] == [1, 2, 2] and spec["dtype"] == "uint8"
+    assert spec["scale"] == pytest.approx(1 / 255)
+    assert spec["mean"] == pytest.approx([0.5], abs=1e-6)
+    assert spec["std"] == pytest.approx([math.sqrt(0.15)], abs=1e-6)
+
+
+def test_input_spec_per_channel_and_constant_channel():
+    # channel 0: 0 255 | 255 0 -> mean 0.5, std 0.5; channel 1 constant 0.2 -> std 0 -> 1.0
+    x = np.array([[[[0, 255]], [[51, 51]]], [[[255, 0]], [[51, 51]]]], dtype=np.uint8)
+    spec = spec_of(x)
+    assert spec["shape"] == [2, 1, 2]
+    assert spec["mean"] == pytest.approx([0.5, 0.2], abs=1e-6)
+    assert spec["std"] == pytest.approx([0.5, 1.0], abs=1e-6)
+
+
+def test_input_spec_tabular():
+    spec = spec_of(np.array([[1.0, 10.0], [3.0, 10.0]], dtype=np.float32))
+    assert spec["shape"] == [2] and spec["dtype"] == "float32" and spec["scale"] == 1.0
+    assert spec["mean"] == pytest.approx([2.0, 10.0])
+    assert spec["std"] == pytest.approx([1.0, 1.0])  # feature 1 is constant -> 1.0
+
+
+# --- the real MNIST copy ------------------------------------------------------------------------
+
+
+def test_real_mnist():
+    data = load(str(MNIST))
+    assert len(data.train) == 60000 and len(data.test) == 10000
+    assert data.input_shape == (1, 28, 28) and data.train.x.dtype == np.uint8
+    assert data.classes == [str(i) for i in range(10)]
+    assert data.columns == {"image": "image", "label": "label"}
+    assert int(np.sum(data.train.y == 0)) == 5923
+    assert data.notes == []

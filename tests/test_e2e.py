@@ -1,0 +1,161 @@
+"""End-to-end: the real CLI on real data (scikit-learn digits, MNIST from ../shared/data)."""
+
+import csv
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import engine_processes, run_cli
+
+ROUND_KEYS = {"round", "accuracy", "loss", "train_loss", "num_nodes", "wall_s"}
+
+
+def _read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_default_simulate_on_digits_then_evaluate_and_predict(tmp_path, no_leaks):
+    out = tmp_path / "run"
+    proc = run_cli("simulate", "--output", out)
+    assert "round" in proc.stdout and "accuracy" in proc.stdout  # per-round table on console
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"accuracy", "loss", "rounds", "num_nodes", "wall_s"} <= set(summary)
+    assert summary["accuracy"] >= 0.90, summary
+    assert summary["rounds"] == 10 and summary["num_nodes"] == 5
+
+    rounds = _read_jsonl(out / "metrics.jsonl")
+    assert [r["round"] for r in rounds] == list(range(1, 11))
+    assert all(ROUND_KEYS <= set(r) for r in rounds)
+    assert all(r["num_nodes"] == 5 for r in rounds)
+    assert rounds[-1]["accuracy"] == summary["accuracy"]
+    assert rounds[-1]["train_loss"] < rounds[0]["train_loss"]  # nodes really trained
+
+    meta = json.loads((out / "model.json").read_text())
+    assert meta["model"]["name"] == "mlp" and meta["classes"] == [str(i) for i in range(10)]
+    assert meta["input"]["shape"] == [1, 8, 8] and meta["strategy"] == "fedavg"
+    assert meta["rounds"] == 10 and meta["dataset"]["source"] == "digits"
+    assert (out / "model.safetensors").stat().st_size > 0
+
+    ev = json.loads(run_cli("evaluate", out, "--json").stdout)
+    assert ev["accuracy"] == pytest.approx(summary["accuracy"], abs=1e-3)
+    assert ev["num_examples"] == 359  # the same seeded 20 % hold-out as in training
+
+    # predict on PNG files of held-out digits, loading only the saved artifacts
+    from fedavg.data import load
+
+    test = load("digits", seed=0).test
+    folder = tmp_path / "pngs"
+    folder.mkdir()
+    for i in range(30):
+        Image.fromarray(test.x[i, 0]).save(folder / f"{i:02d}_label{test.y[i]}.png")
+    preds = tmp_path / "predictions.csv"
+    run_cli("predict", out, folder / f"00_label{test.y[0]}.png", folder, "--output", preds)
+    with open(preds) as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 31  # one file + a folder of 30
+    assert set(rows[0]) == {"input", "prediction", "class_index", "confidence"}
+    correct = sum(r["prediction"] == r["input"].rsplit("label", 1)[1][0] for r in rows)
+    assert correct / len(rows) >= 0.8
+    assert all(0 < float(r["confidence"]) <= 1 for r in rows)
+
+
+def test_python_api_dirichlet(tmp_path, no_leaks):
+    import torch
+
+    import fedavg
+    from fedavg.data import load, normalize
+
+    res = fedavg.simulate(dataset="digits", partitioner="dirichlet", alpha=0.5, num_nodes=4,
+                          rounds=4, fraction=0.5, output=tmp_path / "api")
+    assert len(res.rounds) == 4
+    assert all(r["num_nodes"] == 2 for r in res.rounds)  # participation fraction 0.5 of 4
+    assert json.loads(res.summary_path.read_text())["accuracy"] == res.accuracy
+    assert res.accuracy > 0.5
+
+    model = fedavg.load_model(res.model_dir)
+    assert isinstance(model, torch.nn.Module)
+    test = load("digits", seed=0).test
+    with torch.no_grad():
+        logits = model(normalize(torch.as_tensor(test.x), model.fedavg_meta["input"]))
+    acc = float((logits.argmax(1).numpy() == test.y).mean())
+    assert acc == pytest.approx(res.accuracy, abs=1e-6)
+    assert fedavg.evaluate_model(res.model_dir)["accuracy"] == pytest.approx(acc, abs=1e-6)
+
+
+def test_one_node_run(tmp_path, no_leaks):
+    """Minimum node counts come from the run: a single node works and nothing waits."""
+    res = run_cli("simulate", "--num-nodes", "1", "--rounds", "2", "--output", tmp_path / "one",
+                  timeout=300)
+    rounds = _read_jsonl(tmp_path / "one" / "metrics.jsonl")
+    assert [r["num_nodes"] for r in rounds] == [1, 1], res.stdout
+
+
+def test_mnist_end_to_end(tmp_path, mnist_path, no_leaks):
+    out = tmp_path / "mnist"
+    run_cli("simulate", "--dataset", mnist_path, "--num-nodes", "3", "--rounds", "2",
+            "--model", "mlp", "--partitioner", "iid", "--output", out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["test_samples"] == 10000 and summary["train_samples"] == 60000
+    assert summary["accuracy"] >= 0.93, summary
+    ev = json.loads(run_cli("evaluate", out, "--dataset", mnist_path, "--json").stdout)
+    assert ev["num_examples"] == 10000
+    assert ev["accuracy"] == pytest.approx(summary["accuracy"], abs=1e-3)
+    preds = tmp_path / "p.json"
+    run_cli("predict", out, mnist_path, "--output", preds)
+    rows = json.loads(preds.read_text())
+    assert len(rows) == 10000
+    from fedavg.data import load
+
+    labels = load(str(mnist_path)).test.y
+    acc = np.mean([int(r["prediction"]) == y for r, y in zip(rows, labels)])
+    assert acc == pytest.approx(summary["accuracy"], abs=1e-3)
+
+
+def test_failing_nodes_fail_the_run_clearly(tmp_path, no_leaks):
+    proc = run_cli("simulate", "--num-nodes", "2", "--rounds", "2", "--lr", "1e30",
+                   "--output", tmp_path / "bad", check=False, timeout=300)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "FloatingPointError: training diverged" in proc.stderr
+    assert "lower --lr" in proc.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_keeps_finished_rounds_and_leaves_no_process(tmp_path, sig):
+    before = {p.split(":")[0] for p in engine_processes()}
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedavg.cli", "simulate", "--rounds", "500", "--output", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            metrics = out / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    # finished rounds are kept: the model of the last finished round loads
+    import fedavg
+
+    done = len(_read_jsonl(out / "metrics.jsonl"))
+    assert done >= 2
+    assert fedavg.load_model(out).fedavg_meta["rounds"] >= 2
+    time.sleep(1)
+    leaked = [p for p in engine_processes() if p.split(":")[0] not in before]
+    assert not leaked, leaked
