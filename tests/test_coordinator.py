@@ -1,0 +1,94 @@
+"""The coordinator's adapter: Flower replies in, our merge out; malformed updates left out."""
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+import strategies
+from fedavg.coordinator import FlowerAdapter, error_summary
+from fedavg.errors import RunError
+
+
+@pytest.fixture
+def task_identity():
+    """Messages built outside a Flower run need a task identity."""
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
+    yield
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+def reply(node, content):
+    sent = Message(content=RecordDict(), dst_node_id=node, message_type="train")
+    return Message(content, reply_to=sent)
+
+
+def good(node, w, n, loss=1.0):
+    return reply(node, RecordDict({
+        "arrays": ArrayRecord({"w": torch.tensor(w), "n": torch.tensor(5)}),
+        "metrics": MetricRecord({"num-examples": n, "train-loss": loss}),
+    }))
+
+
+def adapter(failures):
+    ref = {"w": torch.zeros(2), "n": torch.tensor(0)}
+    return FlowerAdapter(strategies.get("fedavg"), ref,
+                         lambda r, node, reason: failures.append((r, node, reason)))
+
+
+def test_malformed_updates_are_left_out_and_reported(task_identity):
+    failures = []
+    a = adapter(failures)
+    replies = [
+        good(11, [1.0, 1.0], 1, loss=2.0),
+        good(12, [3.0, 5.0], 3, loss=1.0),
+        reply(13, Error(code=0, reason="RuntimeError: CUDA out of memory")),
+        reply(14, RecordDict({"arrays": ArrayRecord({"w": torch.zeros(2), "n": torch.tensor(1)}),
+                              "metrics": MetricRecord({"other": 1})})),
+        reply(15, RecordDict({"arrays": ArrayRecord({"w": torch.zeros(3), "n": torch.tensor(1)}),
+                              "metrics": MetricRecord({"num-examples": 10})})),
+        reply(16, RecordDict({"arrays": ArrayRecord({"w": torch.tensor([float("nan"), 0.0]),
+                                                     "n": torch.tensor(1)}),
+                              "metrics": MetricRecord({"num-examples": 10})})),
+        reply(17, RecordDict({"metrics": MetricRecord({"num-examples": 10})})),
+    ]
+    arrays, metrics = a.aggregate_train(4, replies)
+    merged = arrays.to_torch_state_dict()
+    # only nodes 11 and 12: (1*1 + 3*3)/4 = 2.5 ; (1*1 + 3*5)/4 = 4.0
+    assert torch.allclose(merged["w"], torch.tensor([2.5, 4.0]))
+    assert merged["n"].item() == 5 and merged["n"].dtype == torch.int64
+    assert a.last_train["num_nodes"] == 2 and a.last_train["num_failed"] == 5
+    assert a.last_train["train_loss"] == pytest.approx((2.0 * 1 + 1.0 * 3) / 4)
+    assert metrics["num-nodes"] == 2
+    reasons = {node: reason for _, node, reason in failures}
+    assert set(reasons) == {13, 14, 15, 16, 17}
+    assert all(r == 4 for r, _, _ in failures)
+    assert "CUDA out of memory" in reasons[13]
+    assert "num-examples" in reasons[14]
+    assert "shape" in reasons[15]
+    assert "NaN" in reasons[16]
+    assert "arrays" in reasons[17]
+
+
+def test_round_without_usable_model_raises_with_reasons(task_identity):
+    failures = []
+    with pytest.raises(RunError, match="round 2: no usable model.*node 21.*diverged"):
+        adapter(failures).aggregate_train(
+            2, [reply(21, Error(code=0, reason="FloatingPointError: diverged"))])
+    with pytest.raises(RunError, match="no replies before --round-timeout"):
+        adapter(failures).aggregate_train(3, [])
+
+
+def test_error_summary_finds_the_original_exception():
+    wrapped = (
+        "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::"
+        "ClientAppActor.run()\x1b[39m (pid=1)\n  File \"train.py\", line 9, in train\n"
+        "    raise FloatingPointError('x')\nFloatingPointError: training diverged (loss nan)\n\n"
+        "The above exception was the direct cause of the following exception:\n"
+        "flwr.clientapp.client_app.ClientAppException: \nException ClientAppException "
+        "occurred. Message: training diverged (loss nan)'>"
+    )
+    assert error_summary(wrapped) == "FloatingPointError: training diverged (loss nan)"
+    assert error_summary("Exception occurred. Message: disk full'>") == "disk full"
+    assert error_summary("") == "unknown error"
