@@ -76,6 +76,42 @@ def save(directory: str | Path, state_dict: Mapping[str, torch.Tensor],
     return directory
 
 
+MEMBER_PREFIX = "member."
+
+
+def save_ensemble(directory: str | Path, members: list[Mapping[str, torch.Tensor]],
+                  weights: list[float], meta: dict[str, Any]) -> Path:
+    """Save an output ensemble as ONE artifact.
+
+    Member ``i``'s tensors are stored under ``member.<i>.<key>`` in ``model.safetensors``;
+    ``model.json`` gets ``kind: "ensemble"`` and ``member_weights``. :func:`fedavg.load_model`
+    rebuilds it as a :class:`fedavg.models.EnsembleModel`.
+    """
+    flat = {f"{MEMBER_PREFIX}{i}.{k}": v for i, sd in enumerate(members) for k, v in sd.items()}
+    return save(directory, flat, {**meta, "kind": "ensemble", "members": len(members),
+                                  "member_weights": [float(w) for w in weights]})
+
+
+def split_members(state_dict: Mapping[str, torch.Tensor], count: int) -> list[dict]:
+    """Inverse of :func:`save_ensemble`'s key layout: one state dict per member.
+
+    Raises
+    ------
+    UserError
+        Keys that do not follow the layout, or a member count that does not match.
+    """
+    members: list[dict[str, torch.Tensor]] = [{} for _ in range(count)]
+    for key, value in state_dict.items():
+        head, _, rest = key[len(MEMBER_PREFIX):].partition(".")
+        if not key.startswith(MEMBER_PREFIX) or not head.isdigit() or int(head) >= count:
+            raise UserError(f"ensemble weights have an unexpected key {key!r}; the artifact "
+                            "is damaged")
+        members[int(head)][rest] = value
+    if any(not m for m in members):
+        raise UserError("ensemble artifact lacks the weights of some members; it is damaged")
+    return members
+
+
 def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load ``(state_dict, meta)`` saved by :func:`save`.
 

@@ -43,6 +43,21 @@ def _guard():
         raise typer.Exit(1) from None
 
 
+# Strategy options shared by `simulate` and `merge` (each strategy takes the ones it knows).
+_OPT = dict(
+    mu=Annotated[float, typer.Option(help="FedProx proximal coefficient")],
+    server_lr=Annotated[Optional[float], typer.Option(help="Server learning rate (fedavgm, fedadam, fedyogi, fedadagrad)")],
+    server_momentum=Annotated[float, typer.Option(help="Server momentum (fedavgm)")],
+    tau=Annotated[Optional[float], typer.Option(help="Adaptivity of fedadam / fedyogi / fedadagrad")],
+    beta=Annotated[float, typer.Option(help="Fraction trimmed at each end (trimmed-mean)")],
+    num_malicious=Annotated[int, typer.Option(help="Byzantine nodes tolerated (krum, multi-krum)")],
+    ensemble_weights=Annotated[str, typer.Option(help="num-examples | uniform | accuracy | fitted (ensemble)")],
+    validation=Annotated[Optional[str], typer.Option(help="Held-out dataset for greedy-soup, fitted weights, distill (default: a slice of train)")],
+    distill_data=Annotated[Optional[str], typer.Option(help="Unlabeled dataset for distill (default: a slice of train, labels removed)")],
+    distill_steps=Annotated[int, typer.Option(help="Adam steps of distillation")],
+)
+
+
 @app.command()
 def simulate(
     dataset: Annotated[str, typer.Option(help="digits (built in), a local path, or a hub id")] = _D.dataset,
@@ -65,6 +80,17 @@ def simulate(
     seed: Annotated[int, typer.Option(help="Seed of partitioning, hold-out, init and sampling")] = _D.seed,
     device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu, cuda, cuda:N")] = _T.device,
     round_timeout: Annotated[float, typer.Option(help="Seconds to wait for nodes in a round")] = _M.round_timeout,
+    mu: _OPT["mu"] = _M.mu,
+    server_lr: _OPT["server_lr"] = None,
+    server_momentum: _OPT["server_momentum"] = _M.server_momentum,
+    tau: _OPT["tau"] = None,
+    beta: _OPT["beta"] = _M.beta,
+    num_malicious: _OPT["num_malicious"] = _M.num_malicious,
+    ensemble_weights: _OPT["ensemble_weights"] = _M.ensemble_weights,
+    validation: _OPT["validation"] = None,
+    distill_data: _OPT["distill_data"] = None,
+    distill_steps: _OPT["distill_steps"] = _M.distill_steps,
+    save_node_models: Annotated[bool, typer.Option(help="Also save each node's final model in OUTPUT/nodes/")] = False,
     cpus_per_node: Annotated[float, typer.Option(help="CPU cores each simulated node reserves")] = 1.0,
     gpus_per_node: Annotated[Optional[float], typer.Option(help="GPUs each node reserves (default 1 with CUDA)")] = None,
     output: Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<timestamp>)")] = None,
@@ -73,15 +99,12 @@ def simulate(
     """Train N nodes on one machine (Flower simulation engine) and save the merged model."""
     from fedavg.simulation import abort_active_runs, simulate as run
 
-    config = RunConfig(
-        data=DataConfig(dataset=dataset, image_column=image_column, label_column=label_column,
-                        partitioner=partitioner, alpha=alpha, classes_per_node=classes_per_node,
-                        partition_by=partition_by, seed=seed),
-        train=TrainConfig(model=model, local_epochs=local_epochs, batch_size=batch_size, lr=lr,
-                          momentum=momentum, weight_decay=weight_decay, device=device),
-        merge=MergeConfig(strategy=strategy, rounds=rounds, num_nodes=num_nodes,
-                          fraction=fraction, round_timeout=round_timeout),
-    )
+    settings = {k: v for k, v in locals().items()
+                if k not in ("output", "verbose", "cpus_per_node", "gpus_per_node", "run",
+                             "abort_active_runs")}
+    with _guard():
+        config = RunConfig().replace(**settings)
+
     def _stop(signum, frame):
         # Ctrl-C or SIGTERM: stop Ray and clean up now, keep finished rounds, exit 130.
         # (Raising KeyboardInterrupt instead can deadlock inside Flower's worker pool.)
@@ -97,6 +120,43 @@ def simulate(
     with _guard():
         run(config, output=output, console=console, verbose=verbose,
             cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node)
+
+
+@app.command()
+def merge(
+    models: Annotated[Optional[list[Path]], typer.Argument(help="Model folders, or folders of them (a run's nodes/)")] = None,
+    models_opt: Annotated[Optional[list[Path]], typer.Option("--models", help="Same as the arguments; repeatable")] = None,
+    strategy: Annotated[str, typer.Option(help="Merge strategy (see `fedavg strategies`)")] = "average",
+    output: Annotated[Path, typer.Option(help="Folder for the merged model")] = Path("runs/merged"),
+    dataset: Annotated[Optional[str], typer.Option(help="Report accuracy on this dataset's test split")] = None,
+    mu: _OPT["mu"] = _M.mu,
+    server_lr: _OPT["server_lr"] = None,
+    server_momentum: _OPT["server_momentum"] = _M.server_momentum,
+    tau: _OPT["tau"] = None,
+    beta: _OPT["beta"] = _M.beta,
+    num_malicious: _OPT["num_malicious"] = _M.num_malicious,
+    ensemble_weights: _OPT["ensemble_weights"] = _M.ensemble_weights,
+    validation: _OPT["validation"] = None,
+    distill_data: _OPT["distill_data"] = None,
+    distill_steps: _OPT["distill_steps"] = _M.distill_steps,
+    seed: Annotated[int, typer.Option(help="Seed of any random choice")] = _D.seed,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
+) -> None:
+    """Merge saved models offline (e.g. `--save-node-models` output) into one model."""
+    from fedavg.merge import merge_models
+
+    paths = list(models or []) + list(models_opt or [])
+    settings = {k: v for k, v in locals().items()
+                if k not in ("models", "models_opt", "output", "dataset", "merge_models", "paths")}
+    with _guard():
+        if not paths:
+            raise UserError("pass the model folders to merge (or a run's nodes/ folder)")
+        config = RunConfig().replace(**settings)
+        config.strategy()  # unknown names and bad options fail before any loading
+        res = merge_models(paths, output, config, dataset=dataset)
+    acc = f": test accuracy [bold]{res['accuracy']:.4f}[/]" if "accuracy" in res else ""
+    console.print(f"merged {res['num_models']} models with {res['strategy']} into "
+                  f"[bold]{output}[/]{acc}")
 
 
 @app.command()

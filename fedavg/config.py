@@ -102,6 +102,32 @@ class MergeConfig:
         Participation fraction: share of nodes sampled per round, in (0, 1].
     round_timeout : float
         Seconds to wait for node replies in one round.
+    mu : float
+        FedProx proximal coefficient.
+    server_lr, server_momentum, tau : float
+        Server optimiser settings (FedAvgM, FedAdam, FedYogi, FedAdagrad); ``None`` keeps
+        each method's default.
+    beta : float
+        Trimmed-mean fraction cut at each end.
+    num_malicious : int
+        Krum's ``f``.
+    ensemble_weights : str
+        ``num-examples``, ``uniform``, ``accuracy`` or ``fitted``.
+    validation : str or None
+        Held-out set for greedy soup, fitted/accuracy weights and distillation: a dataset
+        (its train split); default a seeded ``validation_fraction`` slice of train, kept
+        from the nodes. Never the test split.
+    validation_fraction : float
+        Share of train held out for validation when ``validation`` is not given.
+    distill_data : str or None
+        Unlabeled inputs for distillation (a dataset; labels ignored); default a seeded
+        ``distill_fraction`` slice of train with labels removed.
+    distill_fraction : float
+        Share of train held out as unlabeled distillation data by default.
+    distill_steps : int
+        Adam steps of distillation.
+    save_node_models : bool
+        Also save every node's final local model under ``nodes/<partition-id>/``.
     """
 
     strategy: str = "fedavg"
@@ -109,6 +135,26 @@ class MergeConfig:
     num_nodes: int = 5
     fraction: float = 1.0
     round_timeout: float = 600.0
+    mu: float = 0.01
+    server_lr: float | None = None
+    server_momentum: float = 0.9
+    tau: float | None = None
+    beta: float = 0.1
+    num_malicious: int = 0
+    ensemble_weights: str = "num-examples"
+    validation: str | None = None
+    validation_fraction: float = 0.1
+    distill_data: str | None = None
+    distill_fraction: float = 0.1
+    distill_steps: int = 1000
+    save_node_models: bool = False
+
+    def strategy_options(self) -> dict[str, Any]:
+        """Options handed to ``strategies.get`` (each strategy takes the ones it knows)."""
+        return {"mu": self.mu, "server_lr": self.server_lr,
+                "server_momentum": self.server_momentum, "tau": self.tau, "beta": self.beta,
+                "num_malicious": self.num_malicious, "ensemble_weights": self.ensemble_weights,
+                "distill_steps": self.distill_steps}
 
 
 @dataclass(frozen=True)
@@ -163,6 +209,36 @@ class RunConfig:
             raise UserError(f"--fraction must be in (0, 1] (got {m.fraction})")
         if not m.round_timeout > 0:
             raise UserError(f"--round-timeout must be > 0 seconds (got {m.round_timeout})")
+        for name in ("validation_fraction", "distill_fraction"):
+            if not 0 < getattr(m, name) < 0.5:
+                raise UserError(f"--{name.replace('_', '-')} must be in (0, 0.5)")
+        return self.check_strategy()
+
+    def strategy(self):
+        """The configured merge strategy (a new ``strategies.Strategy``).
+
+        Raises
+        ------
+        UserError
+            Unknown strategy or an option value it refuses.
+        """
+        import strategies
+
+        try:
+            return strategies.get(self.merge.strategy, **self.merge.strategy_options())
+        except strategies.UnknownStrategyError as exc:
+            raise UserError(str(exc)) from None
+        except ValueError as exc:
+            raise UserError(f"{self.merge.strategy}: {exc}") from None
+
+    def check_strategy(self) -> "RunConfig":
+        """Check the strategy exists, takes its options, and fits the number of rounds."""
+        strategy = self.strategy()
+        if strategy.one_shot and self.merge.rounds != 1:
+            raise UserError(
+                f"{self.merge.strategy} is a one-shot merge of fully trained node models: "
+                f"use --rounds 1 (and --local-epochs to train longer)"
+            )
         return self
 
     def to_flat(self) -> dict[str, Any]:
@@ -212,6 +288,12 @@ def _convert(key: str, value: Any, f: dataclasses.Field) -> Any:
     try:
         if value is None or value == "":
             return None if "None" in kind else f.default
+        if kind.startswith("bool"):
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(value)
+                return value.lower() in ("true", "1", "yes")
+            return bool(value)
         if kind.startswith("int"):
             return int(value)
         if kind.startswith("float"):

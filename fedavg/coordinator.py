@@ -74,23 +74,32 @@ class FlowerAdapter(FlowerFedAvg):
     """
 
     def __init__(self, merge: strategies.Strategy, reference: dict[str, torch.Tensor],
-                 on_failure: Callable[[int, int, str], None], **kwargs: Any) -> None:
+                 on_failure: Callable[[int, int, str], None], *,
+                 buffers: frozenset[str] = frozenset(),
+                 context: strategies.MergeContext | None = None,
+                 on_node_model: Callable[[int, dict, dict], None] | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.merge = merge
         self.reference = reference
+        self.buffers = buffers
+        self.context = context
         self.on_failure = on_failure
+        self.on_node_model = on_node_model
         self.last_train: dict[str, float] = {}
+        self.last_merged: strategies.Merged | None = None
         self.round_started = time.monotonic()
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """Sample nodes and build their messages; start the round's clock."""
         self.round_started = time.monotonic()
+        self.reference = arrays.to_torch_state_dict()  # the round's starting point
         return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         """Merge usable replies one at a time; report the others."""
-        self.merge.begin(self.reference)
+        self.merge.begin(self.reference, self.buffers, self.context)
         used, failed, loss_sum, weight_sum = 0, 0, 0.0, 0.0
         reasons = []
         for msg in replies:
@@ -109,6 +118,11 @@ class FlowerAdapter(FlowerFedAvg):
                     keep_input=False
                 )
                 self.merge.add(state, weight, node=str(node))
+                if self.on_node_model is not None:
+                    self.on_node_model(server_round, state, {
+                        "node_id": node, "num_examples": weight,
+                        "partition_id": int(metrics.get(keys.PARTITION_ID, -1)),
+                        "train_loss": float(metrics.get(keys.TRAIN_LOSS, float("nan")))})
                 del state
             except (RunError, strategies.MergeError, ValueError, TypeError) as exc:
                 failed += 1
@@ -123,7 +137,11 @@ class FlowerAdapter(FlowerFedAvg):
         if not used:
             detail = "; ".join(reasons[:3]) or "no replies before --round-timeout"
             raise RunError(f"round {server_round}: no usable model from any node ({detail})")
-        merged = self.merge.result()
+        try:
+            merged = self.merge.result()
+        except strategies.MergeError as exc:
+            raise RunError(f"round {server_round}: {exc}") from None
+        self.last_merged = merged
         self.last_train = {
             "train_loss": loss_sum / weight_sum if weight_sum else float("nan"),
             "num_nodes": used,
@@ -174,6 +192,37 @@ class ModelSpec:
         return build_model(self.name, self.input_shape, self.num_classes, **self.args)
 
 
+def merge_context(spec: ModelSpec, input_spec: dict[str, Any], seed: int,
+                  validation: Split | None = None, distill_x=None,
+                  device: str = "auto") -> strategies.MergeContext:
+    """What data-driven merges may use: the model builder, normalisation and held-out data."""
+    from fedavg.data import normalize
+    from fedavg.train import resolve_device
+
+    return strategies.MergeContext(
+        build_model=spec.build,
+        normalize=lambda x: normalize(x, input_spec),
+        val_x=None if validation is None else torch.as_tensor(validation.x),
+        val_y=None if validation is None else torch.as_tensor(validation.y, dtype=torch.long),
+        distill_x=None if distill_x is None else torch.as_tensor(distill_x),
+        device=resolve_device(device),
+        seed=seed,
+    )
+
+
+def save_merged(output: Path, merged: strategies.Merged, meta: dict[str, Any]) -> None:
+    """Write a merge result as the run's model artifact (single network or ensemble)."""
+    meta = {**meta, "merge_info": _jsonable(merged.info)} if merged.info else meta
+    if merged.is_ensemble:
+        checkpoint.save_ensemble(output, merged.members, merged.member_weights, meta)
+    else:
+        checkpoint.save(output, merged.state_dict, meta)
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=str))
+
+
 def make_server_app(
     config: RunConfig,
     spec: ModelSpec,
@@ -183,6 +232,8 @@ def make_server_app(
     state: RunState,
     on_round: Callable[[RoundRecord], None] | None = None,
     on_failure: Callable[[int, int, str], None] | None = None,
+    validation: Split | None = None,
+    distill_x=None,
 ) -> ServerApp:
     """Build the coordinator ServerApp for one run.
 
@@ -202,6 +253,10 @@ def make_server_app(
         Filled with one :class:`RoundRecord` per round.
     on_round, on_failure : callable, optional
         Progress hooks: after each round; on each failed node reply ``(round, node, reason)``.
+    validation : Split, optional
+        Held-out set for data-driven merges (greedy soup, fitted weights, distillation).
+    distill_x : array, optional
+        Unlabeled inputs for distillation.
     """
     app = ServerApp()
     metrics_path = output / "metrics.jsonl"
@@ -225,12 +280,24 @@ def make_server_app(
         torch.manual_seed(config.data.seed)
         model = spec.build()
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        merge = strategies.get(config.merge.strategy)
+        merge = config.strategy()
         n = config.merge.num_nodes
+        rounds = config.merge.rounds
+
+        def save_node_model(server_round: int, sd: dict, info: dict) -> None:
+            if config.merge.save_node_models and server_round == rounds:
+                pid = info["partition_id"]
+                checkpoint.save(output / "nodes" / f"node-{pid if pid >= 0 else info['node_id']}",
+                                sd, {**meta, "rounds": server_round, "node": info})
+
         adapter = FlowerAdapter(
             merge,
             initial,
             report_failure,
+            buffers=frozenset(name for name, _ in model.named_buffers()),
+            context=merge_context(spec, meta["input"], config.data.seed, validation, distill_x,
+                                  config.train.device),
+            on_node_model=save_node_model,
             fraction_train=config.merge.fraction,
             fraction_evaluate=0.0,
             min_train_nodes=config.nodes_per_round,
@@ -247,6 +314,7 @@ def make_server_app(
                 "momentum": config.train.momentum,
                 "weight-decay": config.train.weight_decay,
                 "seed": config.data.seed,
+                **merge.node_config,
             }
         )
         metrics_path.unlink(missing_ok=True)
@@ -254,9 +322,18 @@ def make_server_app(
         def round_end(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             if server_round == 0:
                 return None
-            sd = arrays.to_torch_state_dict()
-            model.load_state_dict(sd)
-            res = evaluate(model, test.x, test.y, meta["input"])
+            merged = adapter.last_merged
+            if merged is not None and merged.is_ensemble:
+                from fedavg.predict import model_from_artifacts
+
+                flat = {f"{checkpoint.MEMBER_PREFIX}{i}.{k}": v
+                        for i, m in enumerate(merged.members) for k, v in m.items()}
+                scored = model_from_artifacts(flat, {**meta, "kind": "ensemble",
+                                                     "member_weights": merged.member_weights})
+            else:
+                model.load_state_dict(arrays.to_torch_state_dict())
+                scored = model
+            res = evaluate(scored, test.x, test.y, meta["input"])
             info = adapter.last_train
             record = RoundRecord(
                 round=server_round,
@@ -268,7 +345,7 @@ def make_server_app(
                 wall_s=round(time.monotonic() - adapter.round_started, 3),
             )
             state.rounds.append(record)
-            checkpoint.save(output, sd, {**meta, "rounds": server_round,
+            save_merged(output, merged, {**meta, "rounds": server_round,
                                          "metrics": {"accuracy": record.accuracy,
                                                      "loss": record.loss}})
             with open(metrics_path, "a") as fh:

@@ -197,17 +197,24 @@ def load(
         train = data.splits["train"]
         if len(train) < 2:
             raise UserError(f"dataset {dataset!r} has {len(train)} train sample(s); need >= 2")
-        rng = np.random.default_rng(seed)
-        order = rng.permutation(len(train))
-        n_test = min(len(train) - 1, max(1, round(len(train) * test_fraction)))
-        test_idx, train_idx = np.sort(order[:n_test]), np.sort(order[n_test:])
-        data.splits["test"] = _take(train, test_idx)
-        data.splits["train"] = _take(train, train_idx)
+        data.splits["train"], data.splits["test"] = holdout(train, test_fraction, seed)
+        n_test = len(data.splits["test"])
         data.notes.append(
             f"no test split in {dataset}: held out {n_test} of {len(train)} train samples "
             f"({test_fraction:.0%}, seed {seed}) as test"
         )
     return data
+
+
+def holdout(split: Split, fraction: float, seed: int) -> tuple[Split, Split]:
+    """Split off a seeded random ``fraction`` of ``split``: ``(rest, held_out)``.
+
+    At least one sample goes to each side; both keep the original order.
+    """
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(split))
+    n_out = min(len(split) - 1, max(1, round(len(split) * fraction)))
+    return _take(split, np.sort(order[n_out:])), _take(split, np.sort(order[:n_out]))
 
 
 def _take(split: Split, idx: np.ndarray) -> Split:

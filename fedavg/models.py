@@ -167,3 +167,39 @@ def resnet18(input_shape, num_classes) -> nn.Module:
     net.conv1 = nn.Conv2d(input_shape[0], 64, kernel_size=3, stride=1, padding=1, bias=False)
     net.maxpool = nn.Identity()
     return net
+
+
+class EnsembleModel(nn.Module):
+    """Weighted output ensemble: ``log(sum_i w_i softmax(member_i(x)))``.
+
+    The output is a log-probability, so it can stand in for logits: its softmax is the
+    ensemble's probability, its argmax the prediction, and cross-entropy on it the
+    ensemble's negative log-likelihood.
+
+    Parameters
+    ----------
+    members : list of torch.nn.Module
+        Networks with the same input and output shapes.
+    weights : sequence of float
+        Non-negative member weights (normalised to sum to 1).
+
+    Raises
+    ------
+    ValueError
+        No members, a weight count that differs from the member count, or weights that are
+        negative or sum to 0.
+    """
+
+    def __init__(self, members: list[nn.Module], weights) -> None:
+        super().__init__()
+        w = torch.as_tensor(list(weights), dtype=torch.float32)
+        if not members or len(w) != len(members) or (w < 0).any() or w.sum() <= 0:
+            raise ValueError("an ensemble needs members and as many non-negative weights")
+        self.members = nn.ModuleList(members)
+        self.register_buffer("weights", w / w.sum())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(N, ...)`` normalised inputs -> ``(N, K)`` log-probabilities."""
+        probs = sum(w * torch.softmax(m(x).float(), dim=1)
+                    for w, m in zip(self.weights, self.members))
+        return torch.log(probs.clamp_min(1e-12))

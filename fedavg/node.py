@@ -71,6 +71,7 @@ def train_config(config: Any, **extra: Any) -> dict[str, Any]:
         "weight_decay": float(config["weight-decay"]),
         "seed": int(config["seed"]),
         "round": int(config.get(keys.SERVER_ROUND, 0)),
+        "proximal_mu": float(config.get("proximal-mu", 0.0)),
         **extra,
     }
 
@@ -95,12 +96,14 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
         device=resolve_device(device),
         # distinct, reproducible batch order per node and round
         seed=cfg["seed"] * 1_000_003 + partition_id * 1009 + cfg["round"],
+        proximal_mu=cfg["proximal_mu"],
     )
     reply = RecordDict(
         {
             keys.ARRAYS: ArrayRecord(model.state_dict()),
             keys.METRICS: MetricRecord(
-                {keys.NUM_EXAMPLES: stats["num_examples"], keys.TRAIN_LOSS: stats["train_loss"]}
+                {keys.NUM_EXAMPLES: stats["num_examples"], keys.TRAIN_LOSS: stats["train_loss"],
+                 keys.PARTITION_ID: partition_id}
             ),
         }
     )

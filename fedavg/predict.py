@@ -41,21 +41,57 @@ def load_model(directory: str | Path, device: str = "cpu") -> torch.nn.Module:
         Missing or damaged artifacts, or weights that do not fit the described model.
     """
     state, meta = checkpoint.load(directory)
-    spec = meta["model"]
+    model = model_from_artifacts(state, meta, str(directory))
+    model.fedavg_meta = meta
+    return model.to(resolve_device(device)).eval()
+
+
+def _build(spec: Any, where: str) -> torch.nn.Module:
     try:
-        model = build_model(spec["name"], tuple(spec["input_shape"]), int(spec["num_classes"]),
-                            **spec.get("args", {}))
-    except (KeyError, TypeError) as exc:
-        raise UserError(f"{directory}/model.json has an unusable model entry ({exc})") from None
+        return build_model(spec["name"], tuple(spec["input_shape"]), int(spec["num_classes"]),
+                           **spec.get("args", {}))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{where}/model.json has an unusable model entry ({exc!r})") from None
+
+
+def _load_into(model: torch.nn.Module, state: dict, name: str, where: str) -> None:
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
         raise UserError(
-            f"weights in {directory} do not fit model {spec['name']!r}: "
-            f"{str(exc).splitlines()[0][:200]}"
+            f"weights in {where} do not fit model {name!r}: {str(exc).splitlines()[0][:200]}"
         ) from None
-    model.fedavg_meta = meta
-    return model.to(resolve_device(device)).eval()
+
+
+def model_from_artifacts(state: dict, meta: dict, where: str = "the model") -> torch.nn.Module:
+    """Build the network (or :class:`~fedavg.models.EnsembleModel`) described by ``meta``.
+
+    Raises
+    ------
+    UserError
+        A description that cannot be built or weights that do not fit it.
+    """
+    from fedavg.models import EnsembleModel
+
+    spec = meta["model"]
+    if not isinstance(spec, dict):
+        raise UserError(f"{where}/model.json has an unusable model entry")
+    if meta.get("kind") == "ensemble":
+        weights = meta.get("member_weights")
+        if not isinstance(weights, list) or not weights:
+            raise UserError(f"{where}/model.json lacks member_weights; the artifact is damaged")
+        members = []
+        for sd in checkpoint.split_members(state, len(weights)):
+            member = _build(spec, where)
+            _load_into(member, sd, spec["name"], where)
+            members.append(member)
+        try:
+            return EnsembleModel(members, weights)
+        except ValueError as exc:
+            raise UserError(f"{where}: {exc}") from None
+    model = _build(spec, where)
+    _load_into(model, state, spec["name"], where)
+    return model
 
 
 def _align_classes(model_classes: list[str], data_classes: list[str], source: str) -> np.ndarray:

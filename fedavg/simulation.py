@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fedavg.config import RunConfig
-from fedavg.data import LoadedData, load
+from fedavg.data import LoadedData, Split, holdout, load
 from fedavg.errors import RunError, UserError
 from fedavg.partition import label_counts, partition
 
@@ -38,6 +38,8 @@ class Prepared:
     parts: list[np.ndarray]
     spec: Any  # fedavg.coordinator.ModelSpec
     meta: dict[str, Any]
+    validation: Split | None = None
+    distill_x: np.ndarray | None = None
 
 
 @dataclass
@@ -96,10 +98,28 @@ def prepare(config: RunConfig) -> Prepared:
     from fedavg.coordinator import ModelSpec
     from fedavg.models import build_model, resolve_model
 
-    d = config.data
+    d, m = config.data, config.merge
+    strategy = config.strategy()
     data = load(d.dataset, image_column=d.image_column, label_column=d.label_column,
                 partition_by=d.partition_by if d.partitioner == "natural" else None,
                 seed=d.seed, test_fraction=d.test_fraction)
+    validation, distill_x = None, None
+    if strategy.needs_validation:
+        if m.validation:
+            validation = _aligned_split(m.validation, data, "--validation")
+        else:
+            data.splits["train"], validation = holdout(data.train, m.validation_fraction,
+                                                       d.seed + 1)
+            data.notes.append(f"validation for {m.strategy}: {len(validation)} train samples "
+                              f"({m.validation_fraction:.0%}) kept from the nodes")
+    if strategy.needs_unlabeled:
+        if m.distill_data:
+            distill_x = _aligned_split(m.distill_data, data, "--distill-data", labels=False).x
+        else:
+            data.splits["train"], unlabeled = holdout(data.train, m.distill_fraction, d.seed + 2)
+            distill_x = unlabeled.x
+            data.notes.append(f"distillation data: {len(distill_x)} train samples "
+                              f"({m.distill_fraction:.0%}) kept from the nodes, labels removed")
     parts = partition(data.train.y, config.merge.num_nodes, d.partitioner, alpha=d.alpha,
                       classes_per_node=d.classes_per_node, groups=data.train.groups,
                       seed=d.seed)
@@ -117,12 +137,31 @@ def prepare(config: RunConfig) -> Prepared:
             "test_samples": len(data.test),
             "seed": d.seed,
             "test_fraction": d.test_fraction,
+            "validation_samples": 0 if validation is None else len(validation),
+            "distill_samples": 0 if distill_x is None else len(distill_x),
             "notes": data.notes,
         },
         "strategy": config.merge.strategy,
         "config": config.as_dict(),
     }
-    return Prepared(data, parts, spec, meta)
+    return Prepared(data, parts, spec, meta, validation, distill_x)
+
+
+def _aligned_split(source: str, data: LoadedData, flag: str, labels: bool = True) -> Split:
+    """The train split of another dataset, checked against ``data``'s inputs and classes."""
+    other = load(source)
+    split = other.train
+    if split.x.shape[1:] != data.train.x.shape[1:]:
+        raise UserError(f"{flag} {source} has inputs of shape {split.x.shape[1:]}, the training "
+                        f"data {data.train.x.shape[1:]}")
+    if labels:
+        index = {c: i for i, c in enumerate(data.classes)}
+        unknown = [c for c in other.classes if c not in index]
+        if unknown:
+            raise UserError(f"{flag} {source} has labels the training data lacks: {unknown[:5]}")
+        mapping = np.asarray([index[c] for c in other.classes])
+        split = Split(split.x, mapping[split.y])
+    return split
 
 
 def write_node_data(path: str | Path, x: np.ndarray, y: np.ndarray,
@@ -246,12 +285,6 @@ def simulate(
     t0 = time.monotonic()
     config = (config or RunConfig()).replace(**overrides) if overrides else (config or RunConfig())
     config.validate()
-    import strategies
-
-    try:
-        strategies.get(config.merge.strategy)
-    except strategies.UnknownStrategyError as exc:
-        raise UserError(str(exc)) from None
     from fedavg.train import resolve_device
 
     resolve_device(config.train.device)
@@ -284,7 +317,8 @@ def simulate(
         write_node_data(data_path, prepared.data.train.x, prepared.data.train.y, prepared.parts)
         progress, on_round, on_failure = _progress(console, config)
         server = make_server_app(config, prepared.spec, prepared.data.test, prepared.meta, out,
-                                 state, on_round=on_round, on_failure=on_failure)
+                                 state, on_round=on_round, on_failure=on_failure,
+                                 validation=prepared.validation, distill_x=prepared.distill_x)
         client = make_client_app(data_path, device=config.train.device)
         try:
             if progress is not None:

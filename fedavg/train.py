@@ -57,6 +57,7 @@ def train(
     weight_decay: float = 0.0,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    proximal_mu: float = 0.0,
 ) -> dict[str, float]:
     """Train ``model`` in place with SGD on one node's samples.
 
@@ -76,11 +77,15 @@ def train(
         Where to train.
     seed : int
         Seed of the batch order.
+    proximal_mu : float
+        FedProx (Li et al. 2020, arXiv:1812.06127): adds ``mu/2 * ||w - w_start||^2`` to
+        the loss, ``w_start`` being the weights the node received. 0 is plain SGD.
 
     Returns
     -------
     dict
-        ``train_loss`` (mean cross-entropy over all steps, nats), ``num_examples``
+        ``train_loss`` (mean cross-entropy over all steps, nats, without the proximal
+        term), ``num_examples``
         (samples in the partition), ``steps``.
     """
     device = torch.device(device)
@@ -90,6 +95,7 @@ def train(
                           weight_decay=weight_decay)
     loss_fn = nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(seed)
+    anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
     total, count, steps = 0.0, 0, 0
     for _ in range(epochs):
         for idx in _batches(len(yt), batch_size, g):
@@ -100,7 +106,11 @@ def train(
             yb = yt[idx].to(device, non_blocking=True)
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model(xb), yb)
-            loss.backward()
+            if anchor is not None:
+                prox = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+                (loss + 0.5 * proximal_mu * prox).backward()
+            else:
+                loss.backward()
             opt.step()
             total += float(loss.detach()) * len(idx)
             count += len(idx)

@@ -6,6 +6,7 @@
 """
 
 from strategies.base import (
+    MergeContext,
     MergeError,
     Merged,
     StateDict,
@@ -17,9 +18,14 @@ from strategies.base import (
 )
 
 # Importing a strategy module registers it.
+from strategies import ensemble as _ensemble  # noqa: E402,F401
 from strategies import fedavg as _fedavg  # noqa: E402,F401
+from strategies import fedopt as _fedopt  # noqa: E402,F401
+from strategies import robust as _robust  # noqa: E402,F401
+from strategies import soup as _soup  # noqa: E402,F401
 
 __all__ = [
+    "MergeContext",
     "MergeError",
     "Merged",
     "StateDict",

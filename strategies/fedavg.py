@@ -1,4 +1,4 @@
-"""Federated Averaging (FedAvg), McMahan et al. 2017, arXiv:1602.05629.
+"""Federated Averaging (FedAvg), McMahan et al. 2017, arXiv:1602.05629, and FedProx.
 
 The merged model is the sample-weighted mean of the node models, parameter by parameter:
 ``w = sum_k n_k w_k / sum_k n_k``. Floating tensors are accumulated in float64 and cast back
@@ -12,25 +12,43 @@ import math
 
 import torch
 
-from strategies.base import Merged, MergeError, StateDict, Strategy, check_compatible, register
+from strategies.base import (
+    Merged,
+    MergeError,
+    StateDict,
+    Strategy,
+    check_compatible,
+    is_float,
+    merge_integer,
+    register,
+    signature,
+)
+
+
+def check_weight(weight, node: str) -> float:
+    """``weight`` as a float, or :class:`MergeError` unless it is a finite number > 0."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+            or not math.isfinite(weight) or weight <= 0:
+        raise MergeError(f"model from node {node} has weight {weight!r}; need a number > 0")
+    return float(weight)
 
 
 @register
 class FedAvg(Strategy):
     """Sample-weighted parameter average, folded in one model at a time.
 
-    Memory: one float64 accumulator per floating tensor, i.e. about twice one float32 state
-    dict, whatever the number of nodes.
+    Memory: one float64 accumulator per floating tensor (about twice one float32 state
+    dict) plus the model being folded in, whatever the number of nodes.
     """
 
     name = "fedavg"
-    description = "sample-weighted average of node models (one-shot: 'average')"
-    paper = "McMahan et al. 2017, Communication-Efficient Learning of Deep Networks from " \
-            "Decentralized Data, arXiv:1602.05629"
+    description = "sample-weighted average of node models, by parameter name"
+    paper = ("McMahan et al. 2017, Communication-Efficient Learning of Deep Networks from "
+             "Decentralized Data, arXiv:1602.05629")
 
-    def begin(self, reference: StateDict) -> None:
-        """Start a merge of models shaped like ``reference``."""
-        self._ref = {k: v.detach() for k, v in reference.items()}
+    def begin(self, reference: StateDict, buffers=frozenset(), context=None) -> None:
+        """Start a merge of models shaped like ``reference`` (only its signature is kept)."""
+        self._sig = signature(reference)
         self._acc: dict[str, torch.Tensor] = {}
         self._total = 0.0
         self._count = 0
@@ -42,28 +60,22 @@ class FedAvg(Strategy):
         ------
         MergeError
             Weight not finite or not > 0; keys, shapes or dtypes unlike the reference;
-            NaN or infinite values.
+            NaN or infinite values. A refused model leaves the merge unchanged.
         """
-        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
-            raise MergeError(f"model from node {node} has weight {weight!r}; need a number > 0")
-        check_compatible(self._ref, state_dict, node)
+        weight = check_weight(weight, node)
+        check_compatible(self._sig, state_dict, node)
         for key, t in state_dict.items():
             t = t.detach()
-            if t.is_floating_point() or t.is_complex():
-                contrib = t.to(torch.float64 if t.is_floating_point() else torch.complex128)
-                contrib = contrib * float(weight)
+            if is_float(t.dtype):
+                wide = torch.float64 if t.is_floating_point() else torch.complex128
+                contrib = t.to(wide) * weight
                 if key in self._acc:
                     self._acc[key] += contrib
                 else:
                     self._acc[key] = contrib
             else:
-                if key not in self._acc:
-                    self._acc[key] = t.clone()
-                elif t.dtype == torch.bool:
-                    self._acc[key] = self._acc[key] | t
-                else:
-                    self._acc[key] = torch.maximum(self._acc[key], t)
-        self._total += float(weight)
+                self._acc[key] = merge_integer(self._acc.get(key), t)
+        self._total += weight
         self._count += 1
 
     def result(self) -> Merged:
@@ -71,10 +83,41 @@ class FedAvg(Strategy):
         if not self._count:
             raise MergeError("nothing to merge: no node models")
         out = {}
-        for key, ref in self._ref.items():
+        for key, (_, dtype) in self._sig.items():
             acc = self._acc[key]
-            if ref.is_floating_point() or ref.is_complex():
-                out[key] = (acc / self._total).to(ref.dtype)
-            else:
-                out[key] = acc.to(ref.dtype)
+            out[key] = (acc / self._total).to(dtype) if is_float(dtype) else acc.to(dtype)
         return Merged(out, self._count, self._total)
+
+
+@register
+class FedProx(FedAvg):
+    """FedAvg's merge; nodes add the proximal term ``mu/2 * ||w - w_global||^2`` to their loss.
+
+    Li et al. 2020, Federated Optimization in Heterogeneous Networks, arXiv:1812.06127.
+
+    Parameters
+    ----------
+    mu : float
+        Proximal coefficient (>= 0; 0 is FedAvg).
+    """
+
+    name = "fedprox"
+    description = "FedAvg merge + proximal term mu/2 ||w - w_global||^2 in node training (--mu)"
+    paper = ("Li et al. 2020, Federated Optimization in Heterogeneous Networks, "
+             "arXiv:1812.06127")
+
+    def __init__(self, mu: float = 0.01) -> None:
+        if not mu >= 0:
+            raise ValueError(f"--mu must be >= 0 (got {mu})")
+        self.mu = float(mu)
+        self.node_config = {"proximal-mu": self.mu}
+
+
+@register
+class Average(FedAvg):
+    """One-shot parameter average of fully trained node models (FedAvg applied once)."""
+
+    name = "average"
+    description = "one-shot: sample-weighted parameter average of the final node models"
+    paper = FedAvg.paper
+    one_shot = True

@@ -1,0 +1,150 @@
+"""``fedavg merge``: merge saved models offline with any registered strategy."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from fedavg import checkpoint
+from fedavg.config import RunConfig
+from fedavg.data import Split, holdout, load
+from fedavg.errors import UserError
+
+
+def model_dirs(paths: Sequence[str | Path]) -> list[Path]:
+    """Expand inputs: a model folder, or a folder of model folders (e.g. a run's ``nodes/``).
+
+    Raises
+    ------
+    UserError
+        A missing path, or a folder holding no model.
+    """
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if not path.is_dir():
+            raise UserError(f"no such model folder: {raw}")
+        if (path / checkpoint.WEIGHTS).exists():
+            found.append(path)
+            continue
+        inner = sorted(p.parent for p in path.glob(f"*/{checkpoint.WEIGHTS}"))
+        if not inner:
+            raise UserError(f"{raw} holds no model.safetensors (nor do its subfolders)")
+        found.extend(inner)
+    if not found:
+        raise UserError("no models to merge: pass model folders")
+    return found
+
+
+def _validation(source: str, meta: dict[str, Any], fraction: float) -> Split:
+    ds = meta.get("dataset", {})
+    seed = int(ds.get("seed", 0))
+    data = load(source, seed=seed, test_fraction=float(ds.get("test_fraction", 0.2)))
+    if "validation" in data.splits:
+        split = data.splits["validation"]
+    else:  # the same slice `fedavg simulate` keeps from the nodes for this dataset and seed
+        _, split = holdout(data.train, fraction, seed + 1)
+    if list(data.classes) != list(meta["classes"]):
+        index = {c: i for i, c in enumerate(meta["classes"])}
+        if any(c not in index for c in data.classes):
+            raise UserError(f"{source} has labels the models do not know")
+        split = Split(split.x, np.asarray([index[c] for c in data.classes])[split.y])
+    if tuple(split.x.shape[1:]) != tuple(meta["input"]["shape"]):
+        raise UserError(f"{source} has inputs of shape {tuple(split.x.shape[1:])}, the models "
+                        f"expect {tuple(meta['input']['shape'])}")
+    return split
+
+
+def merge_models(
+    models: Sequence[str | Path],
+    output: str | Path,
+    config: RunConfig | None = None,
+    *,
+    dataset: str | None = None,
+) -> dict[str, Any]:
+    """Merge saved single models (e.g. a run's ``nodes/*``) into one artifact in ``output``.
+
+    Parameters
+    ----------
+    models : sequence of path
+        Model folders, or folders of model folders.
+    output : path
+        Where the merged artifact goes (``model.safetensors``, ``model.json``,
+        ``summary.json``).
+    config : RunConfig
+        ``merge.strategy`` and its options; ``merge.validation`` / ``merge.distill_data``
+        name the held-out and unlabeled datasets for data-driven strategies.
+    dataset : str, optional
+        Evaluate the merged model on this dataset's test split.
+
+    Returns
+    -------
+    dict
+        ``num_models``, ``strategy``, ``wall_s`` and, with ``dataset``, ``accuracy`` and
+        ``loss``.
+
+    Raises
+    ------
+    UserError
+        Missing or damaged models, models of different architectures or classes, a
+        strategy that needs data it was not given.
+    """
+    from fedavg.coordinator import ModelSpec, merge_context, save_merged
+    from fedavg.predict import evaluate_model
+
+    t0 = time.monotonic()
+    config = config or RunConfig()
+    strategy = config.strategy()
+    dirs = model_dirs(models)
+    loaded = [checkpoint.load(d) for d in dirs]
+    first = loaded[0][1]
+    for d, (_, meta) in zip(dirs, loaded):
+        if meta.get("kind") == "ensemble":
+            raise UserError(f"{d} is an ensemble; merge its members' folders instead")
+        for key in ("model", "classes", "input"):
+            if meta[key] != first[key]:
+                raise UserError(f"{d} differs from {dirs[0]} in {key!r}: models must share "
+                                "architecture, classes and input normalisation")
+    m = config.merge
+    validation = distill_x = None
+    if strategy.needs_validation:
+        if not m.validation:
+            raise UserError(f"{m.strategy} needs held-out data: pass --validation DATASET")
+        validation = _validation(m.validation, first, m.validation_fraction)
+    if strategy.needs_unlabeled:
+        if not m.distill_data:
+            raise UserError(f"{m.strategy} needs unlabeled inputs: pass --distill-data DATASET")
+        distill_x = _validation(m.distill_data, first, m.distill_fraction).x
+    spec = ModelSpec(first["model"]["name"], tuple(first["model"]["input_shape"]),
+                     int(first["model"]["num_classes"]), first["model"].get("args", {}))
+    weights = [float((meta.get("node") or {}).get("num_examples", 1) or 1) for _, meta in loaded]
+    import strategies
+
+    model = spec.build()
+    try:
+        merged = strategy.merge(
+            [sd for sd, _ in loaded], weights, [str(d) for d in dirs],
+            buffers=frozenset(name for name, _ in model.named_buffers()),
+            context=merge_context(spec, first["input"], config.data.seed, validation,
+                                  distill_x, config.train.device),
+        )
+    except strategies.MergeError as exc:
+        raise UserError(str(exc)) from None
+    meta = {k: v for k, v in first.items() if k not in ("format", "kind", "node", "metrics",
+                                                        "member_weights", "members")}
+    meta.update({"strategy": m.strategy, "merged_from": [str(d) for d in dirs]})
+    out = Path(output)
+    save_merged(out, merged, meta)
+    result: dict[str, Any] = {"num_models": len(dirs), "strategy": m.strategy}
+    if dataset:
+        ev = evaluate_model(out, dataset)
+        result.update({"accuracy": ev["accuracy"], "loss": ev["loss"]})
+        meta["metrics"] = {"accuracy": ev["accuracy"], "loss": ev["loss"]}
+        save_merged(out, merged, meta)
+    result["wall_s"] = round(time.monotonic() - t0, 3)
+    checkpoint.write_json(out / "summary.json", {**result, "merge_info": merged.info,
+                                                 "models": [str(d) for d in dirs]})
+    return result

@@ -1,0 +1,196 @@
+"""Weighted output ensembles and ensemble distillation of the final node models.
+
+- ``ensemble``: the merged model is the weighted average of the members' softmax outputs,
+  ``p(y|x) = sum_i w_i softmax(f_i(x))``, saved as one artifact. Weights
+  (``--ensemble-weights``): ``num-examples`` (proportional to training samples), ``uniform``,
+  ``accuracy`` (proportional to held-out accuracy) or ``fitted`` (the weights on the simplex
+  that minimise held-out negative log-likelihood, i.e. stacking / "super learner" weights,
+  van der Laan et al. 2007).
+- ``distill``: ensemble distillation into one network, as in FedDF (Lin et al. 2020,
+  Ensemble Distillation for Robust Model Fusion in Federated Learning, arXiv:2006.07242): the
+  student starts from the parameter average and is trained with Adam to match the ensemble's
+  softmax (KL divergence) on unlabeled inputs, keeping the student with the best held-out
+  accuracy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strategies.base import Merged, MergeError, register
+from strategies.fedavg import FedAvg
+from strategies.robust import _Collect
+
+WEIGHTINGS = ("num-examples", "uniform", "accuracy", "fitted")
+
+
+def fit_weights(probs: torch.Tensor, labels: torch.Tensor, steps: int = 300) -> torch.Tensor:
+    """Simplex weights minimising the NLL of the mixture ``sum_i w_i probs[i]``.
+
+    Parameters
+    ----------
+    probs : torch.Tensor
+        ``(M, N, K)`` member probabilities on ``N`` held-out samples.
+    labels : torch.Tensor
+        ``(N,)`` int64 labels.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(M,)`` float64 weights, non-negative, summing to 1 (softmax parameterisation,
+        optimised with L-BFGS from uniform).
+    """
+    p = probs.to(torch.float64)[:, torch.arange(len(labels)), labels]  # (M, N)
+    theta = torch.zeros(p.shape[0], dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([theta], lr=0.5, max_iter=steps, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        w = torch.softmax(theta, 0)
+        loss = -torch.log((w[:, None] * p).sum(0).clamp_min(1e-12)).mean()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return torch.softmax(theta.detach(), 0)
+
+
+@register
+class Ensemble(_Collect):
+    """Weighted average of the members' softmax outputs, saved as one model.
+
+    Parameters
+    ----------
+    ensemble_weights : str
+        ``num-examples``, ``uniform``, ``accuracy`` or ``fitted``.
+    """
+
+    name = "ensemble"
+    description = "one-shot: weighted average of node models' softmax outputs " \
+                  "(--ensemble-weights num-examples|uniform|accuracy|fitted)"
+    paper = ("Dietterich 2000, Ensemble Methods in Machine Learning; fitted weights: "
+             "van der Laan et al. 2007, Super Learner")
+    one_shot = True
+
+    def __init__(self, ensemble_weights: str = "num-examples") -> None:
+        if ensemble_weights not in WEIGHTINGS:
+            raise ValueError(f"--ensemble-weights must be one of {', '.join(WEIGHTINGS)} "
+                             f"(got {ensemble_weights!r})")
+        self.ensemble_weights = ensemble_weights
+        self.needs_validation = ensemble_weights in ("accuracy", "fitted")
+
+    def weights(self) -> tuple[torch.Tensor, dict]:
+        """``(M,)`` member weights and facts about how they were chosen."""
+        n = torch.tensor(self._weights, dtype=torch.float64)
+        if self.ensemble_weights == "num-examples":
+            return n / n.sum(), {}
+        if self.ensemble_weights == "uniform":
+            return torch.full_like(n, 1.0 / len(n)), {}
+        ctx = self._context
+        if ctx is None or ctx.val_x is None:
+            raise MergeError(f"--ensemble-weights {self.ensemble_weights} needs a validation "
+                             "set (--validation)")
+        probs = torch.stack([ctx.probabilities(m, ctx.val_x) for m in self._models])
+        accs = torch.tensor([ctx.accuracy(p) for p in probs], dtype=torch.float64)
+        info = {"member_val_accuracy": dict(zip(self._nodes, [round(float(a), 6) for a in accs]))}
+        if self.ensemble_weights == "accuracy":
+            return (accs / accs.sum() if accs.sum() > 0 else torch.full_like(accs, 1 / len(accs)),
+                    info)
+        return fit_weights(probs, ctx.val_y), info
+
+    def combine(self) -> Merged:
+        w, info = self.weights()
+        avg = FedAvg().merge(self._models, self._weights, self._nodes)
+        return Merged(avg.state_dict, len(self._models), sum(self._weights),
+                      members=self._models, member_weights=[float(v) for v in w],
+                      info={"weighting": self.ensemble_weights, "nodes": self._nodes, **info})
+
+
+@register
+class Distill(_Collect):
+    """FedDF-style ensemble distillation into one network.
+
+    Parameters
+    ----------
+    distill_steps : int
+        Adam steps on batches of unlabeled inputs.
+    distill_lr : float
+        Adam learning rate.
+    distill_batch_size : int
+        Samples per step.
+    temperature : float
+        Softmax temperature of teacher and student in the KL loss.
+    """
+
+    name = "distill"
+    description = "one-shot: distil the node ensemble into one network on unlabeled data " \
+                  "(--distill-data)"
+    paper = ("Lin et al. 2020, Ensemble Distillation for Robust Model Fusion in Federated "
+             "Learning, arXiv:2006.07242")
+    one_shot = True
+    needs_validation = True
+    needs_unlabeled = True
+
+    def __init__(self, distill_steps: int = 1000, distill_lr: float = 1e-3,
+                 distill_batch_size: int = 128, temperature: float = 1.0) -> None:
+        if distill_steps < 1 or distill_batch_size < 1 or not distill_lr > 0 \
+                or not temperature > 0:
+            raise ValueError("distillation needs steps >= 1, batch size >= 1, lr > 0, "
+                             "temperature > 0")
+        self.steps, self.lr = int(distill_steps), float(distill_lr)
+        self.batch_size, self.temperature = int(distill_batch_size), float(temperature)
+
+    def combine(self) -> Merged:
+        ctx = self._context
+        if ctx is None or ctx.distill_x is None or ctx.val_x is None:
+            raise MergeError("distill needs unlabeled data (--distill-data) and a validation "
+                             "set (--validation)")
+        x = ctx.distill_x
+        weights = torch.tensor(self._weights, dtype=torch.float32)
+        weights = weights / weights.sum()
+        t = self.temperature
+        # teacher: the weighted ensemble, computed once for every unlabeled input
+        with torch.no_grad():
+            teacher = None
+            for w, m in zip(weights, self._models):
+                model = ctx.build_model()
+                model.load_state_dict(m)
+                model.to(ctx.device).eval()
+                logits = torch.cat([model(ctx.normalize(x[i:i + 1024].to(ctx.device))).float()
+                                    .cpu() for i in range(0, len(x), 1024)])
+                p = torch.softmax(logits / t, dim=1) * w
+                teacher = p if teacher is None else teacher + p
+        start = FedAvg().merge(self._models, self._weights, self._nodes).state_dict
+        student = ctx.build_model()
+        student.load_state_dict(start)
+        student.to(ctx.device)
+        opt = torch.optim.Adam(student.parameters(), lr=self.lr)
+        g = torch.Generator().manual_seed(ctx.seed)
+
+        def val_acc() -> float:
+            sd = {k: v.detach().cpu() for k, v in student.state_dict().items()}
+            return ctx.accuracy(ctx.probabilities(sd, ctx.val_x))
+
+        best_acc = val_acc()
+        start_acc = best_acc
+        best = {k: v.detach().cpu().clone() for k, v in student.state_dict().items()}
+        check_every = max(self.steps // 20, 1)
+        for step in range(1, self.steps + 1):
+            idx = torch.randint(len(x), (min(self.batch_size, len(x)),), generator=g)
+            student.train()
+            out = student(ctx.normalize(x[idx].to(ctx.device))).float()
+            loss = torch.nn.functional.kl_div(torch.log_softmax(out / t, dim=1),
+                                              teacher[idx].to(ctx.device),
+                                              reduction="batchmean") * t * t
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if step % check_every == 0 or step == self.steps:
+                acc = val_acc()
+                if acc > best_acc:
+                    best_acc = acc
+                    best = {k: v.detach().cpu().clone() for k, v in student.state_dict().items()}
+        return Merged(best, len(self._models), sum(self._weights), info={
+            "val_accuracy_average": round(start_acc, 6), "val_accuracy": round(best_acc, 6),
+            "steps": self.steps, "unlabeled_samples": len(x),
+        })
