@@ -63,3 +63,14 @@ def mnist_path():
     if not (MNIST / "train").exists() and not list(MNIST.glob("**/*.parquet")):
         raise AssertionError(f"MNIST not found at {MNIST}; set FEDAVG_SHARED_DATA")
     return MNIST
+
+
+@pytest.fixture
+def task_identity():
+    """Flower messages built outside a Flower run need a task identity."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
+    yield
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved

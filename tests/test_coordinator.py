@@ -3,20 +3,10 @@
 import pytest
 import torch
 from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 import strategies
 from fedavg.coordinator import FlowerAdapter, error_summary
 from fedavg.errors import RunError
-
-
-@pytest.fixture
-def task_identity():
-    """Messages built outside a Flower run need a task identity."""
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
-    yield
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
 
 
 def reply(node, content):
