@@ -159,3 +159,48 @@ def test_interrupt_keeps_finished_rounds_and_leaves_no_process(tmp_path, sig):
     time.sleep(1)
     leaked = [p for p in engine_processes() if p.split(":")[0] not in before]
     assert not leaked, leaked
+
+
+def test_one_shot_ensemble_node_models_and_offline_merge(tmp_path, no_leaks):
+    run = tmp_path / "ens"
+    run_cli("simulate", "--strategy", "ensemble", "--ensemble-weights", "fitted", "--rounds", "1",
+            "--local-epochs", "4", "--num-nodes", "3", "--save-node-models", "--output", run)
+    meta = json.loads((run / "model.json").read_text())
+    assert meta["kind"] == "ensemble" and len(meta["member_weights"]) == 3
+    assert sum(meta["member_weights"]) == pytest.approx(1.0)
+    assert meta["dataset"]["validation_samples"] == 144  # 10 % of digits' train, kept from nodes
+    summary = json.loads((run / "summary.json").read_text())
+    ev = json.loads(run_cli("evaluate", run, "--json").stdout)
+    assert ev["accuracy"] == pytest.approx(summary["accuracy"], abs=1e-3) and ev["accuracy"] > 0.85
+    nodes = sorted(p.name for p in (run / "nodes").iterdir())
+    assert nodes == ["node-0", "node-1", "node-2"]
+    node_meta = json.loads((run / "nodes" / "node-1" / "model.json").read_text())
+    assert node_meta["node"]["partition_id"] == 1 and node_meta["node"]["num_examples"] > 0
+
+    # offline: the node models merged again, with a method that needs held-out data
+    soup = tmp_path / "soup"
+    out = run_cli("merge", run / "nodes", "--strategy", "greedy-soup", "--validation", "digits",
+                  "--dataset", "digits", "--output", soup).stdout
+    assert "merged 3 models with greedy-soup" in out
+    soup_summary = json.loads((soup / "summary.json").read_text())
+    assert 1 <= len(soup_summary["merge_info"]["members"]) <= 3
+    assert json.loads(run_cli("evaluate", soup, "--json").stdout)["accuracy"] == pytest.approx(
+        soup_summary["accuracy"], abs=1e-6)
+    ens = tmp_path / "ens2"
+    run_cli("merge", "--models", run / "nodes", "--strategy", "ensemble", "--output", ens)
+    preds = tmp_path / "p.csv"
+    run_cli("predict", ens, "digits", "--output", preds)
+    assert len(preds.read_text().splitlines()) == 360  # header + 359 held-out digits
+
+    bad = run_cli("simulate", "--strategy", "ensemble", "--rounds", "3", check=False)
+    assert bad.returncode == 2 and "--rounds 1" in bad.stderr
+
+
+def test_server_optimiser_and_fedprox_runs(tmp_path, no_leaks):
+    import fedavg
+
+    for name in ("fedadam", "fedprox"):
+        res = fedavg.simulate(strategy=name, rounds=4, num_nodes=3, output=tmp_path / name)
+        accs = [r["accuracy"] for r in res.rounds]
+        assert accs[-1] > accs[0] and accs[-1] > 0.8, (name, accs)
+        assert json.loads((res.output / "model.json").read_text())["strategy"] == name
