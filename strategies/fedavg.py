@@ -1,8 +1,10 @@
 """Federated Averaging (FedAvg), McMahan et al. 2017, arXiv:1602.05629, and FedProx.
 
 The merged model is the sample-weighted mean of the node models, parameter by parameter:
-``w = sum_k n_k w_k / sum_k n_k``. Floating tensors are accumulated in float64 and cast back
-to their own dtype. Integer and boolean buffers (BatchNorm's ``num_batches_tracked``) are not
+``w = sum_k n_k w_k / sum_k n_k``. It is kept as a running weighted mean (West 1979,
+Updating mean and variance estimates: an improved method), ``m += (n_k / N_k) (w_k - m)``,
+which does not grow with the number of nodes and stays accurate in float32; half-precision
+tensors are accumulated in float32 and cast back to their own dtype. Integer and boolean buffers (BatchNorm's ``num_batches_tracked``) are not
 averaged as floats: the merge keeps their elementwise maximum (logical or for booleans).
 """
 
@@ -33,12 +35,24 @@ def check_weight(weight, node: str) -> float:
     return float(weight)
 
 
+_CHUNK = 1 << 18  # elements per step: bounds temporaries to 1-2 MiB whatever the model
+
+
+def _update_mean(mean: torch.Tensor, t: torch.Tensor, share: float) -> None:
+    """``mean += share * (t - mean)`` in place, chunk by chunk (``share = n_k / N_k``)."""
+    flat_m, flat_t = mean.view(-1), t.reshape(-1)
+    for start in range(0, flat_t.numel(), _CHUNK):
+        part = flat_m[start:start + _CHUNK]
+        # out of place: the caller's tensor must not change
+        part.add_(torch.sub(flat_t[start:start + _CHUNK].to(mean.dtype), part), alpha=share)
+
+
 @register
 class FedAvg(Strategy):
     """Sample-weighted parameter average, folded in one model at a time.
 
-    Memory: one float64 accumulator per floating tensor (about twice one float32 state
-    dict) plus the model being folded in, whatever the number of nodes.
+    Memory: one running mean per tensor (one state dict; float32 for half precision) plus
+    the model being folded in, whatever the number of nodes.
     """
 
     name = "fedavg"
@@ -64,15 +78,15 @@ class FedAvg(Strategy):
         """
         weight = check_weight(weight, node)
         check_compatible(self._sig, state_dict, node)
+        share = weight / (self._total + weight)
         for key, t in state_dict.items():
             t = t.detach()
             if is_float(t.dtype):
-                wide = torch.float64 if t.is_floating_point() else torch.complex128
-                contrib = t.to(wide) * weight
-                if key in self._acc:
-                    self._acc[key] += contrib
+                if key not in self._acc:
+                    self._acc[key] = t.to(torch.promote_types(t.dtype, torch.float32),
+                                          copy=True)
                 else:
-                    self._acc[key] = contrib
+                    _update_mean(self._acc[key], t, share)
             else:
                 self._acc[key] = merge_integer(self._acc.get(key), t)
         self._total += weight
@@ -84,8 +98,7 @@ class FedAvg(Strategy):
             raise MergeError("nothing to merge: no node models")
         out = {}
         for key, (_, dtype) in self._sig.items():
-            acc = self._acc[key]
-            out[key] = (acc / self._total).to(dtype) if is_float(dtype) else acc.to(dtype)
+            out[key] = self._acc.pop(key).to(dtype)  # no copy when the dtype is already right
         return Merged(out, self._count, self._total)
 
 

@@ -115,3 +115,14 @@ def test_registry_lists_names_on_unknown():
         strategies.get("does-not-exist")
     cls = strategies.available()["fedavg"]
     assert "1602.05629" in cls.paper
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedadam", "fedmedian", "uniform-soup"])
+def test_merge_leaves_the_node_models_untouched(name):
+    torch.manual_seed(0)
+    sds = [{"w": torch.randn(4, 3), "n": torch.tensor(i)} for i in range(3)]
+    before = [{k: v.clone() for k, v in sd.items()} for sd in sds]
+    strategies.get(name).merge(sds, [1, 2, 3], reference={"w": torch.zeros(4, 3),
+                                                          "n": torch.tensor(0)})
+    for sd, orig in zip(sds, before):
+        assert all(torch.equal(sd[k], orig[k]) for k in sd)
