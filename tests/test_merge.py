@@ -1,0 +1,88 @@
+"""`fedavg merge` on saved models: strategies offline, and its user errors."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fedavg import checkpoint
+from fedavg.cli import app
+from fedavg.data import load
+from fedavg.models import build_model
+from fedavg.predict import evaluate_model, load_model
+
+runner = CliRunner()
+
+
+def _meta(name="mlp", shape=(1, 8, 8)):
+    data = load("digits", seed=0)
+    return {"model": {"name": name, "input_shape": list(shape), "num_classes": 10, "args": {}},
+            "classes": data.classes, "input": data.input_spec(),
+            "dataset": {"source": "digits", "seed": 0, "test_fraction": 0.2,
+                        "columns": {"image": None, "label": None}}}
+
+
+@pytest.fixture
+def node_models(tmp_path):
+    """Three saved models with sample counts 10, 20, 30."""
+    meta = _meta()
+    dirs = []
+    for i, n in enumerate((10, 20, 30)):
+        torch.manual_seed(i)
+        d = tmp_path / "nodes" / f"node-{i}"
+        checkpoint.save(d, build_model("mlp", (1, 8, 8), 10).state_dict(),
+                        {**meta, "node": {"num_examples": n, "partition_id": i}})
+        dirs.append(d)
+    return tmp_path / "nodes", dirs
+
+
+def test_average_uses_sample_counts(tmp_path, node_models):
+    folder, dirs = node_models
+    res = runner.invoke(app, ["merge", str(folder), "--strategy", "average", "--output",
+                              str(tmp_path / "avg")])
+    assert res.exit_code == 0, res.output
+    merged, meta = checkpoint.load(tmp_path / "avg")
+    states = [checkpoint.load(d)[0] for d in dirs]
+    key = "1.weight"
+    expected = (10 * states[0][key] + 20 * states[1][key] + 30 * states[2][key]) / 60
+    assert torch.allclose(merged[key], expected, atol=1e-6)
+    assert meta["strategy"] == "average" and len(meta["merged_from"]) == 3
+
+
+def test_ensemble_merge_is_one_loadable_model(tmp_path, node_models):
+    folder, dirs = node_models
+    res = runner.invoke(app, ["merge", "--models", str(dirs[0]), "--models", str(dirs[2]),
+                              "--strategy", "ensemble", "--output", str(tmp_path / "ens"),
+                              "--dataset", "digits"])
+    assert res.exit_code == 0, res.output
+    model = load_model(tmp_path / "ens")
+    assert model.fedavg_meta["member_weights"] == pytest.approx([0.25, 0.75])
+    summary = json.loads((tmp_path / "ens" / "summary.json").read_text())
+    assert summary["accuracy"] == pytest.approx(evaluate_model(tmp_path / "ens")["accuracy"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategy", "greedy-soup"], "--validation"),
+    (["--strategy", "distill", "--validation", "digits"], "--distill-data"),
+    (["--strategy", "nope"], "unknown strategy"),
+    (["--strategy", "trimmed-mean", "--beta", "0.7"], "--beta"),
+])
+def test_merge_user_errors(tmp_path, node_models, args, message):
+    folder, _ = node_models
+    res = runner.invoke(app, ["merge", str(folder), "--output", str(tmp_path / "x"), *args])
+    assert res.exit_code == 2 and message in res.output, res.output
+    assert not (tmp_path / "x" / "model.safetensors").exists()
+
+
+def test_merge_refuses_mixed_architectures(tmp_path, node_models):
+    folder, _ = node_models
+    other = tmp_path / "nodes" / "node-9"
+    checkpoint.save(other, build_model("mlp", (1, 8, 8), 10, hidden=50).state_dict(),
+                    {**_meta(), "model": {**_meta()["model"], "args": {"hidden": 50}}})
+    res = runner.invoke(app, ["merge", str(folder), "--output", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "differs" in res.output and "'model'" in res.output
+    res = runner.invoke(app, ["merge", str(tmp_path / "missing"), "--output", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "no such model folder" in res.output
+    res = runner.invoke(app, ["merge", "--output", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "pass the model folders" in res.output
