@@ -1,13 +1,13 @@
 """fedavg: train many, then merge.
 
 Independent nodes each train a full copy of one model on their own data; a coordinator merges
-the copies (FedAvg over rounds, or one-shot merging) into one saved model for prediction. Runs on
-Flower's simulation engine (one machine) and deployment engine (many machines).
+the copies (FedAvg and its family over rounds, or one-shot merging: soups, ensembles,
+distillation) into one saved model for prediction. Runs on Flower's simulation engine.
 
 Python API (the CLI is a thin layer over it)::
 
     import fedavg
-    result = fedavg.simulate(dataset="digits", num_nodes=5, rounds=5, output="runs/demo")
+    result = fedavg.simulate(dataset="digits", num_nodes=5, rounds=10, output="runs/demo")
     model = fedavg.load_model(result.model_dir)          # torch.nn.Module
     fedavg.evaluate_model("runs/demo")                   # {"accuracy": ..., "loss": ...}
     fedavg.predict("runs/demo", ["digit.png"])           # [{"prediction": "7", ...}]
@@ -21,9 +21,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "simulate": "fedavg.simulation",
     "SimulationResult": "fedavg.simulation",
-    "load_model": "fedavg.predict",
-    "evaluate_model": "fedavg.predict",
-    "predict": "fedavg.predict",
+    "load_model": "fedavg.inference",
+    "evaluate_model": "fedavg.inference",
+    "predict": "fedavg.inference",
     "RunConfig": "fedavg.config",
     "DataConfig": "fedavg.config",
     "TrainConfig": "fedavg.config",

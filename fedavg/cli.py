@@ -108,11 +108,11 @@ def simulate(
     def _stop(signum, frame):
         # Ctrl-C or SIGTERM: stop Ray and clean up now, keep finished rounds, exit 130.
         # (Raising KeyboardInterrupt instead can deadlock inside Flower's worker pool.)
-        abort_active_runs()
         where = f" in {output}" if output else ""
         err_console.print(f"interrupted: finished rounds are kept{where}")
         sys.stdout.flush()
         sys.stderr.flush()
+        abort_active_runs()
         os._exit(130)
 
     signal.signal(signal.SIGINT, _stop)
@@ -170,7 +170,7 @@ def evaluate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Accuracy and loss of a saved model on a dataset split."""
-    from fedavg.predict import evaluate_model
+    from fedavg.inference import evaluate_model
 
     with _guard():
         res = evaluate_model(model_dir, dataset, split=split, image_column=image_column,
@@ -193,7 +193,7 @@ def predict(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
 ) -> None:
     """Predict classes with a saved model."""
-    from fedavg.predict import predict as run, write_predictions
+    from fedavg.inference import predict as run, write_predictions
 
     with _guard():
         if output is not None and output.suffix.lower() not in (".csv", ".json"):
@@ -201,7 +201,7 @@ def predict(
         rows = run(model_dir, inputs, split=split, device=device)
         if output is not None:
             write_predictions(rows, output)
-            console.print(f"{len(rows)} predictions written to {output}")
+            console.print(f"{len(rows)} prediction(s) written to {output}")
             return
     from rich.table import Table
 

@@ -324,7 +324,7 @@ def make_server_app(
                 return None
             merged = adapter.last_merged
             if merged is not None and merged.is_ensemble:
-                from fedavg.predict import model_from_artifacts
+                from fedavg.inference import model_from_artifacts
 
                 flat = {f"{checkpoint.MEMBER_PREFIX}{i}.{k}": v
                         for i, m in enumerate(merged.members) for k, v in m.items()}

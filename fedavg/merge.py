@@ -93,7 +93,7 @@ def merge_models(
         strategy that needs data it was not given.
     """
     from fedavg.coordinator import ModelSpec, merge_context, save_merged
-    from fedavg.predict import evaluate_model
+    from fedavg.inference import evaluate_model
 
     t0 = time.monotonic()
     config = config or RunConfig()

@@ -211,6 +211,8 @@ def _quiet_logs(verbose: bool) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    # A Ray call racing the end of a run must fail, not start a new Ray instance.
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
     import flwr.common.logger  # noqa: F401  (configures the "flwr" logger on import)
 
     level = logging.INFO if verbose else logging.CRITICAL
@@ -443,6 +445,11 @@ def _init_ray(backend: dict[str, Any]) -> None:
 
     import ray
 
+    from ray._private import auto_init_hook
+
+    # Flower's engine threads still call Ray while the run ends; with auto-connect on, such a
+    # call after shutdown starts a fresh Ray instance that outlives the command.
+    auto_init_hook.enable_auto_connect = False
     if ray.is_initialized():
         return
     main = threading.current_thread() is threading.main_thread()
@@ -473,8 +480,12 @@ def _abortable(tmp: str):
     since = time.time()
 
     def abort() -> None:
-        shutdown_ray(since=since, timeout_s=5.0)
+        # From a signal handler, while Flower's threads still use Ray: any Ray call now can
+        # make Ray's core worker end this process, and once the raylet is gone it will. So:
+        # no Ray call, the temporary data first, then SIGKILL to every Ray process at once
+        # (the raylet first, so that it cannot respawn its agents); the caller exits next.
         shutil.rmtree(tmp, ignore_errors=True)
+        kill_now(since)
 
     _ACTIVE.append(abort)
     try:
@@ -521,6 +532,33 @@ def _ray_processes(since: float) -> list:
                 or f"{os.sep}ray{os.sep}" in cmd:
             found.append(proc)
     return found
+
+
+def kill_now(since: float) -> None:
+    """Kill the Ray processes started at or after ``since``, at once.
+
+    All are frozen first (SIGSTOP), so that none can react (the raylet respawning its
+    agents, our own core worker noticing a dead raylet) while the others are killed.
+    """
+    import signal
+
+    import psutil
+
+    procs = {p.pid: p for p in psutil.Process().children(recursive=True)}
+    procs.update({p.pid: p for p in _ray_processes(since)})
+    order = []
+    for pid, proc in procs.items():
+        try:
+            if proc.create_time() < since:
+                continue
+            first = proc.name().startswith(("raylet", "gcs_server"))
+        except psutil.Error:
+            continue
+        order.insert(0, pid) if first else order.append(pid)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in order:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
 
 
 def shutdown_ray(since: float = 0.0, timeout_s: float = 10.0) -> None:

@@ -18,14 +18,20 @@ ENGINE_PROCESS_MARKERS = ("raylet", "gcs_server", "ray::", "flower-superlink",
 
 
 def engine_processes() -> list[str]:
-    """Live (non-zombie) Ray / Flower processes on this machine."""
+    """Live (non-zombie) Ray / Flower processes of this test session.
+
+    Commands started by the tests share pytest's process group, and so do the engine
+    processes they start (also once re-parented), so other jobs on the machine are not
+    counted.
+    """
     found = []
+    pgid = os.getpgid(0)
     for proc in psutil.process_iter(["pid", "cmdline", "status", "name"]):
         try:
-            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE or os.getpgid(proc.pid) != pgid:
                 continue
             cmd = " ".join(proc.info["cmdline"] or []) or (proc.info["name"] or "")
-        except psutil.Error:
+        except (psutil.Error, OSError):
             continue
         if any(marker in cmd for marker in ENGINE_PROCESS_MARKERS):
             found.append(f"{proc.info['pid']}: {cmd[:120]}")

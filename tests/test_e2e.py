@@ -87,6 +87,11 @@ def test_python_api_dirichlet(tmp_path, no_leaks):
     acc = float((logits.argmax(1).numpy() == test.y).mean())
     assert acc == pytest.approx(res.accuracy, abs=1e-6)
     assert fedavg.evaluate_model(res.model_dir)["accuracy"] == pytest.approx(acc, abs=1e-6)
+    # the API function, not the submodule, even after the submodule was imported
+    rows = fedavg.predict(res.model_dir, ["digits"])
+    assert len(rows) == len(test.y)
+    assert np.mean([int(r["prediction"]) == y for r, y in zip(rows, test.y)]) == \
+        pytest.approx(acc, abs=1e-6)
 
 
 def test_one_node_run(tmp_path, no_leaks):

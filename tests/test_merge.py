@@ -10,7 +10,7 @@ from fedavg import checkpoint
 from fedavg.cli import app
 from fedavg.data import load
 from fedavg.models import build_model
-from fedavg.predict import evaluate_model, load_model
+from fedavg.inference import evaluate_model, load_model
 
 runner = CliRunner()
 
