@@ -29,6 +29,9 @@ def _atomic_write(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as a plain open() would create it (mkstemp: 0600)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -112,6 +115,40 @@ def split_members(state_dict: Mapping[str, torch.Tensor], count: int) -> list[di
     return members
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
+def _meta_problem(meta: dict[str, Any]) -> str | None:
+    """What is wrong with a model description, or ``None``."""
+    model, classes, spec = meta["model"], meta["classes"], meta["input"]
+    if not isinstance(model, dict) or not isinstance(model.get("name"), str):
+        return "'model' must be an object with a 'name'"
+    if not isinstance(classes, list) or not classes or \
+            not all(isinstance(c, str) for c in classes):
+        return "'classes' must be a non-empty list of names"
+    if model.get("num_classes") != len(classes):
+        return f"'classes' has {len(classes)} names, the model {model.get('num_classes')} outputs"
+    if not isinstance(spec, dict):
+        return "'input' must be an object"
+    shape = spec.get("shape")
+    if not isinstance(shape, list) or not shape or \
+            not all(isinstance(s, int) and s > 0 for s in shape):
+        return "'input.shape' must be a list of positive integers"
+    if not _is_number(spec.get("scale")) or spec["scale"] <= 0:
+        return "'input.scale' must be a number > 0"
+    for key in ("mean", "std"):
+        values = spec.get(key)
+        if not isinstance(values, list) or len(values) != shape[0] or \
+                not all(_is_number(v) for v in values):
+            return f"'input.{key}' must hold {shape[0]} numbers"
+    if not all(v > 0 for v in spec["std"]):
+        return "'input.std' values must be > 0"
+    if "dataset" in meta and not isinstance(meta["dataset"], dict):
+        return "'dataset' must be an object"
+    return None
+
+
 def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load ``(state_dict, meta)`` saved by :func:`save`.
 
@@ -139,6 +176,9 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     for key in ("model", "classes", "input"):
         if key not in meta:
             raise UserError(f"{meta_path} lacks {key!r}; the artifact is damaged")
+    problem = _meta_problem(meta)
+    if problem:
+        raise UserError(f"{meta_path}: {problem}; the artifact is damaged")
     try:
         state_dict = load_file(str(weights))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:

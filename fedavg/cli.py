@@ -94,6 +94,7 @@ def simulate(
     cpus_per_node: Annotated[float, typer.Option(help="CPU cores each simulated node reserves")] = 1.0,
     gpus_per_node: Annotated[Optional[float], typer.Option(help="GPUs each node reserves (default 1 with CUDA)")] = None,
     output: Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<timestamp>)")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace a previous run in --output")] = False,
     verbose: Annotated[bool, typer.Option(help="Show Flower's and Ray's logs")] = False,
 ) -> None:
     """Train N nodes on one machine (Flower simulation engine) and save the merged model."""
@@ -101,15 +102,21 @@ def simulate(
 
     settings = {k: v for k, v in locals().items()
                 if k not in ("output", "verbose", "cpus_per_node", "gpus_per_node", "run",
-                             "abort_active_runs")}
+                             "abort_active_runs", "overwrite")}
     with _guard():
         config = RunConfig().replace(**settings)
+
+    stopping = []
 
     def _stop(signum, frame):
         # Ctrl-C or SIGTERM: stop Ray and clean up now, keep finished rounds, exit 130.
         # (Raising KeyboardInterrupt instead can deadlock inside Flower's worker pool.)
-        where = f" in {output}" if output else ""
-        err_console.print(f"interrupted: finished rounds are kept{where}")
+        if stopping:  # a second signal while stopping: the first one finishes the job
+            return
+        stopping.append(signum)
+        done = output is not None and (output / "metrics.jsonl").exists()
+        err_console.print("interrupted" + (f": finished rounds are kept in {output}" if done
+                                           else ""))
         sys.stdout.flush()
         sys.stderr.flush()
         abort_active_runs()
@@ -119,7 +126,7 @@ def simulate(
     signal.signal(signal.SIGTERM, _stop)
     with _guard():
         run(config, output=output, console=console, verbose=verbose,
-            cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node)
+            cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, overwrite=overwrite)
 
 
 @app.command()
@@ -178,9 +185,12 @@ def evaluate(
     if as_json:
         print(json.dumps(res))
     else:
+        from rich.markup import escape
+
         console.print(
-            f"{res['dataset']} [{res['split']}]: accuracy [bold]{res['accuracy']:.4f}[/], "
-            f"loss {res['loss']:.4f}, {res['num_examples']} samples"
+            f"{escape(res['dataset'])} \\[{escape(res['split'])}]: accuracy "
+            f"[bold]{res['accuracy']:.4f}[/], loss {res['loss']:.4f}, "
+            f"{res['num_examples']} samples"
         )
 
 

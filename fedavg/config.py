@@ -189,6 +189,8 @@ class RunConfig:
             raise UserError(f"--classes-per-node must be >= 1 (got {d.classes_per_node})")
         if d.partitioner == "natural" and not d.partition_by:
             raise UserError("--partitioner natural needs --partition-by COLUMN")
+        if d.seed < 0:
+            raise UserError(f"--seed must be >= 0 (got {d.seed})")
         if not 0 < d.test_fraction < 1:
             raise UserError(f"test fraction must be in (0, 1) (got {d.test_fraction})")
         if t.local_epochs < 1:

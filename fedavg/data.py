@@ -189,6 +189,10 @@ def load(
         an empty split.
     """
     if dataset in BUILTIN:
+        for flag, col in (("--image-column", image_column), ("--label-column", label_column),
+                          ("--partition-by", partition_by)):
+            if col is not None:
+                raise UserError(f"{flag} {col}: the built-in {dataset} dataset has no columns")
         data = _load_digits()
     else:
         dsdict = _open(dataset)
@@ -203,6 +207,9 @@ def load(
             f"no test split in {dataset}: held out {n_test} of {len(train)} train samples "
             f"({test_fraction:.0%}, seed {seed}) as test"
         )
+    if len(data.classes) < 2:
+        raise UserError(f"{dataset} has a single class ({data.classes}): a classifier needs at "
+                        "least two; check --label-column")
     return data
 
 
@@ -249,6 +256,7 @@ def _open(dataset: str):
     import datasets
 
     datasets.disable_progress_bars()
+    _quiet_hub_logs()
     path = Path(dataset).expanduser()
     if path.exists():
         try:
@@ -280,6 +288,19 @@ def _open(dataset: str):
             f"path, and the Hugging Face hub could not provide it ({_one_line(exc)}); "
             "give a local path or check the id and the network"
         ) from None
+
+
+def _quiet_hub_logs() -> None:
+    """Keep the hub's retry chatter and pyarrow's warnings off the user's terminal."""
+    import datasets
+
+    datasets.logging.set_verbosity_error()
+    try:
+        from huggingface_hub.utils import logging as hub_logging
+
+        hub_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover - comes with datasets
+        pass
 
 
 def _one_line(exc: BaseException) -> str:
@@ -344,13 +365,21 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by) -> Loaded
                 )
     if partition_by is not None:
         check(partition_by, "--partition-by")
+    if label in image:
+        raise UserError(f"column {label!r} is both the input and the label; pass another "
+                        "--image-column or --label-column")
 
     label_feature = features[label]
     if isinstance(label_feature, datasets.ClassLabel):
         classes = list(label_feature.names)
         mapping = None
     else:
-        values = np.asarray(train_ds[label])
+        values = np.asarray(train_ds[label], dtype=object)
+        empty = sum(v is None or (isinstance(v, float) and np.isnan(v)) for v in values)
+        if empty:
+            raise UserError(f"label column {label!r} has {empty} empty value(s) in split "
+                            f"{train_name!r}: fill or drop those rows")
+        values = np.asarray(list(values))
         if values.dtype.kind == "f" and not np.all(values == np.round(values)):
             raise UserError(
                 f"label column {label!r} holds non-integer numbers: fedavg trains classifiers; "
@@ -404,7 +433,13 @@ def _inputs(ds, columns: list[str], source: str) -> np.ndarray:
 
     if len(columns) > 1:  # tabular
         table = ds.with_format("numpy")
-        return np.stack([np.asarray(table[c], dtype=np.float32) for c in columns], axis=1)
+        x = np.stack([np.asarray(table[c], dtype=np.float32) for c in columns], axis=1)
+        bad = ~np.isfinite(x).all(axis=0)
+        if bad.any():
+            names = [c for c, b in zip(columns, bad) if b]
+            raise UserError(f"feature column(s) {names[:5]} of {source} have empty, NaN or "
+                            "infinite values: fill or drop them")
+        return x
     col = columns[0]
     feature = ds.features[col]
     if isinstance(feature, datasets.Image):
@@ -421,6 +456,8 @@ def _inputs(ds, columns: list[str], source: str) -> np.ndarray:
             f"column {col!r} of {source} holds {feature}, not images or numbers; "
             "pass --image-column"
         )
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise UserError(f"column {col!r} of {source} has NaN or infinite values")
     if arr.ndim == 1:
         return arr.astype(np.float32)[:, None]
     if arr.ndim == 2:
@@ -463,9 +500,15 @@ def decode_images(raw, source: str = "", size: tuple[int, int] | None = None,
             else:
                 img = Image.open(item)
             if mode is None:
-                mode = "L" if img.mode in ("L", "1", "I", "I;16", "F", "LA", "P") and not (
+                mode = "L" if img.mode in ("L", "1", "I", "I;16", "I;16B", "I;16L", "F", "LA",
+                                           "P") and not (
                     img.mode == "P" and "RGB" in img.palette.mode
                 ) else "RGB"
+            if img.mode.startswith("I;16") or img.mode == "I":
+                # 16/32-bit grey: scale to 8 bits (PIL's convert would clip at 255)
+                wide = np.asarray(img, dtype=np.float64)
+                top = 65535.0 if img.mode.startswith("I;16") else max(float(wide.max()), 1.0)
+                img = Image.fromarray(np.clip(wide * (255.0 / top), 0, 255).astype(np.uint8))
             img = img.convert(mode)
             if size is None:
                 size = (img.height, img.width)

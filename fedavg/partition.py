@@ -7,6 +7,8 @@ node that partition independently agree.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from fedavg.errors import UserError
@@ -99,6 +101,10 @@ def partition(
     elif scheme == "natural":
         if groups is None:
             raise UserError("--partitioner natural needs --partition-by COLUMN")
+        empty = int(np.isin(np.asarray(groups).astype(str), ["None", "nan", ""]).sum())
+        if empty:
+            raise UserError(f"the --partition-by column has {empty} empty value(s): fill or "
+                            "drop those rows")
         distinct = len(np.unique(groups))
         if distinct != num_partitions:
             raise UserError(
@@ -117,9 +123,11 @@ def partition(
     p.dataset = ds
     parts = []
     try:
-        for i in range(num_partitions):
-            idx = np.sort(np.asarray(p.load_partition(i)["index"], dtype=np.int64))
-            parts.append(idx)
+        with warnings.catch_warnings():  # their retry warnings would bury our one-line error
+            warnings.simplefilter("ignore")
+            for i in range(num_partitions):
+                idx = np.sort(np.asarray(p.load_partition(i)["index"], dtype=np.int64))
+                parts.append(idx)
     except ValueError as exc:  # DirichletPartitioner gives up after 10 tries
         raise UserError(
             f"cannot split {n} samples into {num_partitions} non-empty {scheme} partitions "

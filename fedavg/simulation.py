@@ -83,8 +83,34 @@ class SimulationResult:
 
 
 def default_output() -> Path:
-    """``runs/<YYYYmmdd-HHMMSS>`` under the current folder."""
-    return Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    """A new ``runs/<YYYYmmdd-HHMMSS>[-N]`` folder under the current folder (created)."""
+    base = Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 1000):
+        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            candidate.mkdir(parents=True, exist_ok=False)
+            return candidate
+        except FileExistsError:
+            continue
+    raise UserError(f"cannot find a free run folder next to {base}; pass --output")
+
+
+RUN_FILES = ("model.safetensors", "model.json", "metrics.jsonl", "summary.json")
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    """Refuse to write over a previous run's files unless ``overwrite``.
+
+    Raises
+    ------
+    UserError
+        ``out`` is a file, or holds a run and ``overwrite`` is false.
+    """
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output {out} is a file; give a folder")
+    if not overwrite and any((out / name).exists() for name in RUN_FILES):
+        raise UserError(f"{out} already holds a run; choose another --output or pass "
+                        "--overwrite to replace it")
 
 
 def prepare(config: RunConfig) -> Prepared:
@@ -131,7 +157,10 @@ def prepare(config: RunConfig) -> Prepared:
         "classes": data.classes,
         "input": data.input_spec(),
         "dataset": {
-            "source": data.source,
+            # a local path is stored absolute, so that evaluate works from any folder
+            "source": str(Path(data.source).expanduser().resolve())
+            if data.source not in ("digits",) and Path(data.source).expanduser().exists()
+            else data.source,
             "columns": data.columns,
             "train_samples": len(data.train),
             "test_samples": len(data.test),
@@ -252,6 +281,7 @@ def simulate(
     verbose: bool = False,
     cpus_per_node: float = 1.0,
     gpus_per_node: float | None = None,
+    overwrite: bool = False,
     **overrides: Any,
 ) -> SimulationResult:
     """Train ``num_nodes`` nodes on Flower's simulation engine and save the merged model.
@@ -270,6 +300,8 @@ def simulate(
     cpus_per_node, gpus_per_node : float
         Resources each simulated node reserves; nodes run in parallel as far as the
         machine's cores (and GPUs) allow. GPUs: 1 per node when CUDA is used, else 0.
+    overwrite : bool
+        Allow ``output`` to hold a previous run, whose files are replaced.
     **overrides
         Flat settings applied on top of ``config`` (``num_nodes=10``, ``alpha=0.1`` ...).
 
@@ -292,6 +324,8 @@ def simulate(
     resolve_device(config.train.device)
     backend = _backend_config(config.train.device, cpus_per_node, gpus_per_node, verbose)
     _quiet_logs(verbose)
+    if output is not None:
+        check_output(Path(output), overwrite)
 
     prepared = prepare(config)
     out = Path(output) if output is not None else default_output()
@@ -325,7 +359,7 @@ def simulate(
         try:
             if progress is not None:
                 progress.start()
-            _init_ray(backend)
+            _init_ray(backend, str(Path(tmp) / "ray"))
             _run_engine(server, client, config.merge.num_nodes, backend)
         except Exception as exc:
             if state.error is not None and isinstance(state.error, (RunError, UserError)):
@@ -336,7 +370,7 @@ def simulate(
         finally:
             if progress is not None:
                 progress.stop()
-            shutdown_ray(since=since)
+            shutdown_ray(since, tmp)
     if state.error is not None:
         raise state.error
     if len(state.rounds) != config.merge.rounds:
@@ -432,7 +466,7 @@ def _progress(console, config: RunConfig):
     return progress, on_round, on_failure
 
 
-def _init_ray(backend: dict[str, Any]) -> None:
+def _init_ray(backend: dict[str, Any], temp_dir: str) -> None:
     """Start Ray as Flower's Ray backend would, keeping the application's signal handlers.
 
     Flower's backend reuses an initialised Ray. Starting it here lets a handler the
@@ -458,7 +492,9 @@ def _init_ray(backend: dict[str, Any]) -> None:
     if os.environ.get("PYTHONPATH"):
         pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
     os.environ["PYTHONPATH"] = pythonpath
-    ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **backend["init_args"])
+    # A Ray folder of this run's own: its processes can be told from another run's.
+    ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, _temp_dir=temp_dir,
+             **backend["init_args"])
     for sig, handler in saved.items():
         if callable(handler) and handler is not signal.default_int_handler:
             signal.signal(sig, handler)
@@ -484,8 +520,8 @@ def _abortable(tmp: str):
         # make Ray's core worker end this process, and once the raylet is gone it will. So:
         # no Ray call, the temporary data first, then SIGKILL to every Ray process at once
         # (the raylet first, so that it cannot respawn its agents); the caller exits next.
+        kill_now(since, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        kill_now(since)
 
     _ACTIVE.append(abort)
     try:
@@ -505,11 +541,13 @@ def abort_active_runs() -> None:
             abort()
 
 
-def _ray_processes(since: float) -> list:
-    """Ray processes of this process group started at or after ``since`` (epoch seconds).
+def _ray_processes(since: float, marker: str) -> list:
+    """This run's Ray processes: started at or after ``since`` (epoch seconds), in our
+    process group, and using this run's Ray folder ``marker`` (command line or open files).
 
     Ray's agents can be respawned by a raylet that is shutting down and then outlive it,
-    re-parented away from us; they keep our process group, which is how they are found.
+    re-parented away from us; they keep our process group and their log files in our Ray
+    folder, which is how they are found without touching another run's Ray.
     """
     import psutil
 
@@ -528,13 +566,18 @@ def _ray_processes(since: float) -> list:
             continue
         name = info["name"] or ""
         cmd = " ".join(info["cmdline"] or [])
-        if name.startswith(("ray::", "raylet", "gcs_server")) or "ray::" in cmd \
-                or f"{os.sep}ray{os.sep}" in cmd:
-            found.append(proc)
+        if not (name.startswith(("ray::", "raylet", "gcs_server")) or "ray::" in cmd
+                or f"{os.sep}ray{os.sep}" in cmd):
+            continue
+        try:
+            if marker in cmd or any(f.path.startswith(marker) for f in proc.open_files()):
+                found.append(proc)
+        except psutil.Error:
+            continue
     return found
 
 
-def kill_now(since: float) -> None:
+def kill_now(since: float, marker: str) -> None:
     """Kill the Ray processes started at or after ``since``, at once.
 
     All are frozen first (SIGSTOP), so that none can react (the raylet respawning its
@@ -545,7 +588,7 @@ def kill_now(since: float) -> None:
     import psutil
 
     procs = {p.pid: p for p in psutil.Process().children(recursive=True)}
-    procs.update({p.pid: p for p in _ray_processes(since)})
+    procs.update({p.pid: p for p in _ray_processes(since, marker)})
     order = []
     for pid, proc in procs.items():
         try:
@@ -561,14 +604,14 @@ def kill_now(since: float) -> None:
                 os.kill(pid, sig)
 
 
-def shutdown_ray(since: float = 0.0, timeout_s: float = 10.0) -> None:
+def shutdown_ray(since: float, marker: str, timeout_s: float = 10.0) -> None:
     """Stop Ray if this process started it, and wait until its processes are gone.
 
     ``ray.shutdown()`` returns while the raylet and GCS server are still exiting, and Ray's
     agents can outlive a raylet that died first. This shuts Ray down, waits up to
-    ``timeout_s`` seconds for the processes it started (our descendants, and Ray processes
-    of our process group, started at or after ``since``, epoch seconds) and kills whatever
-    is still alive, so that nothing outlives the command.
+    ``timeout_s`` seconds for the processes it started (our descendants, and the Ray
+    processes using this run's Ray folder ``marker``, started at or after ``since``, epoch
+    seconds) and kills whatever is still alive, so that nothing outlives the command.
     """
     import psutil
 
@@ -576,7 +619,7 @@ def shutdown_ray(since: float = 0.0, timeout_s: float = 10.0) -> None:
 
     def ours() -> dict:
         procs = {}
-        for p in me.children(recursive=True) + _ray_processes(since):
+        for p in me.children(recursive=True) + _ray_processes(since, marker):
             with contextlib.suppress(psutil.Error):
                 if p.create_time() >= since:
                     procs[p.pid] = p

@@ -27,6 +27,8 @@ def resolve_device(device: str = "auto") -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
         raise UserError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():

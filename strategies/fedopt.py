@@ -11,8 +11,9 @@ variance negative (NaN); integer buffers keep their maximum.
 - FedAdam, FedYogi, FedAdagrad: Reddi et al. 2021, Adaptive Federated Optimization,
   arXiv:2003.00295.
 
-The update rules follow Flower's ``flwr.serverapp.strategy`` implementations of the same
-methods (including FedAdam's bias-corrected step size), and tests check both agree.
+The update rules and default step sizes follow Flower's ``flwr.serverapp.strategy``
+implementations of the same methods (including FedAdam's bias-corrected step size), and tests
+check both agree.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class FedAdam(_ServerOpt):
     description = "server-side Adam over the FedAvg pseudo-gradient (--server-lr, --tau)"
     paper = "Reddi et al. 2021, Adaptive Federated Optimization, arXiv:2003.00295"
 
-    def __init__(self, server_lr: float = 1e-2, tau: float = 1e-3) -> None:
+    def __init__(self, server_lr: float = 1e-1, tau: float = 1e-3) -> None:
         super().__init__(server_lr, tau)
 
     def step(self, key, w, delta):
@@ -170,7 +171,7 @@ class FedAdagrad(_ServerOpt):
     description = "server-side Adagrad over the FedAvg pseudo-gradient (--server-lr, --tau)"
     paper = "Reddi et al. 2021, Adaptive Federated Optimization, arXiv:2003.00295"
 
-    def __init__(self, server_lr: float = 1e-2, tau: float = 1e-3) -> None:
+    def __init__(self, server_lr: float = 1e-1, tau: float = 1e-3) -> None:
         super().__init__(server_lr, tau, beta1=0.0, beta2=0.0)
 
     def step(self, key, w, delta):

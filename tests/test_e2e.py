@@ -209,3 +209,22 @@ def test_server_optimiser_and_fedprox_runs(tmp_path, no_leaks):
         accs = [r["accuracy"] for r in res.rounds]
         assert accs[-1] > accs[0] and accs[-1] > 0.8, (name, accs)
         assert json.loads((res.output / "model.json").read_text())["strategy"] == name
+
+
+def test_two_runs_at_once_do_not_touch_each_other(tmp_path, no_leaks):
+    """Both in this process group: one run's clean-up must not stop the other's engine."""
+    long_run = subprocess.Popen(
+        [sys.executable, "-m", "fedavg.cli", "simulate", "--rounds", "12", "--local-epochs",
+         "3", "--output", str(tmp_path / "long")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "long" / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        run_cli("simulate", "--rounds", "1", "--num-nodes", "2", "--output", tmp_path / "short")
+        _, err = long_run.communicate(timeout=300)
+    finally:
+        if long_run.poll() is None:
+            long_run.kill()
+    assert long_run.returncode == 0, err
+    assert len(_read_jsonl(tmp_path / "long" / "metrics.jsonl")) == 12

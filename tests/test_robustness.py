@@ -1,0 +1,145 @@
+"""Bad input found by trying to break the tool: each gets a one-line UserError, nothing lost."""
+
+import json
+import os
+import warnings
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fedavg import checkpoint
+from fedavg.config import RunConfig
+from fedavg.data import decode_images, load
+from fedavg.errors import UserError
+from fedavg.models import build_model
+from fedavg.partition import partition
+from fedavg.simulation import check_output, default_output, prepare
+from fedavg.train import resolve_device
+
+
+def write_csv(path, header, rows):
+    path.write_text(header + "\n" + "\n".join(rows) + "\n")
+    return str(path)
+
+
+def test_empty_label_cells(tmp_path):
+    path = write_csv(tmp_path / "d.csv", "a,b,label",
+                     ["1,2,x", "3,4,", "5,6,y", "7,8,x", "1,1,y"])
+    with pytest.raises(UserError, match="1 empty value"):
+        load(path)
+
+
+def test_nan_in_feature_column_is_named(tmp_path):
+    path = write_csv(tmp_path / "d.csv", "a,b,label",
+                     ["1,2,0", "3,,1", "5,6,0", "7,8,1", "1,1,0"])
+    with pytest.raises(UserError, match=r"\['b'\]"):
+        load(path)
+
+
+def test_single_class_and_label_as_input(tmp_path):
+    path = write_csv(tmp_path / "d.csv", "a,b,label", ["1,2,0", "3,4,0", "5,6,0"])
+    with pytest.raises(UserError, match="single class"):
+        load(path)
+    path = write_csv(tmp_path / "e.csv", "a,b,label", ["1,2,0", "3,4,1", "5,6,0"])
+    with pytest.raises(UserError, match="both the input and the label"):
+        load(path, image_column="label")
+
+
+def test_builtin_has_no_columns():
+    with pytest.raises(UserError, match="built-in digits dataset has no columns"):
+        load("digits", partition_by="writer")
+
+
+def test_16_bit_grey_images_are_scaled_not_clipped(tmp_path):
+    values = np.array([[0, 32896], [65535, 257]], dtype=np.uint16)
+    path = tmp_path / "wide.png"
+    Image.fromarray(values).save(path)
+    x = decode_images([str(path)])
+    assert x.shape == (1, 1, 2, 2)
+    # 65535 -> 255, 32896 -> 128, 257 -> 1 (value * 255 / 65535)
+    assert x[0, 0].tolist() == [[0, 128], [255, 1]]
+
+
+def test_seed_and_device_checks():
+    with pytest.raises(UserError, match="--seed must be >= 0"):
+        RunConfig().replace(seed=-1).validate()
+    for bad in ("mps", "foo", "meta"):
+        with pytest.raises(UserError, match="unknown device"):
+            resolve_device(bad)
+    assert resolve_device("cpu").type == "cpu"
+
+
+def test_natural_partition_refuses_empty_ids():
+    groups = np.array(["a", "b", "None", "a", "b", "nan"])
+    with pytest.raises(UserError, match="2 empty value"):
+        partition(np.zeros(6, int), 4, "natural", groups=groups)
+
+
+def test_impossible_dirichlet_says_one_thing():
+    labels = np.repeat(np.arange(10), 20)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(UserError, match="fewer nodes or a larger --alpha"):
+            partition(labels, 150, "dirichlet", alpha=0.001)
+    assert not caught
+
+
+GOOD_META = {
+    "model": {"name": "mlp", "input_shape": [1, 8, 8], "num_classes": 3, "args": {}},
+    "classes": ["a", "b", "c"],
+    "input": {"shape": [1, 8, 8], "dtype": "uint8", "scale": 1 / 255, "mean": [0.3],
+              "std": [0.2]},
+}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"classes": 5}, "'classes'"),
+    ({"classes": ["a", "b"]}, "2 names, the model 3 outputs"),
+    ({"input": []}, "'input' must be an object"),
+    ({"input": {**GOOD_META["input"], "mean": [0.1, 0.2, 0.3]}}, "'input.mean' must hold 1"),
+    ({"input": {**GOOD_META["input"], "std": [0]}}, "must be > 0"),
+    ({"input": {**GOOD_META["input"], "scale": "big"}}, "'input.scale'"),
+    ({"input": {**GOOD_META["input"], "shape": "abc"}}, "'input.shape'"),
+    ({"dataset": "digits"}, "'dataset' must be an object"),
+])
+def test_damaged_model_json_is_refused(tmp_path, change, message):
+    checkpoint.save(tmp_path, build_model("mlp", (1, 8, 8), 3).state_dict(), GOOD_META)
+    meta = json.loads((tmp_path / "model.json").read_text())
+    meta.update(change)
+    (tmp_path / "model.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="damaged") as info:
+        checkpoint.load(tmp_path)
+    assert message in str(info.value)
+
+
+def test_artifacts_are_readable_like_other_files(tmp_path):
+    checkpoint.save(tmp_path, build_model("mlp", (1, 8, 8), 3).state_dict(), GOOD_META)
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("model.json", "model.safetensors"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_output_folder_of_a_previous_run_is_not_overwritten(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(UserError, match="--overwrite"):
+        check_output(tmp_path, overwrite=False)
+    check_output(tmp_path, overwrite=True)
+    check_output(tmp_path / "new", overwrite=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="is a file"):
+        check_output(tmp_path / "file", overwrite=True)
+
+
+def test_default_run_folders_are_distinct(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first, second = default_output(), default_output()
+    assert first != second and first.is_dir() and second.is_dir()
+
+
+def test_local_dataset_path_is_stored_absolute(tmp_path, monkeypatch):
+    write_csv(tmp_path / "d.csv", "a,b,label", [f"{i},{i % 3},{i % 2}" for i in range(20)])
+    monkeypatch.chdir(tmp_path)
+    prepared = prepare(RunConfig().replace(dataset="d.csv", num_nodes=2))
+    assert prepared.meta["dataset"]["source"] == str((tmp_path / "d.csv").resolve())
