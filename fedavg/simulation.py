@@ -289,7 +289,7 @@ def simulate(
     Parameters
     ----------
     config : RunConfig, optional
-        Run settings; defaults (digits, 5 nodes, 5 rounds, FedAvg) when omitted.
+        Run settings; defaults (digits, 5 nodes, 10 rounds, FedAvg) when omitted.
     output : path, optional
         Run folder (default ``runs/<timestamp>``): ``model.safetensors``, ``model.json``,
         ``metrics.jsonl``, ``summary.json``.
@@ -317,7 +317,9 @@ def simulate(
         A round in which no node produced a usable model; finished rounds stay saved.
     """
     t0 = time.monotonic()
-    config = (config or RunConfig()).replace(**overrides) if overrides else (config or RunConfig())
+    config = config or RunConfig()
+    if overrides:
+        config = config.replace(**overrides)
     config.validate()
     from fedavg.train import resolve_device
 
