@@ -31,7 +31,6 @@ import strategies
 from fedavg import checkpoint
 from fedavg.config import RunConfig
 from fedavg.coordinator import ModelSpec, merge_context
-from fedavg.models import EnsembleModel
 from fedavg.simulation import prepare
 from fedavg.train import evaluate
 
@@ -74,12 +73,7 @@ def main() -> None:
 
     def acc_of(merged: strategies.Merged) -> float:
         if merged.is_ensemble:
-            members = []
-            for m in merged.members:
-                net = spec.build()
-                net.load_state_dict(m)
-                members.append(net)
-            model = EnsembleModel(members, merged.member_weights)
+            model = spec.build_ensemble(merged.members, merged.member_weights)
         else:
             model = spec.build()
             model.load_state_dict(merged.state_dict)

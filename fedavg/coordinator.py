@@ -191,6 +191,18 @@ class ModelSpec:
         """A fresh instance."""
         return build_model(self.name, self.input_shape, self.num_classes, **self.args)
 
+    def build_ensemble(self, members: list[dict[str, torch.Tensor]],
+                       weights: list[float]) -> torch.nn.Module:
+        """An :class:`~fedavg.models.EnsembleModel` of instances loaded with ``members``."""
+        from fedavg.models import EnsembleModel
+
+        nets = []
+        for state in members:
+            net = self.build()
+            net.load_state_dict(state)
+            nets.append(net)
+        return EnsembleModel(nets, weights)
+
 
 def merge_context(spec: ModelSpec, input_spec: dict[str, Any], seed: int,
                   validation: Split | None = None, distill_x=None,
@@ -324,12 +336,7 @@ def make_server_app(
                 return None
             merged = adapter.last_merged
             if merged is not None and merged.is_ensemble:
-                from fedavg.inference import model_from_artifacts
-
-                flat = {f"{checkpoint.MEMBER_PREFIX}{i}.{k}": v
-                        for i, m in enumerate(merged.members) for k, v in m.items()}
-                scored = model_from_artifacts(flat, {**meta, "kind": "ensemble",
-                                                     "member_weights": merged.member_weights})
+                scored = spec.build_ensemble(merged.members, merged.member_weights)
             else:
                 model.load_state_dict(arrays.to_torch_state_dict())
                 scored = model
