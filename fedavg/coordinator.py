@@ -60,6 +60,48 @@ class RunState:
     error: BaseException | None = None
 
 
+class StreamingGrid:
+    """A Flower ``Grid`` whose ``send_and_receive`` yields each reply as it arrives.
+
+    Flower's own ``send_and_receive`` returns the list of all replies of a round, so the
+    coordinator would hold every node's model at once. With this wrapper (public
+    ``push_messages`` / ``pull_messages`` only) the strategy's ``aggregate_train`` folds each
+    model in and drops it before the next one is pulled: memory O(model), not
+    O(nodes x model). Everything else is delegated to the wrapped grid.
+
+    Parameters
+    ----------
+    grid : flwr.serverapp.Grid
+        The run's grid.
+    poll_s : float
+        Seconds between polls while no reply is waiting.
+    """
+
+    def __init__(self, grid: Grid, poll_s: float = 0.05) -> None:
+        self._grid = grid
+        self.poll_s = poll_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+    def send_and_receive(self, messages: Iterable[Message], *,
+                         timeout: float | None = None) -> Iterable[Message]:
+        """Push now; return a generator of the replies, pulled while it is consumed."""
+        pending = set(self._grid.push_messages(messages))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._replies(pending, deadline)
+
+    def _replies(self, pending: set[str], deadline: float | None) -> Iterable[Message]:
+        while pending and (deadline is None or time.monotonic() < deadline):
+            got = list(self._grid.pull_messages(pending))
+            for msg in got:
+                pending.discard(msg.metadata.reply_to_message_id)
+            while got:
+                yield got.pop(0)  # hand over one at a time, keeping no reference
+            if pending:
+                time.sleep(self.poll_s)
+
+
 class FlowerAdapter(FlowerFedAvg):
     """Flower's FedAvg for sampling and messaging, with aggregation by a ``strategies`` method.
 
@@ -362,7 +404,7 @@ def make_server_app(
             return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
 
         adapter.start(
-            grid=grid,
+            grid=StreamingGrid(grid),
             initial_arrays=ArrayRecord(initial),
             num_rounds=config.merge.rounds,
             timeout=config.merge.round_timeout,

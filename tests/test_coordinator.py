@@ -1,5 +1,7 @@
 """The coordinator's adapter: Flower replies in, our merge out; malformed updates left out."""
 
+import time
+
 import pytest
 import torch
 from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
@@ -82,3 +84,49 @@ def test_error_summary_finds_the_original_exception():
     assert error_summary(wrapped) == "FloatingPointError: training diverged (loss nan)"
     assert error_summary("Exception occurred. Message: disk full'>") == "disk full"
     assert error_summary("") == "unknown error"
+
+
+class _FakeGrid:
+    """Replies become available one per pull; records how often it was pulled."""
+
+    def __init__(self, replies):
+        self.replies = list(replies)
+        self.pulls = 0
+
+    def push_messages(self, messages):
+        return [f"id{i}" for i, _ in enumerate(messages)]
+
+    def pull_messages(self, ids):
+        self.pulls += 1
+        return [self.replies.pop(0)] if self.replies else []
+
+    def get_node_ids(self):
+        return [1, 2, 3]
+
+
+class _Reply:
+    def __init__(self, i):
+        self.metadata = type("M", (), {"reply_to_message_id": f"id{i}"})()
+
+
+def test_streaming_grid_yields_replies_as_they_arrive():
+    from fedavg.coordinator import StreamingGrid
+
+    fake = _FakeGrid([_Reply(i) for i in range(3)])
+    grid = StreamingGrid(fake, poll_s=0.0)
+    assert grid.get_node_ids() == [1, 2, 3]  # everything else is delegated
+    replies = grid.send_and_receive(["m0", "m1", "m2"], timeout=10)
+    assert fake.pulls == 0  # nothing pulled until the merge asks for a reply
+    first = next(iter(replies))
+    assert first.metadata.reply_to_message_id == "id0" and fake.pulls == 1
+    assert [r.metadata.reply_to_message_id for r in replies] == ["id1", "id2"]
+    assert fake.pulls == 3
+
+
+def test_streaming_grid_stops_at_the_timeout():
+    from fedavg.coordinator import StreamingGrid
+
+    grid = StreamingGrid(_FakeGrid([]), poll_s=0.01)
+    start = time.monotonic()
+    assert list(grid.send_and_receive(["m0"], timeout=0.2)) == []
+    assert 0.2 <= time.monotonic() - start < 2
