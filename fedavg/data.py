@@ -213,6 +213,31 @@ def load(
     return data
 
 
+def conform(split: Split, source: str, shape: tuple[int, ...] | list[int],
+            split_classes: list[str] | None = None,
+            classes: list[str] | None = None) -> Split:
+    """Check ``split``'s inputs have ``shape`` and relabel it from ``split_classes`` to
+    ``classes`` by class name (labels are left alone when either is ``None``).
+
+    Raises
+    ------
+    UserError
+        Other input shape, or labels that ``classes`` does not have.
+    """
+    if tuple(split.x.shape[1:]) != tuple(shape):
+        raise UserError(f"{source} has inputs of shape {tuple(split.x.shape[1:])}, the model "
+                        f"expects {tuple(shape)}")
+    if split_classes is None or classes is None or list(split_classes) == list(classes):
+        return split
+    index = {c: i for i, c in enumerate(classes)}
+    unknown = [c for c in split_classes if c not in index]
+    if unknown:
+        raise UserError(f"{source} has labels the model does not know: {unknown[:5]} "
+                        f"(model classes: {', '.join(list(classes)[:10])})")
+    mapping = np.asarray([index[c] for c in split_classes])
+    return Split(split.x, mapping[split.y], split.groups)
+
+
 def holdout(split: Split, fraction: float, seed: int) -> tuple[Split, Split]:
     """Split off a seeded random ``fraction`` of ``split``: ``(rest, held_out)``.
 

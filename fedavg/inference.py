@@ -11,7 +11,15 @@ import numpy as np
 import torch
 
 from fedavg import checkpoint
-from fedavg.data import FILE_BUILDERS, IMAGE_SUFFIXES, BUILTIN, decode_images, load, looks_like_path
+from fedavg.data import (
+    BUILTIN,
+    FILE_BUILDERS,
+    IMAGE_SUFFIXES,
+    conform,
+    decode_images,
+    load,
+    looks_like_path,
+)
 from fedavg.errors import UserError
 from fedavg.models import build_model
 from fedavg.train import evaluate as _evaluate
@@ -94,27 +102,6 @@ def model_from_artifacts(state: dict, meta: dict, where: str = "the model") -> t
     return model
 
 
-def _align_classes(model_classes: list[str], data_classes: list[str], source: str) -> np.ndarray:
-    if list(model_classes) == list(data_classes):
-        return np.arange(len(data_classes))
-    index = {c: i for i, c in enumerate(model_classes)}
-    missing = [c for c in data_classes if c not in index]
-    if missing:
-        raise UserError(
-            f"{source} has labels the model does not know: {missing[:5]} (model classes: "
-            f"{', '.join(model_classes[:10])})"
-        )
-    return np.asarray([index[c] for c in data_classes])
-
-
-def _check_shape(x: np.ndarray, meta: dict[str, Any], source: str) -> None:
-    want = tuple(meta["input"]["shape"])
-    if tuple(x.shape[1:]) != want:
-        raise UserError(
-            f"{source} has inputs of shape {tuple(x.shape[1:])}, the model expects {want}"
-        )
-
-
 def evaluate_model(
     directory: str | Path,
     dataset: str | None = None,
@@ -164,10 +151,9 @@ def evaluate_model(
     )
     if split not in data.splits:
         raise UserError(f"{source} has no split {split!r}; splits: {', '.join(data.splits)}")
-    part = data.splits[split]
-    _check_shape(part.x, meta, source)
-    y = _align_classes(meta["classes"], data.classes, source)[part.y]
-    res = _evaluate(model, part.x, y, meta["input"], batch_size=batch_size,
+    part = conform(data.splits[split], source, meta["input"]["shape"], data.classes,
+                   meta["classes"])
+    res = _evaluate(model, part.x, part.y, meta["input"], batch_size=batch_size,
                     device=resolve_device(device))
     return {**res, "split": split, "dataset": source}
 
@@ -262,8 +248,7 @@ def predict(
         data = load(source)
         if split not in data.splits:
             raise UserError(f"{source} has no split {split!r}; splits: {', '.join(data.splits)}")
-        part = data.splits[split]
-        _check_shape(part.x, meta, source)
+        part = conform(data.splits[split], source, meta["input"]["shape"])
         batches.append(part.x)
         names.extend(f"{source}#{split}[{i}]" for i in range(len(part)))
     rows = []

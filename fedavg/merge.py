@@ -6,11 +6,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 
 from fedavg import checkpoint
 from fedavg.config import RunConfig
-from fedavg.data import Split, holdout, load
+from fedavg.data import Split, conform, holdout, load
 from fedavg.errors import UserError
 
 
@@ -47,15 +46,7 @@ def _validation(source: str, meta: dict[str, Any], fraction: float) -> Split:
         split = data.splits["validation"]
     else:  # the same slice `fedavg simulate` keeps from the nodes for this dataset and seed
         _, split = holdout(data.train, fraction, seed + 1)
-    if list(data.classes) != list(meta["classes"]):
-        index = {c: i for i, c in enumerate(meta["classes"])}
-        if any(c not in index for c in data.classes):
-            raise UserError(f"{source} has labels the models do not know")
-        split = Split(split.x, np.asarray([index[c] for c in data.classes])[split.y])
-    if tuple(split.x.shape[1:]) != tuple(meta["input"]["shape"]):
-        raise UserError(f"{source} has inputs of shape {tuple(split.x.shape[1:])}, the models "
-                        f"expect {tuple(meta['input']['shape'])}")
-    return split
+    return conform(split, source, meta["input"]["shape"], data.classes, meta["classes"])
 
 
 def merge_models(

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fedavg.config import RunConfig
-from fedavg.data import LoadedData, Split, holdout, load
+from fedavg.data import LoadedData, Split, conform, holdout, load
 from fedavg.errors import RunError, UserError
 from fedavg.partition import label_counts, partition
 
@@ -179,18 +179,8 @@ def prepare(config: RunConfig) -> Prepared:
 def _aligned_split(source: str, data: LoadedData, flag: str, labels: bool = True) -> Split:
     """The train split of another dataset, checked against ``data``'s inputs and classes."""
     other = load(source)
-    split = other.train
-    if split.x.shape[1:] != data.train.x.shape[1:]:
-        raise UserError(f"{flag} {source} has inputs of shape {split.x.shape[1:]}, the training "
-                        f"data {data.train.x.shape[1:]}")
-    if labels:
-        index = {c: i for i, c in enumerate(data.classes)}
-        unknown = [c for c in other.classes if c not in index]
-        if unknown:
-            raise UserError(f"{flag} {source} has labels the training data lacks: {unknown[:5]}")
-        mapping = np.asarray([index[c] for c in other.classes])
-        split = Split(split.x, mapping[split.y])
-    return split
+    return conform(other.train, f"{flag} {source}", data.input_shape,
+                   other.classes if labels else None, data.classes)
 
 
 def write_node_data(path: str | Path, x: np.ndarray, y: np.ndarray,
