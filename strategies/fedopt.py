@@ -11,9 +11,10 @@ variance negative (NaN); integer buffers keep their maximum.
 - FedAdam, FedYogi, FedAdagrad: Reddi et al. 2021, Adaptive Federated Optimization,
   arXiv:2003.00295.
 
-The update rules and default step sizes follow Flower's ``flwr.serverapp.strategy``
-implementations of the same methods (including FedAdam's bias-corrected step size), and tests
-check both agree.
+The update rules follow Flower's ``flwr.serverapp.strategy`` implementations of the same
+methods (including FedAdam's bias-corrected step size), and tests check both agree. Default
+step sizes are Flower's, except FedAdam's (``server_lr`` 0.3, ``tau`` 0.03): with Flower's
+(0.1, 1e-3) or 0.01, a CNN on MNIST Dirichlet(0.5) collapsed to chance in the first rounds.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class FedAdam(_ServerOpt):
     description = "server-side Adam over the FedAvg pseudo-gradient (--server-lr, --tau)"
     paper = "Reddi et al. 2021, Adaptive Federated Optimization, arXiv:2003.00295"
 
-    def __init__(self, server_lr: float = 1e-1, tau: float = 1e-3) -> None:
+    def __init__(self, server_lr: float = 0.3, tau: float = 0.03) -> None:
         super().__init__(server_lr, tau)
 
     def step(self, key, w, delta):
