@@ -131,8 +131,8 @@ def _flower(name):
 
 
 OURS = {"fedavgm": {"server_lr": 0.7, "server_momentum": 0.9},
-        "fedadam": {"server_lr": 0.05}, "fedyogi": {"server_lr": 0.05},
-        "fedadagrad": {"server_lr": 0.05}, "trimmed-mean": {"beta": 0.2},
+        "fedadam": {"server_lr": 0.05, "tau": 1e-3}, "fedyogi": {"server_lr": 0.05, "tau": 1e-3},
+        "fedadagrad": {"server_lr": 0.05, "tau": 1e-3}, "trimmed-mean": {"beta": 0.2},
         "krum": {"num_malicious": 1}, "multi-krum": {"num_malicious": 1}}
 
 
