@@ -13,8 +13,9 @@ variance negative (NaN); integer buffers keep their maximum.
 
 The update rules follow Flower's ``flwr.serverapp.strategy`` implementations of the same
 methods (including FedAdam's bias-corrected step size), and tests check both agree. Default
-step sizes are Flower's, except FedAdam's (``server_lr`` 0.3, ``tau`` 0.03): with Flower's
-(0.1, 1e-3) or 0.01, a CNN on MNIST Dirichlet(0.5) collapsed to chance in the first rounds.
+step sizes are Flower's, except FedAdam's (``server_lr`` 0.15, ``tau`` 0.03), chosen on a CNN
+on MNIST Dirichlet(0.5), 10 nodes, 10 rounds: 0.9817 test accuracy, where Flower's (0.1, 1e-3)
+and 0.01 fell to chance in the first rounds, 0.3 oscillated (0.973) and 0.1 was slower (0.980).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class FedAdam(_ServerOpt):
     description = "server-side Adam over the FedAvg pseudo-gradient (--server-lr, --tau)"
     paper = "Reddi et al. 2021, Adaptive Federated Optimization, arXiv:2003.00295"
 
-    def __init__(self, server_lr: float = 0.3, tau: float = 0.03) -> None:
+    def __init__(self, server_lr: float = 0.15, tau: float = 0.03) -> None:
         super().__init__(server_lr, tau)
 
     def step(self, key, w, delta):
