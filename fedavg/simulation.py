@@ -509,10 +509,10 @@ def _abortable(tmp: str):
 
     def abort() -> None:
         # From a signal handler, while Flower's threads still use Ray: any Ray call now can
-        # make Ray's core worker end this process, and once the raylet is gone it will. So:
-        # no Ray call, the temporary data first, then SIGKILL to every Ray process at once
-        # (the raylet first, so that it cannot respawn its agents); the caller exits next.
-        kill_now(since, tmp)
+        # make Ray's core worker end this process, and once the raylet is gone it will (with
+        # exit code 1). So: no Ray call; freeze every Ray process, remove the temporary data,
+        # and leave the killing to a child that waits for this process to exit first.
+        kill_now(since, tmp, after_exit=True)
         shutil.rmtree(tmp, ignore_errors=True)
 
     _ACTIVE.append(abort)
@@ -569,11 +569,13 @@ def _ray_processes(since: float, marker: str) -> list:
     return found
 
 
-def kill_now(since: float, marker: str) -> None:
+def kill_now(since: float, marker: str, after_exit: bool = False) -> None:
     """Kill the Ray processes started at or after ``since``, at once.
 
     All are frozen first (SIGSTOP), so that none can react (the raylet respawning its
     agents, our own core worker noticing a dead raylet) while the others are killed.
+    With ``after_exit``, a forked child sends the SIGKILLs once this process has exited
+    (at most 5 seconds later), so that this process's exit code is its own.
     """
     import signal
 
@@ -590,10 +592,25 @@ def kill_now(since: float, marker: str) -> None:
         except psutil.Error:
             continue
         order.insert(0, pid) if first else order.append(pid)
-    for sig in (signal.SIGSTOP, signal.SIGKILL):
-        for pid in order:
-            with contextlib.suppress(OSError):
-                os.kill(pid, sig)
+    for pid in order:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGSTOP)
+    if after_exit:
+        parent = os.getpid()
+        if os.fork() != 0:
+            return
+        try:  # the child: only plain system calls from here
+            deadline = time.monotonic() + 5.0
+            while os.getppid() == parent and time.monotonic() < deadline:
+                time.sleep(0.005)
+            for pid in order:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    for pid in order:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def shutdown_ray(since: float, marker: str, timeout_s: float = 10.0) -> None:
