@@ -59,7 +59,7 @@ def _model_for(spec_json: str) -> torch.nn.Module:
                        **spec.get("args", {}))
 
 
-def train_config(config: Any, **extra: Any) -> dict[str, Any]:
+def train_config(config: Any) -> dict[str, Any]:
     """Decode a round's ConfigRecord into plain values."""
     return {
         "model": json.loads(str(config["model"])),
@@ -72,7 +72,6 @@ def train_config(config: Any, **extra: Any) -> dict[str, Any]:
         "seed": int(config["seed"]),
         "round": int(config.get(keys.SERVER_ROUND, 0)),
         "proximal_mu": float(config.get("proximal-mu", 0.0)),
-        **extra,
     }
 
 

@@ -512,7 +512,7 @@ def _abortable(tmp: str):
         # make Ray's core worker end this process, and once the raylet is gone it will (with
         # exit code 1). So: no Ray call; freeze every Ray process, remove the temporary data,
         # and leave the killing to a child that waits for this process to exit first.
-        kill_now(since, tmp, after_exit=True)
+        kill_after_exit(since, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
 
     _ACTIVE.append(abort)
@@ -569,13 +569,13 @@ def _ray_processes(since: float, marker: str) -> list:
     return found
 
 
-def kill_now(since: float, marker: str, after_exit: bool = False) -> None:
-    """Kill the Ray processes started at or after ``since``, at once.
+def kill_after_exit(since: float, marker: str) -> None:
+    """Freeze this run's Ray processes now; kill them once this process has exited.
 
-    All are frozen first (SIGSTOP), so that none can react (the raylet respawning its
-    agents, our own core worker noticing a dead raylet) while the others are killed.
-    With ``after_exit``, a forked child sends the SIGKILLs once this process has exited
-    (at most 5 seconds later), so that this process's exit code is its own.
+    All are frozen at once (SIGSTOP), so that none can react (the raylet respawning its
+    agents, our own core worker noticing a dead raylet and ending this process with code
+    1). A forked child sends the SIGKILLs once this process has exited (at most 5 seconds
+    later), so that this process's exit code is its own.
     """
     import signal
 
@@ -585,32 +585,24 @@ def kill_now(since: float, marker: str, after_exit: bool = False) -> None:
     procs.update({p.pid: p for p in _ray_processes(since, marker)})
     order = []
     for pid, proc in procs.items():
-        try:
-            if proc.create_time() < since:
-                continue
-            first = proc.name().startswith(("raylet", "gcs_server"))
-        except psutil.Error:
-            continue
-        order.insert(0, pid) if first else order.append(pid)
+        with contextlib.suppress(psutil.Error):
+            if proc.create_time() >= since:
+                order.append(pid)
     for pid in order:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGSTOP)
-    if after_exit:
-        parent = os.getpid()
-        if os.fork() != 0:
-            return
-        try:  # the child: only plain system calls from here
-            deadline = time.monotonic() + 5.0
-            while os.getppid() == parent and time.monotonic() < deadline:
-                time.sleep(0.005)
-            for pid in order:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-        finally:
-            os._exit(0)
-    for pid in order:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    parent = os.getpid()
+    if os.fork() != 0:
+        return
+    try:  # the child: only plain system calls from here
+        deadline = time.monotonic() + 5.0
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for pid in order:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    finally:
+        os._exit(0)
 
 
 def shutdown_ray(since: float, marker: str, timeout_s: float = 10.0) -> None:
