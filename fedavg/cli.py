@@ -249,6 +249,127 @@ def models() -> None:
     console.print(table)
 
 
+
+def _on_signal(message: str):
+    """Ctrl-C / SIGTERM: stop our Flower processes, keep finished rounds, exit 130."""
+    def _stop(signum, frame):
+        from fedavg.deploy import stop_all
+
+        err_console.print(message)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        stop_all()
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+
+
+_SIM_ONLY = ("num_nodes", "cpus_per_node", "gpus_per_node", "verbose")
+
+
+def coordinator(**kwargs) -> None:
+    """Coordinate training across machines: start a Flower SuperLink and run the rounds."""
+    from fedavg.deploy import coordinate
+
+    deploy = {k: kwargs.pop(k) for k in ("address", "certs", "insecure", "auth_keys",
+                                          "min_nodes", "min_nodes_per_round", "wait_timeout",
+                                          "output", "overwrite")}
+    _setup_logging()
+    with _guard():
+        config = RunConfig().replace(**kwargs)
+    out = deploy["output"]
+    _on_signal("interrupted" + (f": finished rounds are kept in {out}" if out else ""))
+    with _guard():
+        coordinate(config, console=console, **deploy)
+
+
+def _coordinator_signature() -> None:
+    import inspect
+
+    params = [p for name, p in inspect.signature(simulate).parameters.items()
+              if name not in _SIM_ONLY and name != "output" and name != "overwrite"]
+    extra = dict(
+        min_nodes=(Annotated[int, typer.Option(help="Nodes to wait for before round 1")], 2),
+        min_nodes_per_round=(Annotated[Optional[int], typer.Option(help="Usable replies a round needs (default: half the nodes it samples, rounded up)")], None),
+        wait_timeout=(Annotated[float, typer.Option(help="Seconds to wait for --min-nodes nodes")], 300.0),
+        address=(Annotated[str, typer.Option(help="host:port to listen on; 0.0.0.0:PORT for other machines")], "127.0.0.1:9092"),
+        certs=(Annotated[Optional[Path], typer.Option(help="Folder from `fedavg certs` (TLS)")], None),
+        insecure=(Annotated[bool, typer.Option(help="No TLS (traffic unencrypted)")], False),
+        auth_keys=(Annotated[Optional[Path], typer.Option(help="Node public keys allowed in (file, one per line, or folder of *.pub)")], None),
+        output=(Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<timestamp>)")], None),
+        overwrite=(Annotated[bool, typer.Option(help="Replace a previous run in --output")], False),
+    )
+    for name, (ann, default) in extra.items():
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                        annotation=ann))
+    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params]
+    coordinator.__signature__ = inspect.Signature(params)
+    coordinator.__annotations__ = {p.name: p.annotation for p in params}
+
+
+_coordinator_signature()
+app.command(name="coordinator")(coordinator)
+
+
+def _setup_logging() -> None:
+    """Send the SuperLink/SuperNode warnings we pick out to stderr via the fedavg logger."""
+    logging.getLogger("fedavg").setLevel(logging.WARNING)
+
+
+@app.command()
+def node(
+    coordinator: Annotated[str, typer.Option(help="host:port of `fedavg coordinator`")] = "127.0.0.1:9092",
+    dataset: Annotated[str, typer.Option(help="This node's data: digits, a local path, or a hub id")] = "digits",
+    partition_id: Annotated[Optional[int], typer.Option(help="Train on this partition of --dataset (split as the run's partitioner says)")] = None,
+    num_partitions: Annotated[Optional[int], typer.Option(help="Number of partitions of --dataset")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N")] = "auto",
+    gpus: Annotated[Optional[str], typer.Option(help="Start one node per listed GPU, e.g. 0,1,2,3 (partition ids count up from --partition-id)")] = None,
+    certs: Annotated[Optional[Path], typer.Option(help="Folder holding the coordinator's ca.crt (TLS)")] = None,
+    insecure: Annotated[bool, typer.Option(help="No TLS (traffic unencrypted)")] = False,
+    auth_key: Annotated[Optional[Path], typer.Option(help="This node's private key (node-<i>.key from `fedavg certs --nodes`)")] = None,
+    once: Annotated[bool, typer.Option(help="Exit after one run (default: serve runs until stopped)")] = False,
+    max_wait_time: Annotated[Optional[float], typer.Option(help="Give up after this many seconds without reaching the coordinator (default: keep retrying)")] = None,
+) -> None:
+    """Join runs of a coordinator: a Flower SuperNode plus one warm training process."""
+    from fedavg.deploy import serve_node, serve_gpu_nodes
+
+    _setup_logging()
+    _on_signal("node stopped")
+    with _guard():
+        if gpus is not None:
+            code = serve_gpu_nodes(gpus, coordinator=coordinator, dataset=dataset,
+                                   partition_id=partition_id, num_partitions=num_partitions,
+                                   device=device, certs=certs, insecure=insecure,
+                                   auth_key=auth_key, once=once, max_wait_time=max_wait_time,
+                                   console=console)
+            raise typer.Exit(code)
+        n = serve_node(coordinator, dataset=dataset, partition_id=partition_id,
+                       num_partitions=num_partitions, device=device, certs=certs,
+                       insecure=insecure, auth_key=auth_key, once=once,
+                       max_wait_time=max_wait_time, console=console)
+        console.print(f"node done: {n} task(s) run")
+
+
+@app.command()
+def certs(
+    folder: Annotated[Path, typer.Argument(help="Folder to write ca.crt, coordinator.crt/.key and node keys into")],
+    host: Annotated[Optional[list[str]], typer.Option(help="Host name or IP nodes use to reach the coordinator; repeatable")] = None,
+    nodes: Annotated[int, typer.Option(help="Node key pairs to make (for --auth-keys / --auth-key)")] = 0,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing CA in FOLDER")] = False,
+) -> None:
+    """Make a CA, the coordinator's TLS certificate and node keys (quick start)."""
+    from fedavg.certs import make_certs
+
+    with _guard():
+        written = make_certs(folder, hosts=host or [], nodes=nodes, overwrite=overwrite)
+    for path in written:
+        console.print(f"wrote {path}")
+    console.print(f"coordinator: --certs {folder}; nodes: copy {folder}/ca.crt"
+                  + (f" (and node-<i>.key) and pass --certs DIR --auth-key node-<i>.key; "
+                     f"coordinator: --auth-keys {folder}/authorized-nodes.pub" if nodes else ""))
+
+
 def main() -> None:
     """Console-script entry point."""
     # The CLI shows node failures and progress itself; keep library warnings off stderr.

@@ -77,9 +77,13 @@ class StreamingGrid:
         Seconds between polls while no reply is waiting.
     """
 
-    def __init__(self, grid: Grid, poll_s: float = 0.05) -> None:
+    def __init__(self, grid: Grid, poll_s: float = 0.05,
+                 on_lost: Callable[[int], None] | None = None,
+                 node_check_s: float = 1.0) -> None:
         self._grid = grid
         self.poll_s = poll_s
+        self.on_lost = on_lost
+        self.node_check_s = node_check_s
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._grid, name)
@@ -87,17 +91,29 @@ class StreamingGrid:
     def send_and_receive(self, messages: Iterable[Message], *,
                          timeout: float | None = None) -> Iterable[Message]:
         """Push now; return a generator of the replies, pulled while it is consumed."""
-        pending = set(self._grid.push_messages(messages))
+        messages = list(messages)
+        ids = list(self._grid.push_messages(messages))
+        destination = {mid: msg.metadata.dst_node_id for mid, msg in zip(ids, messages)}
+        del messages
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._replies(pending, deadline)
+        return self._replies(set(ids), destination, deadline)
 
-    def _replies(self, pending: set[str], deadline: float | None) -> Iterable[Message]:
+    def _replies(self, pending: set[str], destination: dict[str, int],
+                 deadline: float | None) -> Iterable[Message]:
+        checked = time.monotonic()
         while pending and (deadline is None or time.monotonic() < deadline):
             got = list(self._grid.pull_messages(pending))
             for msg in got:
                 pending.discard(msg.metadata.reply_to_message_id)
             while got:
                 yield got.pop(0)  # hand over one at a time, keeping no reference
+            if pending and self.on_lost is not None \
+                    and time.monotonic() - checked >= self.node_check_s:
+                checked = time.monotonic()
+                online = set(self._grid.get_node_ids())
+                for mid in [m for m in pending if destination.get(m) not in online]:
+                    pending.discard(mid)  # the node left: stop waiting for it
+                    self.on_lost(destination[mid])
             if pending:
                 time.sleep(self.poll_s)
 
@@ -120,8 +136,12 @@ class FlowerAdapter(FlowerFedAvg):
                  buffers: frozenset[str] = frozenset(),
                  context: strategies.MergeContext | None = None,
                  on_node_model: Callable[[int, dict, dict], None] | None = None,
+                 min_replies: int = 1,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.min_replies = min_replies
+        self.before_round: Callable[[int], None] | None = None
+        self.current_round = 0
         self.merge = merge
         self.reference = reference
         self.buffers = buffers
@@ -135,6 +155,9 @@ class FlowerAdapter(FlowerFedAvg):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """Sample nodes and build their messages; start the round's clock."""
+        if self.before_round is not None:
+            self.before_round(server_round)
+        self.current_round = server_round
         self.round_started = time.monotonic()
         self.reference = arrays.to_torch_state_dict()  # the round's starting point
         return super().configure_train(server_round, arrays, config, grid)
@@ -179,6 +202,9 @@ class FlowerAdapter(FlowerFedAvg):
         if not used:
             detail = "; ".join(reasons[:3]) or "no replies before --round-timeout"
             raise RunError(f"round {server_round}: no usable model from any node ({detail})")
+        if used < self.min_replies:
+            raise RunError(f"round {server_round}: only {used} usable model(s), fewer than "
+                           f"--min-nodes-per-round {self.min_replies}")
         try:
             merged = self.merge.result()
         except strategies.MergeError as exc:
@@ -198,6 +224,33 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (\S.*)$")
 
 
+def _announce_end(grid: Grid, wait_s: float = 5.0) -> None:
+    """Tell every connected node the run is over (a ``query`` message; nodes started with
+    ``--once`` exit on it). Waits at most ``wait_s`` seconds for the acknowledgements."""
+    import threading
+
+    from flwr.app import RecordDict
+
+    def tell() -> None:
+        try:
+            messages = [Message(RecordDict({keys.CONFIG: ConfigRecord({"run-finished": True})}),
+                                dst_node_id=node, message_type="query")
+                        for node in grid.get_node_ids()]
+            pending = set(grid.push_messages(messages))
+            deadline = time.monotonic() + wait_s
+            while pending and time.monotonic() < deadline:
+                for msg in grid.pull_messages(pending):
+                    pending.discard(msg.metadata.reply_to_message_id)
+                time.sleep(0.05)
+        except Exception as exc:  # noqa: BLE001 - the model is saved; this is a courtesy
+            log.debug("could not tell the nodes the run ended: %s", exc)
+
+    # A node that exits while its acknowledgement is in flight must not hold up the run.
+    thread = threading.Thread(target=tell, daemon=True)
+    thread.start()
+    thread.join(wait_s)
+
+
 def error_summary(reason: str) -> str:
     """One line from a node's error report: the original exception type and message.
 
@@ -213,6 +266,52 @@ def error_summary(reason: str) -> str:
         return text.rsplit("Message:", 1)[1].strip().strip("'>").strip()[:300]
     first = next((line.strip() for line in text.splitlines() if line.strip()), "unknown error")
     return first[:300]
+
+
+@dataclass
+class Deployment:
+    """How a run across machines (``fedavg coordinator``) waits for and tolerates nodes.
+
+    Attributes
+    ----------
+    min_nodes : int
+        Nodes that must be connected before round 1 starts.
+    wait_timeout : float
+        Seconds to wait for them (and, before a later round, for ``min_nodes_per_round``).
+    min_nodes_per_round : int
+        Usable replies a round needs; fewer fails the run. Nodes sampled per round are
+        ``max(min_nodes_per_round, fraction x connected nodes)``.
+    on_nodes : callable, optional
+        Called with the sorted node ids whenever the set of connected nodes changes.
+    """
+
+    min_nodes: int
+    wait_timeout: float
+    min_nodes_per_round: int
+    on_nodes: Callable[[list[int]], None] | None = None
+
+    def wait_for_nodes(self, grid: Grid, needed: int, why: str) -> list[int]:
+        """Block until ``needed`` nodes are connected; report changes.
+
+        Raises
+        ------
+        RunError
+            Fewer than ``needed`` nodes after ``wait_timeout`` seconds.
+        """
+        deadline = time.monotonic() + self.wait_timeout
+        seen: list[int] | None = None
+        while True:
+            nodes = sorted(int(n) for n in grid.get_node_ids())
+            if nodes != seen and self.on_nodes is not None:
+                self.on_nodes(nodes)
+            seen = nodes
+            if len(nodes) >= needed:
+                return nodes
+            if time.monotonic() >= deadline:
+                raise RunError(f"{len(nodes)} of {needed} nodes connected {why} after "
+                               f"{self.wait_timeout:g} s; start more nodes (fedavg node) or "
+                               "lower --min-nodes / raise --wait-timeout")
+            time.sleep(0.2)
 
 
 @dataclass
@@ -288,6 +387,7 @@ def make_server_app(
     on_failure: Callable[[int, int, str], None] | None = None,
     validation: Split | None = None,
     distill_x=None,
+    deployment: Deployment | None = None,
 ) -> ServerApp:
     """Build the coordinator ServerApp for one run.
 
@@ -311,6 +411,9 @@ def make_server_app(
         Held-out set for data-driven merges (greedy soup, fitted weights, distillation).
     distill_x : array, optional
         Unlabeled inputs for distillation.
+    deployment : Deployment, optional
+        For runs across machines: wait for nodes, stop waiting for nodes that left, and
+        tell the nodes when the run is over. ``None`` in simulation.
     """
     app = ServerApp()
     metrics_path = output / "metrics.jsonl"
@@ -344,6 +447,11 @@ def make_server_app(
                 checkpoint.save(output / "nodes" / f"node-{pid if pid >= 0 else info['node_id']}",
                                 sd, {**meta, "rounds": server_round, "node": info})
 
+        if deployment is not None:
+            deployment.wait_for_nodes(grid, deployment.min_nodes, "before round 1")
+            per_round = deployment.min_nodes_per_round
+        else:
+            per_round = config.nodes_per_round
         adapter = FlowerAdapter(
             merge,
             initial,
@@ -354,10 +462,14 @@ def make_server_app(
             on_node_model=save_node_model,
             fraction_train=config.merge.fraction,
             fraction_evaluate=0.0,
-            min_train_nodes=config.nodes_per_round,
+            min_train_nodes=per_round,
             min_evaluate_nodes=0,
-            min_available_nodes=n,
+            min_available_nodes=n if deployment is None else per_round,
+            min_replies=1 if deployment is None else per_round,
         )
+        if deployment is not None:
+            adapter.before_round = lambda r: deployment.wait_for_nodes(
+                grid, per_round, f"for round {r}")
         train_config = ConfigRecord(
             {
                 "model": json.dumps(spec.as_dict(), sort_keys=True),
@@ -368,6 +480,7 @@ def make_server_app(
                 "momentum": config.train.momentum,
                 "weight-decay": config.train.weight_decay,
                 "seed": config.data.seed,
+                "classes": json.dumps(meta["classes"]),
                 **merge.node_config,
             }
         )
@@ -403,13 +516,18 @@ def make_server_app(
                 on_round(record)
             return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
 
+        def lost(node: int) -> None:
+            report_failure(adapter.current_round, node, "node disconnected during the round")
+
         adapter.start(
-            grid=StreamingGrid(grid),
+            grid=StreamingGrid(grid, on_lost=lost if deployment is not None else None),
             initial_arrays=ArrayRecord(initial),
             num_rounds=config.merge.rounds,
             timeout=config.merge.round_timeout,
             train_config=train_config,
             evaluate_fn=round_end,
         )
+        if deployment is not None:
+            _announce_end(grid)
 
     return app

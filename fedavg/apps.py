@@ -1,0 +1,118 @@
+"""The ClientApp that ``fedavg node`` runs on Flower's deployment engine.
+
+It is also the ``clientapp`` component of the FAB that ``fedavg coordinator`` submits, so a
+plain ``flower-supernode`` (default isolation) can run it too, one process per message.
+
+Node config (``flower-supernode --node-config`` or ``fedavg node`` options):
+
+- ``dataset``: where the node's data is (``digits``, a local path, a hub id);
+- ``partition-id`` and ``num-partitions`` (optional): train on that partition of the dataset,
+  split exactly as ``fedavg simulate`` would with the run's partitioner and seed; without
+  them the node trains on the whole train split of its own data;
+- ``device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+
+Everything else (model, strategy, local epochs, partitioner ...) comes from the coordinator,
+in the run config and in each round's message.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedavg import keys
+
+#: Run ids the coordinator has announced as finished (``fedavg node --once`` exits on one).
+FINISHED_RUNS: set[int] = set()
+
+client_app = ClientApp()
+
+
+def _node_setting(context: Context, key: str, default=None):
+    value = context.node_config.get(key, default)
+    return default if value in (None, "") else value
+
+
+@functools.lru_cache(maxsize=2)
+def node_arrays(dataset: str, partition_id: int, num_partitions: int,
+                run_config_json: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Load a node's training data once per process and run.
+
+    Parameters
+    ----------
+    dataset : str
+        The node's data.
+    partition_id, num_partitions : int
+        ``-1, 0`` for the whole train split; else partition ``partition_id`` of
+        ``num_partitions``, made as ``fedavg simulate`` does with the run's settings.
+    run_config_json : str
+        The run's flat config (JSON), for the partitioner, seed and columns.
+
+    Returns
+    -------
+    tuple
+        ``x`` ``(N, ...)``, ``y`` ``(N,)`` int64 labels, and the class names ``y`` indexes.
+
+    Raises
+    ------
+    UserError
+        Bad dataset, columns, or a partition id outside ``0..num_partitions-1``.
+    """
+    from fedavg.config import RunConfig
+    from fedavg.data import load
+    from fedavg.errors import UserError
+
+    flat = json.loads(run_config_json)
+    config = RunConfig.from_flat(flat).replace(dataset=dataset)
+    d = config.data
+    if partition_id >= 0:
+        if not 0 <= partition_id < num_partitions:
+            raise UserError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
+        from fedavg.simulation import prepare
+
+        prepared = prepare(config.replace(num_nodes=num_partitions))
+        idx = prepared.parts[partition_id]
+        train = prepared.data.train
+        return train.x[idx], train.y[idx].astype(np.int64), list(prepared.data.classes)
+    data = load(dataset, image_column=d.image_column, label_column=d.label_column,
+                seed=d.seed, test_fraction=d.test_fraction)
+    return data.train.x, data.train.y.astype(np.int64), list(data.classes)
+
+
+@client_app.train()
+def _train(message: Message, context: Context) -> Message:
+    from fedavg.data import Split, conform
+    from fedavg.node import run_train
+
+    dataset = str(_node_setting(context, "dataset", "digits"))
+    pid = int(_node_setting(context, keys.PARTITION_ID, -1))
+    nparts = int(_node_setting(context, keys.NUM_PARTITIONS, 0))
+    device = str(_node_setting(context, "device", "auto"))
+    run_cfg = json.dumps(dict(context.run_config), sort_keys=True)
+    x, y, classes = node_arrays(dataset, pid, nparts, run_cfg)
+    cfg = message.content[keys.CONFIG]
+    spec = json.loads(str(cfg["model"]))
+    split = conform(Split(x, y), f"node data {dataset}", spec["input_shape"], classes,
+                    json.loads(str(cfg["classes"])))
+    return run_train(message, split.x, split.y, device, pid)
+
+
+@client_app.query()
+def _query(message: Message, context: Context) -> Message:
+    cfg = message.content.config_records.get(keys.CONFIG, ConfigRecord())
+    if cfg.get("run-finished"):
+        FINISHED_RUNS.add(message.metadata.run_id)
+    return Message(RecordDict(), reply_to=message)
+
+
+def _not_here(*_args, **_kwargs) -> None:
+    raise RuntimeError("this run's ServerApp runs inside `fedavg coordinator`; "
+                       "start runs with that command")
+
+
+#: The FAB's ``serverapp`` component. ``fedavg coordinator`` runs the ServerApp itself.
+server_app = _not_here

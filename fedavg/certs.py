@@ -1,0 +1,153 @@
+"""``fedavg certs DIR``: a CA, the coordinator's TLS certificate and node key pairs.
+
+For a quick start on a private network. Files (PEM unless noted):
+
+- ``ca.crt`` / ``ca.key``: the certificate authority. Copy ``ca.crt`` to every node; keep
+  ``ca.key`` private (it can sign more certificates).
+- ``coordinator.crt`` / ``coordinator.key``: the SuperLink's TLS certificate, valid for
+  ``localhost``, ``127.0.0.1``, ``::1``, this machine's host name and every ``--host``.
+- ``node-<i>.key`` / ``node-<i>.pub`` (OpenSSH): node key pairs (OpenSSH format) for
+  Flower's SuperNode authentication (ECDSA P-384). Flower authenticates nodes by key, not by client
+  certificate. ``authorized-nodes.pub`` lists all public keys: the coordinator's
+  ``--auth-keys``.
+
+Private keys are written with mode 0600.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+import socket
+from pathlib import Path
+
+from fedavg.errors import UserError
+
+CA_DAYS = 3650
+CERT_DAYS = 825
+
+
+def _write(path: Path, data: bytes, private: bool = False) -> None:
+    if private:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        path.chmod(0o600)
+    else:
+        path.write_bytes(data)
+
+
+def _san(hosts: list[str]):
+    from cryptography import x509
+
+    names: list = []
+    for h in dict.fromkeys(hosts):
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            names.append(x509.DNSName(h))
+    return x509.SubjectAlternativeName(names)
+
+
+def make_certs(folder: Path, hosts: list[str] | None = None, nodes: int = 0,
+               overwrite: bool = False) -> list[Path]:
+    """Write a CA, a coordinator certificate and ``nodes`` node key pairs into ``folder``.
+
+    Parameters
+    ----------
+    folder : pathlib.Path
+        Created if missing.
+    hosts : list of str, optional
+        Extra host names or IP addresses nodes use to reach the coordinator.
+    nodes : int
+        Node key pairs to make (0 for none).
+    overwrite : bool
+        Replace existing files; otherwise an existing ``ca.key`` is refused.
+
+    Returns
+    -------
+    list of pathlib.Path
+        The files written.
+
+    Raises
+    ------
+    UserError
+        ``folder`` already holds a CA (without ``overwrite``), a host name is empty, or
+        ``nodes`` is negative.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    if nodes < 0:
+        raise UserError(f"--nodes must be >= 0, got {nodes}")
+    hosts = list(hosts or [])
+    if any(not h.strip() or "/" in h for h in hosts):
+        raise UserError("--host takes a host name or an IP address")
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{folder} is a file; give a folder")
+    if (folder / "ca.key").exists() and not overwrite:
+        raise UserError(f"{folder} already holds a CA; pass --overwrite to replace it "
+                        "(nodes then need the new ca.crt)")
+    folder.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
+    pem = serialization.Encoding.PEM
+    no_pw = serialization.NoEncryption()
+    pkcs8 = serialization.PrivateFormat.PKCS8
+
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedavg CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now).not_valid_after(now + dt.timedelta(days=CA_DAYS))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True,
+                                       crl_sign=True, content_commitment=False,
+                                       key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False,
+                                       decipher_only=False), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()),
+                         critical=False)
+          .sign(ca_key, hashes.SHA384()))
+
+    key = ec.generate_private_key(ec.SECP384R1())
+    names = ["localhost", "127.0.0.1", "::1", socket.gethostname(), *hosts]
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
+                                                        "fedavg coordinator")]))
+            .issuer_name(ca_name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now).not_valid_after(now + dt.timedelta(days=CERT_DAYS))
+            .add_extension(_san(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
+                           critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA384()))
+
+    written = []
+    for name, data, private in (
+        ("ca.key", ca_key.private_bytes(pem, pkcs8, no_pw), True),
+        ("ca.crt", ca.public_bytes(pem), False),
+        ("coordinator.key", key.private_bytes(pem, pkcs8, no_pw), True),
+        ("coordinator.crt", cert.public_bytes(pem), False),
+    ):
+        _write(folder / name, data, private)
+        written.append(folder / name)
+    pubs = []
+    for i in range(nodes):
+        nkey = ec.generate_private_key(ec.SECP384R1())
+        pub = nkey.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                             serialization.PublicFormat.OpenSSH)
+        pubs.append(pub + f" node-{i}".encode())
+        _write(folder / f"node-{i}.key",
+               nkey.private_bytes(pem, serialization.PrivateFormat.OpenSSH, no_pw), True)
+        _write(folder / f"node-{i}.pub", pubs[-1] + b"\n")
+        written += [folder / f"node-{i}.key", folder / f"node-{i}.pub"]
+    if nodes:
+        _write(folder / "authorized-nodes.pub", b"\n".join(pubs) + b"\n")
+        written.append(folder / "authorized-nodes.pub")
+    return written
