@@ -15,7 +15,7 @@ def main() -> None:
     elif role == "supernode":
         from fedavg import runtime
 
-        runtime.patch_supernode_sleeps()
+        runtime.patch_supernode()
         runtime.patch_pull_backoff()
         from flwr.supernode.cli import flower_supernode
 

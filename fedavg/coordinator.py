@@ -82,6 +82,7 @@ class StreamingGrid:
                  node_check_s: float = 1.0) -> None:
         self._grid = grid
         self.poll_s = poll_s
+
         self.on_lost = on_lost
         self.node_check_s = node_check_s
 
@@ -96,7 +97,7 @@ class StreamingGrid:
         destination = {mid: msg.metadata.dst_node_id for mid, msg in zip(ids, messages)}
         del messages
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._replies(set(ids), destination, deadline)
+        return _Replies(self._replies(set(ids), destination, deadline), destination)
 
     def _replies(self, pending: set[str], destination: dict[str, int],
                  deadline: float | None) -> Iterable[Message]:
@@ -116,6 +117,17 @@ class StreamingGrid:
                     self.on_lost(destination[mid])
             if pending:
                 time.sleep(self.poll_s)
+
+
+class _Replies:
+    """The replies of a round (consumed once) and which node each message went to."""
+
+    def __init__(self, replies: Iterable[Message], destination: dict[str, int]) -> None:
+        self._replies = replies
+        self.destination = destination
+
+    def __iter__(self):
+        return iter(self._replies)
 
 
 class FlowerAdapter(FlowerFedAvg):
@@ -167,8 +179,10 @@ class FlowerAdapter(FlowerFedAvg):
         self.merge.begin(self.reference, self.buffers, self.context)
         used, failed, loss_sum, weight_sum = 0, 0, 0.0, 0.0
         reasons = []
+        sent_to = getattr(replies, "destination", None) or {}
         for msg in replies:
-            node = msg.metadata.src_node_id
+            # an error reply made by the SuperLink (node gone) names the SuperLink as source
+            node = sent_to.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
             try:
                 if msg.has_error():
                     raise RunError(error_summary(msg.error.reason))
@@ -221,6 +235,7 @@ class FlowerAdapter(FlowerFedAvg):
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_FLOWER_REASON = re.compile(r"^<class '([\w.]+)'>:<'(.*)'>$", re.S)
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (\S.*)$")
 
 
@@ -258,6 +273,9 @@ def error_summary(reason: str) -> str:
     the innermost ``SomeError: message`` line, e.g. ``FloatingPointError: training diverged``.
     """
     text = _ANSI.sub("", reason or "")
+    flower = _FLOWER_REASON.match(text.strip())  # a ClientApp's exception, as Flower wraps it
+    if flower:
+        return f"{flower.group(1).rsplit('.', 1)[-1]}: {' '.join(flower.group(2).split())}"[:300]
     for line in text.splitlines():
         m = _EXC_LINE.match(line.strip())
         if m and not m.group(1).startswith(("flwr.", "ray.")):

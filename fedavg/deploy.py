@@ -52,9 +52,10 @@ _ACTIVE: list["FlowerProcess"] = []
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
+    # SIGTERM, so that a SuperNode whose parent was killed still signs off at the SuperLink
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 
@@ -451,7 +452,8 @@ def coordinate(
             args.append("--enable-supernode-auth")
 
         def echo(line: str) -> None:
-            if re.search(r"ERROR|address already in use|Errno", line):
+            if re.search(r"ERROR|address already in use|Errno", line) and \
+                    "ClientDisconnect" not in line:
                 say(f"[red]superlink:[/] {escape(line)}")
 
         link = FlowerProcess("superlink", args, _env(home), echo=echo)

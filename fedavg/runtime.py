@@ -32,6 +32,9 @@ IDLE_POLL_S = 0.2
 REPLY_WAIT_S = 0.02
 #: First retry (seconds) of Flower's object pulls, instead of 1 s.
 PULL_BACKOFF_S = 0.05
+#: Seconds between a SuperNode's heartbeats (Flower: 30). The SuperLink counts a node as
+#: gone after two missed beats, so a crashed machine leaves its round within ~20 s.
+HEARTBEAT_S = 10
 
 
 def check_flower_internals() -> None:
@@ -52,6 +55,7 @@ def check_flower_internals() -> None:
             f"{flwr.__version__}; install flwr=={FLOWER_VERSION}"
         )
     from flwr.supercore.inflatable import inflatable_utils
+    from flwr.supernode import fleet_http_connection as fhc
     from flwr.supernode import start_client_internal as sci
     from flwr.supernode.runtime import run_clientapp as rc
 
@@ -59,6 +63,11 @@ def check_flower_internals() -> None:
     for needle in ("time.sleep(3)", "time.sleep(0.5)"):
         if needle not in src:
             raise RuntimeError(f"flwr.supernode.start_client_internal no longer has {needle}")
+    from flwr.supercore import heartbeat
+
+    for mod in (fhc, heartbeat):
+        if not isinstance(getattr(mod, "HEARTBEAT_DEFAULT_INTERVAL", None), (int, float)):
+            raise RuntimeError(f"{mod.__name__}.HEARTBEAT_DEFAULT_INTERVAL is gone")
     for name in ("pull_task_input", "push_message", "push_task_output"):
         if not hasattr(rc, name):
             raise RuntimeError(f"flwr.supernode.runtime.run_clientapp.{name} is gone")
@@ -84,13 +93,19 @@ class _FastTime:
         self._real.sleep(seconds)
 
 
-def patch_supernode_sleeps() -> None:
-    """Shorten the SuperNode's fixed idle poll (3 s) and reply wait (0.5 s), in this process."""
+def patch_supernode() -> None:
+    """In this (SuperNode) process: shorten the fixed idle poll (3 s) and reply wait (0.5 s),
+    and send heartbeats every :data:`HEARTBEAT_S` seconds."""
+    from flwr.supernode import fleet_http_connection as fhc
     from flwr.supernode import start_client_internal as sci
 
     check_flower_internals()
     if not isinstance(sci.time, _FastTime):
         sci.time = _FastTime(time)
+    from flwr.supercore import heartbeat
+
+    fhc.HEARTBEAT_DEFAULT_INTERVAL = HEARTBEAT_S  # announced to the SuperLink
+    heartbeat.HEARTBEAT_DEFAULT_INTERVAL = HEARTBEAT_S  # and kept by the sender
 
 
 def patch_pull_backoff() -> None:

@@ -109,13 +109,18 @@ class _Reply:
         self.metadata = type("M", (), {"reply_to_message_id": f"id{i}"})()
 
 
+def _sent(*nodes):
+    """Stand-ins for the messages of a round, one per destination node."""
+    return [type("S", (), {"metadata": type("M", (), {"dst_node_id": n})()})() for n in nodes]
+
+
 def test_streaming_grid_yields_replies_as_they_arrive():
     from fedavg.coordinator import StreamingGrid
 
     fake = _FakeGrid([_Reply(i) for i in range(3)])
     grid = StreamingGrid(fake, poll_s=0.0)
     assert grid.get_node_ids() == [1, 2, 3]  # everything else is delegated
-    replies = grid.send_and_receive(["m0", "m1", "m2"], timeout=10)
+    replies = grid.send_and_receive(_sent(1, 2, 3), timeout=10)
     assert fake.pulls == 0  # nothing pulled until the merge asks for a reply
     first = next(iter(replies))
     assert first.metadata.reply_to_message_id == "id0" and fake.pulls == 1
@@ -128,5 +133,23 @@ def test_streaming_grid_stops_at_the_timeout():
 
     grid = StreamingGrid(_FakeGrid([]), poll_s=0.01)
     start = time.monotonic()
-    assert list(grid.send_and_receive(["m0"], timeout=0.2)) == []
+    assert list(grid.send_and_receive(_sent(1), timeout=0.2)) == []
     assert 0.2 <= time.monotonic() - start < 2
+
+
+def test_streaming_grid_stops_waiting_for_a_node_that_left():
+    from fedavg.coordinator import StreamingGrid
+
+    class Shrinking(_FakeGrid):
+        def get_node_ids(self):  # node 2 disconnects after the first reply
+            return [1, 3] if self.pulls >= 1 else [1, 2, 3]
+
+    lost = []
+    fake = Shrinking([_Reply(0), _Reply(2)])
+    grid = StreamingGrid(fake, poll_s=0.01, on_lost=lost.append, node_check_s=0.0)
+    start = time.monotonic()
+    replies = grid.send_and_receive(_sent(1, 2, 3), timeout=30)
+    assert replies.destination == {"id0": 1, "id1": 2, "id2": 3}
+    assert [r.metadata.reply_to_message_id for r in replies] == ["id0", "id2"]
+    assert lost == [2]  # reported once, and the round did not wait for the timeout
+    assert time.monotonic() - start < 5

@@ -1,0 +1,247 @@
+"""End-to-end: `fedavg coordinator` and `fedavg node` as separate processes on localhost.
+
+Each test starts real Flower SuperLink / SuperNode processes (through our commands) and
+checks, at the end, that none of them is left alive.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import psutil
+import pytest
+
+from fedavg.deploy import free_port
+
+
+def tagged_processes(tag: str) -> list[str]:
+    """Live processes started under this test's tag (env FEDAVG_TEST_TAG), children too."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get("FEDAVG_TEST_TAG") == tag:
+                found.append(f"{proc.pid}: {' '.join(proc.info['cmdline'] or [])[:120]}")
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+class Cluster:
+    """Start `fedavg` commands in the background; kill and check them at the end."""
+
+    def __init__(self, tmp_path):
+        self.tmp = tmp_path
+        self.tag = uuid.uuid4().hex
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, *args) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "w")
+        env = {**os.environ, "COLUMNS": "200", "FEDAVG_TEST_TAG": self.tag,
+               "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", *map(str, args)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc.name = name
+        self.procs.append(proc)
+        return proc
+
+    def coordinator(self, *args):
+        return self.start("coordinator", "coordinator", "--address", self.address, *args)
+
+    def node(self, name, *args):
+        return self.start(name, "node", "--coordinator", self.address, *args)
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text()
+
+    def wait(self, proc, timeout=240) -> int:
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{proc.name} still running after {timeout} s:\n"
+                                 f"{self.log(proc.name)[-3000:]}") from None
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        deadline = time.monotonic() + 15
+        while tagged_processes(self.tag) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = tagged_processes(self.tag)
+        assert not left, f"processes left alive: {left}"
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("certs")
+    subprocess.run([sys.executable, "-m", "fedavg.cli", "certs", str(folder), "--nodes", "2"],
+                   check=True, capture_output=True)
+    return folder
+
+
+def rounds_of(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_coordinator_and_three_nodes_over_tls(cluster, certs, tmp_path):
+    out = tmp_path / "run"
+    coord = cluster.coordinator("--rounds", "3", "--min-nodes", "3", "--certs", certs,
+                                "--output", out)
+    nodes = [cluster.node(f"node{i}", "--certs", certs, "--partition-id", i,
+                          "--num-partitions", 3, "--once") for i in range(3)]
+    assert cluster.wait(coord) == 0, cluster.log("coordinator")
+    for n in nodes:
+        assert cluster.wait(n, 60) == 0, cluster.log(n.name)
+    text = cluster.log("coordinator")
+    assert "(TLS)" in text and "3 node(s) connected" in text
+    rounds = rounds_of(out)
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    assert all(r["num_nodes"] == 3 for r in rounds)
+    assert rounds[-1]["accuracy"] >= 0.85
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accuracy"] == rounds[-1]["accuracy"]
+    meta = json.loads((out / "model.json").read_text())
+    assert meta["rounds"] == 3 and meta["model"]["name"] == "mlp"
+    # the saved model scores what the coordinator reported, on the same hold-out
+    ev = subprocess.run([sys.executable, "-m", "fedavg.cli", "evaluate", str(out), "--json"],
+                        capture_output=True, text=True, check=True)
+    assert json.loads(ev.stdout)["accuracy"] == pytest.approx(rounds[-1]["accuracy"])
+    # every node trained its own partition in every round and then left (--once)
+    for n in nodes:
+        assert "node done: 4 task(s) run" in cluster.log(n.name)  # 3 rounds + end notice
+
+
+def test_node_killed_in_round_two_run_still_finishes(cluster, tmp_path):
+    out = tmp_path / "run"
+    coord = cluster.coordinator("--rounds", "4", "--min-nodes", "3", "--insecure",
+                                "--local-epochs", "20", "--output", out)
+    nodes = [cluster.node(f"node{i}", "--insecure", "--partition-id", i,
+                          "--num-partitions", 3, "--once") for i in range(3)]
+    deadline = time.monotonic() + 180
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text()):
+        assert time.monotonic() < deadline, cluster.log("coordinator")
+        assert coord.poll() is None, cluster.log("coordinator")
+        time.sleep(0.1)
+    nodes[1].kill()  # SIGKILL in round 2
+    assert cluster.wait(coord) == 0, cluster.log("coordinator")
+    rounds = rounds_of(out)
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4]
+    assert rounds[0]["num_nodes"] == 3
+    assert rounds[1]["num_nodes"] == 2 and rounds[1]["num_failed"] >= 1
+    assert all(r["num_nodes"] == 2 for r in rounds[2:])
+    assert rounds[-1]["accuracy"] >= 0.85
+    assert re.search(r"round 2: node \d+ failed", cluster.log("coordinator"))
+    for n in (nodes[0], nodes[2]):
+        assert cluster.wait(n, 60) == 0, cluster.log(n.name)
+
+
+def test_node_training_error_reported_within_seconds(cluster, tmp_path):
+    # a node whose data does not fit the model (10 features; the model takes 8x8 images)
+    bad = tmp_path / "bad.csv"
+    rng = np.random.default_rng(0)
+    rows = ["," .join([f"f{i}" for i in range(10)] + ["label"])]
+    rows += [",".join(f"{v:.3f}" for v in rng.random(10)) + f",{i % 3}" for i in range(60)]
+    bad.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "run"
+    coord = cluster.coordinator("--rounds", "2", "--min-nodes", "2", "--min-nodes-per-round",
+                                "1", "--insecure", "--output", out)
+    good = cluster.node("good", "--insecure", "--once")
+    cluster.node("bad", "--insecure", "--dataset", bad)
+    deadline = time.monotonic() + 120
+    while "round   1/2" not in (text := cluster.log("coordinator")) \
+            and "failed:" not in text:
+        assert time.monotonic() < deadline, text
+        assert coord.poll() is None, text
+        time.sleep(0.1)
+    started = time.monotonic()
+    while not re.search(r"node \d+ failed:.*shape", text := cluster.log("coordinator")):
+        assert time.monotonic() - started < 15, text
+        time.sleep(0.2)
+    assert "UserError: node data" in text and "(10,)" in text and "(1, 8, 8)" in text
+    assert cluster.wait(coord) == 0, text
+    assert cluster.wait(good, 60) == 0
+    assert "task failed, reported to the coordinator" in cluster.log("bad")
+
+
+def test_wrong_certificate_and_unknown_key_are_refused(cluster, certs, tmp_path):
+    other = tmp_path / "other"
+    subprocess.run([sys.executable, "-m", "fedavg.cli", "certs", str(other), "--nodes", "1"],
+                   check=True, capture_output=True)
+    out = tmp_path / "run"
+    coord = cluster.coordinator("--rounds", "1", "--min-nodes", "1", "--certs", certs,
+                                "--auth-keys", certs / "authorized-nodes.pub",
+                                "--output", out, "--wait-timeout", "120")
+    deadline = time.monotonic() + 60
+    while "listening" not in cluster.log("coordinator"):
+        assert time.monotonic() < deadline and coord.poll() is None, cluster.log("coordinator")
+        time.sleep(0.2)
+    wrong_ca = cluster.node("wrong_ca", "--certs", other, "--auth-key", certs / "node-0.key")
+    unknown = cluster.node("unknown", "--certs", certs, "--auth-key", other / "node-0.key")
+    no_key = cluster.node("no_key", "--certs", certs)
+    for proc, words in ((wrong_ca, "TLS certificate"), (unknown, "refused this node's key"),
+                        (no_key, "refused this node's key")):
+        assert cluster.wait(proc, 60) == 2, cluster.log(proc.name)
+        text = cluster.log(proc.name)
+        assert words in text and "Traceback" not in text, text
+    # a registered key gets in and the run completes
+    ok = cluster.node("ok", "--certs", certs, "--auth-key", certs / "node-1.key", "--once")
+    assert cluster.wait(coord) == 0, cluster.log("coordinator")
+    assert cluster.wait(ok, 60) == 0
+    assert "node authentication" in cluster.log("coordinator")
+    assert len(rounds_of(out)) == 1
+
+
+def test_too_few_nodes_fails_after_wait_timeout(cluster, tmp_path):
+    out = tmp_path / "run"
+    coord = cluster.coordinator("--rounds", "1", "--min-nodes", "2", "--insecure",
+                                "--wait-timeout", "3", "--output", out)
+    assert cluster.wait(coord, 120) == 1
+    text = cluster.log("coordinator")
+    assert "0 of 2 nodes connected before round 1 after 3 s" in text
+    assert "Traceback" not in text
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signals_stop_every_flower_process(cluster, tmp_path, sig):
+    out = tmp_path / "run"
+    coord = cluster.coordinator("--rounds", "50", "--min-nodes", "1", "--insecure",
+                                "--local-epochs", "5", "--output", out)
+    node = cluster.node("node", "--insecure")
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text()):
+        assert time.monotonic() < deadline and coord.poll() is None, cluster.log("coordinator")
+        time.sleep(0.2)
+    assert any("fedavg._launch" in p for p in tagged_processes(cluster.tag))
+    coord.send_signal(sig)
+    assert cluster.wait(coord, 30) == 130, cluster.log("coordinator")
+    assert "interrupted: finished rounds are kept" in cluster.log("coordinator")
+    assert node.poll() is None  # a node outlives a run and serves the next one
+    node.send_signal(sig)
+    assert cluster.wait(node, 30) == 130, cluster.log("node")
+    assert (out / "model.safetensors").exists()
+    deadline = time.monotonic() + 15
+    while tagged_processes(cluster.tag) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert not tagged_processes(cluster.tag)
