@@ -45,6 +45,8 @@ class RoundRecord:
     num_nodes: int
     num_failed: int
     wall_s: float
+    #: the slowest node's training time (seconds); wall_s minus this is the overhead
+    train_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""
@@ -178,6 +180,7 @@ class FlowerAdapter(FlowerFedAvg):
         """Merge usable replies one at a time; report the others."""
         self.merge.begin(self.reference, self.buffers, self.context)
         used, failed, loss_sum, weight_sum = 0, 0, 0.0, 0.0
+        train_s = None
         reasons = []
         sent_to = getattr(replies, "destination", None) or {}
         for msg in replies:
@@ -213,6 +216,8 @@ class FlowerAdapter(FlowerFedAvg):
             weight_sum += float(weight)
             if keys.TRAIN_LOSS in metrics:
                 loss_sum += float(metrics[keys.TRAIN_LOSS]) * float(weight)
+            if keys.TRAIN_SECONDS in metrics:
+                train_s = max(train_s or 0.0, float(metrics[keys.TRAIN_SECONDS]))
         if not used:
             detail = "; ".join(reasons[:3]) or "no replies before --round-timeout"
             raise RunError(f"round {server_round}: no usable model from any node ({detail})")
@@ -228,6 +233,7 @@ class FlowerAdapter(FlowerFedAvg):
             "train_loss": loss_sum / weight_sum if weight_sum else float("nan"),
             "num_nodes": used,
             "num_failed": failed,
+            "train_s": train_s,
         }
         metrics_out = MetricRecord({"train-loss": self.last_train["train_loss"],
                                     "num-nodes": used})
@@ -523,6 +529,7 @@ def make_server_app(
                 num_nodes=int(info.get("num_nodes", 0)),
                 num_failed=int(info.get("num_failed", 0)),
                 wall_s=round(time.monotonic() - adapter.round_started, 3),
+                train_s=None if info.get("train_s") is None else round(info["train_s"], 3),
             )
             state.rounds.append(record)
             save_merged(output, merged, {**meta, "rounds": server_round,

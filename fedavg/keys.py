@@ -16,6 +16,8 @@ NUM_EXAMPLES = "num-examples"
 """Number of training samples a node used; the FedAvg weight of its reply."""
 
 TRAIN_LOSS = "train-loss"
+#: Seconds a node spent training in a round (reply metric).
+TRAIN_SECONDS = "train-seconds"
 """Mean training loss over a node's local epochs (cross-entropy, nats per sample)."""
 
 PARTITION_ID = "partition-id"

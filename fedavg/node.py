@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from typing import Any
 
 import numpy as np
@@ -82,6 +83,7 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
     model = _model_for(json.dumps(cfg["model"], sort_keys=True))
     state = message.content[keys.ARRAYS].to_torch_state_dict()
     model.load_state_dict(state, strict=True)
+    started = time.perf_counter()
     stats = train(
         model,
         x,
@@ -102,7 +104,8 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
             keys.ARRAYS: ArrayRecord(model.state_dict()),
             keys.METRICS: MetricRecord(
                 {keys.NUM_EXAMPLES: stats["num_examples"], keys.TRAIN_LOSS: stats["train_loss"],
-                 keys.PARTITION_ID: partition_id}
+                 keys.PARTITION_ID: partition_id,
+                 keys.TRAIN_SECONDS: time.perf_counter() - started}
             ),
         }
     )
