@@ -29,6 +29,13 @@ CERT_DAYS = 825
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
+    try:
+        _write_file(path, data, private)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror}") from None
+
+
+def _write_file(path: Path, data: bytes, private: bool) -> None:
     if private:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as fh:
@@ -91,7 +98,10 @@ def make_certs(folder: Path, hosts: list[str] | None = None, nodes: int = 0,
     if (folder / "ca.key").exists() and not overwrite:
         raise UserError(f"{folder} already holds a CA; pass --overwrite to replace it "
                         "(nodes then need the new ca.crt)")
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create {folder}: {exc.strerror}") from None
     now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
     pem = serialization.Encoding.PEM
     no_pw = serialization.NoEncryption()

@@ -1,0 +1,177 @@
+"""Deployment pieces without a network: certificates, keys, GPU plans, Flower internals."""
+
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+from cryptography import x509
+
+from fedavg.config import RunConfig
+from fedavg.errors import UserError
+from tests.conftest import run_cli
+
+
+def test_certs_make_a_ca_a_server_certificate_and_node_keys(tmp_path):
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from fedavg.certs import make_certs
+    from fedavg.deploy import load_auth_keys
+
+    folder = tmp_path / "certs"
+    make_certs(folder, hosts=["10.1.2.3", "coord.example"], nodes=2)
+    ca = x509.load_pem_x509_certificate((folder / "ca.crt").read_bytes())
+    cert = x509.load_pem_x509_certificate((folder / "coordinator.crt").read_bytes())
+    assert cert.issuer == ca.subject
+    ca.public_key().verify(cert.signature, cert.tbs_certificate_bytes,
+                           ec.ECDSA(cert.signature_hash_algorithm))  # signed by the CA
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"localhost", "coord.example"} <= set(san.get_values_for_type(x509.DNSName))
+    assert {"127.0.0.1", "10.1.2.3"} <= {str(i) for i in san.get_values_for_type(x509.IPAddress)}
+    for private in ("ca.key", "coordinator.key", "node-0.key", "node-1.key"):
+        assert os.stat(folder / private).st_mode & 0o077 == 0, private
+    # the authorized list holds both node keys, and a folder of *.pub gives the same two
+    assert len(load_auth_keys(folder / "authorized-nodes.pub")) == 2
+    assert len(load_auth_keys(folder)) == 2
+    with pytest.raises(UserError, match="already holds a CA"):
+        make_certs(folder)
+
+
+def test_auth_key_errors_are_one_line(tmp_path):
+    from fedavg.deploy import load_auth_keys
+
+    with pytest.raises(UserError, match="does not exist"):
+        load_auth_keys(tmp_path / "missing.pub")
+    bad = tmp_path / "bad.pub"
+    bad.write_text("ssh-rsa not-a-key\n")
+    with pytest.raises(UserError, match=r"bad.pub:1 is not an OpenSSH public key"):
+        load_auth_keys(bad)
+    empty = tmp_path / "empty.pub"
+    empty.write_text("# nobody\n")
+    with pytest.raises(UserError, match="holds no public key"):
+        load_auth_keys(empty)
+
+
+def test_gpu_plan_one_node_per_gpu():
+    from fedavg.deploy import plan_gpu_nodes
+
+    assert plan_gpu_nodes("0,1,2,3", None, None, 4) == [
+        ("cuda:0", None), ("cuda:1", None), ("cuda:2", None), ("cuda:3", None)]
+    assert plan_gpu_nodes("2,3", 4, 8, 4) == [("cuda:2", 4), ("cuda:3", 5)]
+    with pytest.raises(UserError, match="lists GPU 2 but this machine has 2"):
+        plan_gpu_nodes("0,2", None, None, 2)
+    with pytest.raises(UserError, match="distinct"):
+        plan_gpu_nodes("1,1", None, None, 4)
+    with pytest.raises(UserError, match="GPU indices"):
+        plan_gpu_nodes("a,b", None, None, 4)
+    with pytest.raises(UserError, match="beyond --num-partitions 3"):
+        plan_gpu_nodes("0,1", 2, 3, 4)
+
+
+def test_address_parsing():
+    from fedavg.deploy import split_address
+
+    assert split_address("127.0.0.1:9092") == ("127.0.0.1", 9092)
+    assert split_address("[::1]:9092") == ("::1", 9092)
+    assert split_address("coord.example:80") == ("coord.example", 80)
+    for bad in ("9092", "host:", "host:70000", "host:port"):
+        with pytest.raises(UserError, match="is not host:port"):
+            split_address(bad)
+
+
+def test_node_refusals_are_recognised():
+    from fedavg.deploy import node_refusal
+
+    assert "TLS certificate" in node_refusal(
+        "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: unable to get local issuer")
+    assert "refused this node's key" in node_refusal(
+        "[code: 2001] SuperNode authentication is enabled. All SuperNodes must be registered")
+    assert "refused this node's key" in node_refusal("[code: 2004] Failed to activate SuperNode.")
+    for harmless in ("Uvicorn running on http://127.0.0.1:40372", "SuperNode ID: 4031403",
+                     "Connection attempt failed, retrying in 0.40 seconds"):
+        assert node_refusal(harmless) is None
+
+
+def test_flower_internals_are_the_ones_we_patch():
+    """Fails loudly when a flwr upgrade moves what the warm workers rely on."""
+    from fedavg import runtime
+
+    runtime.check_flower_internals()
+    code = (
+        "from fedavg import runtime\n"
+        "runtime.patch_supernode(); runtime.patch_pull_backoff()\n"
+        "from flwr.supernode import start_client_internal as sci, fleet_http_connection as f\n"
+        "from flwr.supercore import heartbeat\n"
+        "from flwr.supercore.inflatable import inflatable_utils as iu\n"
+        "import time\n"
+        "t = time.monotonic(); sci.time.sleep(3); idle = time.monotonic() - t\n"
+        "t = time.monotonic(); sci.time.sleep(0.5); wait = time.monotonic() - t\n"
+        "assert idle < 1 and wait < 0.3, (idle, wait)\n"
+        "assert sci.time.monotonic is time.monotonic\n"
+        "assert f.HEARTBEAT_DEFAULT_INTERVAL == heartbeat.HEARTBEAT_DEFAULT_INTERVAL == 10\n"
+        "assert iu.pull_objects.__kwdefaults__['initial_backoff'] == 0.05\n"
+        "print('ok')\n"
+    )
+    # in a fresh interpreter: the patches are process-wide
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_fab_carries_the_run_config(tmp_path):
+    from flwr.cli.build import build_fab_from_disk
+
+    from fedavg.deploy import write_app
+
+    config = RunConfig().replace(rounds=7, alpha=0.3, partitioner="dirichlet", lr=0.02,
+                                 save_node_models=True)
+    app = write_app(tmp_path / "app", config)
+    doc = tomllib.loads((app / "pyproject.toml").read_text())
+    assert doc["tool"]["flwr"]["app"]["components"]["clientapp"] == "fedavg.apps:client_app"
+    assert RunConfig.from_flat(doc["tool"]["flwr"]["app"]["config"]) == config
+    assert build_fab_from_disk(app)[:2] == b"PK"  # a FAB is a zip archive
+
+
+def test_node_partition_matches_simulate(tmp_path):
+    """`fedavg node --partition-id i` trains on the partition `fedavg simulate` gives node i."""
+    import numpy as np
+
+    from fedavg.apps import node_arrays
+    from fedavg.simulation import prepare
+
+    config = RunConfig().replace(partitioner="dirichlet", alpha=0.5, num_nodes=3, seed=4)
+    import json
+
+    x, y, classes = node_arrays("digits", 1, 3, json.dumps(config.to_flat()))
+    prepared = prepare(config)
+    idx = prepared.parts[1]
+    assert np.array_equal(x, prepared.data.train.x[idx])
+    assert np.array_equal(y, prepared.data.train.y[idx])
+    assert classes == prepared.data.classes
+    with pytest.raises(UserError, match="outside 0..2"):
+        node_arrays("digits", 3, 3, json.dumps(config.to_flat()))
+
+
+@pytest.mark.parametrize("args, words", [
+    (["coordinator", "--rounds", "1"], "TLS is on by default"),
+    (["coordinator", "--insecure", "--certs", "."], "either --certs or --insecure"),
+    (["coordinator", "--certs", "/nonexistent"], "lacks ca.crt"),
+    (["coordinator", "--insecure", "--address", "localhost"], "is not host:port"),
+    (["coordinator", "--insecure", "--min-nodes", "0"], "--min-nodes must be at least 1"),
+    (["coordinator", "--insecure", "--min-nodes", "2", "--min-nodes-per-round", "3"],
+     "--min-nodes-per-round must be in 1..--min-nodes (2)"),
+    (["coordinator", "--insecure", "--alpha", "0", "--partitioner", "dirichlet"], "alpha"),
+    (["node", "--insecure", "--partition-id", "1"], "--partition-id and --num-partitions"),
+    (["node", "--insecure", "--partition-id", "3", "--num-partitions", "3"], "0..2"),
+    (["node", "--insecure", "--dataset", "/no/such/data"], "does not exist"),
+    (["node", "--insecure", "--device", "cuda:1"], "cuda"),
+    (["node", "--insecure", "--gpus", "0,1"], "--gpus lists GPU 0 but this machine has 0"),
+    (["node", "--certs", "/nonexistent"], "lacks ca.crt"),
+    (["certs", "/dev/null/x"], "cannot create /dev/null/x"),
+    (["certs", "out", "--nodes", "-1"], "--nodes must be >= 0"),
+])
+def test_deployment_user_errors_are_one_line(args, words):
+    res = run_cli(*args, check=False, timeout=120)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert words in res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) <= 3
