@@ -46,6 +46,9 @@ CA_CERT, SERVER_CERT, SERVER_KEY = "ca.crt", "coordinator.crt", "coordinator.key
 AUTH_KEYS = "authorized-nodes.pub"
 
 _ACTIVE: list["FlowerProcess"] = []
+CERT_HINT = ("the coordinator cannot verify its own certificate: --certs must hold a "
+             "coordinator.crt signed by its ca.crt and valid for 127.0.0.1 (make one with "
+             "`fedavg certs DIR --host NAME`)")
 
 
 # --------------------------------------------------------------------------- processes
@@ -285,6 +288,8 @@ def _wait_ready(link: FlowerProcess, address: str, certs: Path | None,
             return client
         except Exception as exc:  # noqa: BLE001 - not listening yet
             last = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if "CERTIFICATE_VERIFY_FAILED" in str(exc) or "certificate verify failed" in str(exc):
+                raise UserError(f"{CERT_HINT} ({last})") from None
             time.sleep(0.3)
     raise RunError(f"the SuperLink did not answer on {address} within {timeout_s:g} s ({last})")
 
