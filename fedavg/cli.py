@@ -250,12 +250,14 @@ def models() -> None:
 
 
 
-def _on_signal(message: str):
-    """Ctrl-C / SIGTERM: stop our Flower processes, keep finished rounds, exit 130."""
+def _on_signal(message):
+    """Ctrl-C / SIGTERM: stop our Flower processes, keep finished rounds, exit 130.
+
+    ``message`` is a string or a function returning one, called at signal time."""
     def _stop(signum, frame):
         from fedavg.deploy import stop_all
 
-        err_console.print(message)
+        err_console.print(message() if callable(message) else message, soft_wrap=True)
         sys.stdout.flush()
         sys.stderr.flush()
         stop_all()
@@ -278,8 +280,15 @@ def coordinator(**kwargs) -> None:
     _setup_logging()
     with _guard():
         config = RunConfig().replace(**kwargs)
-    out = deploy["output"]
-    _on_signal("interrupted" + (f": finished rounds are kept in {out}" if out else ""))
+    def interrupted() -> str:
+        from fedavg.deploy import RUN_OUTPUT
+
+        out = RUN_OUTPUT[0] if RUN_OUTPUT else None
+        if out is not None and (out / "metrics.jsonl").exists():
+            return f"interrupted: finished rounds are kept in {out}"
+        return "interrupted before the first round finished"
+
+    _on_signal(interrupted)
     with _guard():
         coordinate(config, console=console, **deploy)
 
@@ -365,9 +374,9 @@ def certs(
         written = make_certs(folder, hosts=host or [], nodes=nodes, overwrite=overwrite)
     for path in written:
         console.print(f"wrote {path}")
-    console.print(f"coordinator: --certs {folder}; nodes: copy {folder}/ca.crt"
+    console.print(soft_wrap=True, *[f"coordinator: --certs {folder}; nodes: copy {folder}/ca.crt"
                   + (f" (and node-<i>.key) and pass --certs DIR --auth-key node-<i>.key; "
-                     f"coordinator: --auth-keys {folder}/authorized-nodes.pub" if nodes else ""))
+                     f"coordinator: --auth-keys {folder}/authorized-nodes.pub" if nodes else "")])
 
 
 def main() -> None:

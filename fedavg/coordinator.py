@@ -313,6 +313,7 @@ class Deployment:
     wait_timeout: float
     min_nodes_per_round: int
     on_nodes: Callable[[list[int]], None] | None = None
+    _reported: list[int] = field(default_factory=list, init=False, repr=False)
 
     def wait_for_nodes(self, grid: Grid, needed: int, why: str) -> list[int]:
         """Block until ``needed`` nodes are connected; report changes.
@@ -323,12 +324,11 @@ class Deployment:
             Fewer than ``needed`` nodes after ``wait_timeout`` seconds.
         """
         deadline = time.monotonic() + self.wait_timeout
-        seen: list[int] | None = None
         while True:
             nodes = sorted(int(n) for n in grid.get_node_ids())
-            if nodes != seen and self.on_nodes is not None:
+            if nodes != self._reported and self.on_nodes is not None:
                 self.on_nodes(nodes)
-            seen = nodes
+            self._reported = nodes
             if len(nodes) >= needed:
                 return nodes
             if time.monotonic() >= deadline:

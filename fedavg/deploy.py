@@ -46,6 +46,8 @@ CA_CERT, SERVER_CERT, SERVER_KEY = "ca.crt", "coordinator.crt", "coordinator.key
 AUTH_KEYS = "authorized-nodes.pub"
 
 _ACTIVE: list["FlowerProcess"] = []
+#: The run folder of the coordinator running in this process (for interrupt messages).
+RUN_OUTPUT: list[Path] = []
 CERT_HINT = ("the coordinator cannot verify its own certificate: --certs must hold a "
              "coordinator.crt signed by its ca.crt and valid for 127.0.0.1 (make one with "
              "`fedavg certs DIR --host NAME`)")
@@ -426,10 +428,11 @@ def coordinate(
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create output folder {out}: {exc.strerror}") from None
+    RUN_OUTPUT[:] = [out]
 
     def say(text: str) -> None:
         if console is not None:
-            console.print(text, highlight=False)
+            console.print(text, highlight=False, soft_wrap=True)
         log.info(re.sub(r"\[/?[a-z ]*\]", "", text))
 
     _quiet_logs(False)
@@ -459,7 +462,7 @@ def coordinate(
         def echo(line: str) -> None:
             if re.search(r"ERROR|address already in use|Errno", line) and \
                     "ClientDisconnect" not in line:
-                say(f"[red]superlink:[/] {escape(line)}")
+                say(f"[red]superlink:[/] {escape(line[:160])}")
 
         link = FlowerProcess("superlink", args, _env(home), echo=echo)
         control = _wait_ready(link, connect, certs)
@@ -480,8 +483,14 @@ def coordinate(
             f"[bold]{config.merge.strategy}[/], {config.merge.rounds} rounds; waiting for "
             f"{min_nodes} node(s) (up to {wait_timeout:g} s)")
 
+        known: list[int] = []
+
         def on_nodes(nodes: list[int]) -> None:
-            say(f"{len(nodes)} node(s) connected: {', '.join(map(str, nodes)) or '-'}")
+            joined = [n for n in nodes if n not in known]
+            left = [n for n in known if n not in nodes]
+            known[:] = nodes
+            change = ", ".join([f"+{n}" for n in joined] + [f"-{n}" for n in left])
+            say(f"{len(nodes)} node(s) connected ({change})")
 
         deployment = Deployment(min_nodes=min_nodes, wait_timeout=wait_timeout,
                                 min_nodes_per_round=per_round, on_nodes=on_nodes)
@@ -590,7 +599,7 @@ _REFUSED = (
 )
 
 
-def node_refusal(line: str) -> str | None:
+def node_refusal(line: str) -> str | None:  # noqa: D401
     """A clear reason when a SuperNode output line says the coordinator refused it."""
     for pattern, reason in _REFUSED:
         if pattern.search(line):
@@ -677,7 +686,7 @@ def serve_node(
 
     def say(text: str) -> None:
         if console is not None:
-            console.print(text, highlight=False)
+            console.print(text, highlight=False, soft_wrap=True)
         log.info(re.sub(r"\[/?[a-z ]*\]", "", text))
 
     from fedavg.simulation import _quiet_logs
@@ -686,29 +695,35 @@ def serve_node(
     if certs is None:
         say("[yellow]warning:[/] --insecure: traffic between coordinator and nodes is NOT "
             "encrypted")
-    refused: list[str] = []
+    status: dict[str, Any] = {"connected": False, "refused": None, "quiet": False}
 
     def echo(line: str) -> None:
         reason = node_refusal(line)
-        if reason and not refused:
-            refused.append(f"{reason} (SuperNode: {line.strip()[:200]})")
-        elif re.search(r"retry|attempt|Connection|connect", line, re.I) and \
-                not re.search(r"Runtime API|health", line):
-            say(f"[yellow]node:[/] {escape(line.split(':', 1)[-1].strip())}")
+        if reason:
+            if status["refused"] is None:
+                status["refused"] = (reason, line.strip()[:200])
         elif "SuperNode ID" in line:
+            status["connected"] = True
             say(f"connected to {host}:{port} as node "
                 f"[bold]{escape(line.rsplit(':', 1)[-1].strip())}[/]")
+        elif status["quiet"]:
+            return
+        elif m := re.search(r"Connection attempt failed, retrying in ([\d.]+)", line):
+            say(f"[yellow]node:[/] cannot reach the coordinator at {host}:{port}; "
+                f"retrying in {float(m.group(1)):.1f} s")
+        elif re.search(r"Connection successful|Giving up|could not establish|Errno", line):
+            say(f"[yellow]node:[/] {escape(line.split(':', 1)[-1].strip())}")
 
     node_config = [f'dataset="{Path(dataset).expanduser().resolve()}"'
                    if looks_like_path(dataset) else f'dataset="{dataset}"', f'device="{device}"']
     if partition_id is not None:
         node_config += [f"partition-id={partition_id}", f"num-partitions={num_partitions}"]
     tmp = _private_dir("fedavg-node-")
-    proc = None
-    tasks = 0
-    try:
-        home = Path(tmp.name)
-        secret_path, secret = _secret_file(home)
+    home = Path(tmp.name)
+    secret_path, secret = _secret_file(home)
+
+    def start_supernode() -> tuple[FlowerProcess, Any]:
+        status.update(connected=False, refused=None)
         rport = free_port()
         args = ["--superlink", f"{host}:{port}", "--isolation", "process",
                 "--host", "127.0.0.1", "--port", str(rport),
@@ -722,21 +737,44 @@ def serve_node(
             args += ["--auth-supernode-private-key", str(auth_key.resolve())]
         if max_wait_time is not None:
             args += ["--max-wait-time", str(max_wait_time)]
-        proc = FlowerProcess("supernode", args, _env(home), echo=echo)
+        return (FlowerProcess("supernode", args, _env(home), echo=echo),
+                runtime.Endpoint(f"127.0.0.1:{rport}", None, secret))
+
+    proc = None
+    source = None
+    tasks = 0
+    key_retries = 0
+    try:
         say(f"node: data [bold]{dataset}[/]"
             + (f" partition {partition_id}/{num_partitions}" if partition_id is not None else "")
             + f", device {device}; connecting to {host}:{port}"
             + (" (TLS)" if certs else " (NO TLS)"))
-        endpoint = runtime.Endpoint(f"127.0.0.1:{rport}", None, secret)
-        source = None
+        proc, endpoint = start_supernode()
         runs: set[int] = set()
         while True:
-            if refused:
-                raise UserError(f"refused by {host}:{port}: {refused[0]}")
-            if not proc.alive():
-                reason = node_refusal(" ".join(proc.lines)) if not refused else refused[0]
+            if status["refused"] is not None or not proc.alive():
+                reason, line = status["refused"] or (node_refusal(" ".join(proc.lines)), "")
+                was_connected = status["connected"]
+                proc.stop()
+                if source is not None:
+                    source.close()
+                    source = None
+                if reason and "Failed to activate" in line and key_retries < 3:
+                    # the coordinator registers node keys just after it starts listening
+                    key_retries += 1
+                    say(f"[yellow]node:[/] the coordinator refused this node's key; it may still "
+                        f"be starting: retrying in 3 s ({key_retries}/3)")
+                    time.sleep(3.0)
+                    proc, endpoint = start_supernode()
+                    continue
                 if reason:
-                    raise UserError(f"refused by {host}:{port}: {reason}")
+                    raise UserError(f"refused by {host}:{port}: {reason} (SuperNode: {line})")
+                if was_connected and not once:
+                    say(f"[yellow]node:[/] lost the coordinator at {host}:{port} (it stopped or "
+                        "restarted); reconnecting for the next run")
+                    time.sleep(1.0)
+                    proc, endpoint = start_supernode()
+                    continue
                 raise RunError(f"the SuperNode stopped: {proc.last_error()}")
             if source is None:
                 try:
@@ -750,10 +788,16 @@ def serve_node(
                 log.debug("acquire: %s", exc)
                 got = None
             if got is None:
-                if once and runs and runs <= FINISHED_RUNS:
-                    time.sleep(1.0)  # let the SuperNode deliver the last acknowledgement
-                    say("run finished; exiting (--once)")
-                    return tasks
+                done = runs & FINISHED_RUNS
+                if done:
+                    runs -= done
+                    key_retries = 0
+                    if once:
+                        status["quiet"] = True
+                        time.sleep(1.0)  # let the SuperNode deliver the last acknowledgement
+                        say(f"run {', '.join(map(str, done))} finished; exiting (--once)")
+                        return tasks
+                    say(f"run {', '.join(map(str, done))} finished; waiting for the next run")
                 time.sleep(0.05)
                 continue
             token, task = got
@@ -764,8 +808,10 @@ def serve_node(
             tasks += 1
             if failure is not None:
                 say(f"[red]run {task.run_id}: task failed, reported to the coordinator:[/] "
-                    f"{failure}")
+                    f"{escape(failure)}")
     finally:
+        if source is not None:
+            source.close()
         if proc is not None:
             proc.stop()
         tmp.cleanup()

@@ -245,3 +245,22 @@ def test_signals_stop_every_flower_process(cluster, tmp_path, sig):
     while tagged_processes(cluster.tag) and time.monotonic() < deadline:
         time.sleep(0.3)
     assert not tagged_processes(cluster.tag)
+
+
+def test_a_serving_node_joins_the_next_coordinator_run(cluster, tmp_path):
+    first = cluster.coordinator("--rounds", "1", "--min-nodes", "1", "--insecure",
+                                "--output", tmp_path / "run1")
+    node = cluster.node("node", "--insecure")
+    assert cluster.wait(first, 120) == 0, cluster.log("coordinator")
+    # a new coordinator (a new SuperLink, which does not know the node) on the same port
+    second = cluster.start("coordinator2", "coordinator", "--address", cluster.address,
+                           "--rounds", "2", "--min-nodes", "1", "--insecure",
+                           "--output", tmp_path / "run2", "--wait-timeout", "120")
+    assert cluster.wait(second, 180) == 0, cluster.log("coordinator2") + cluster.log("node")
+    assert len(rounds_of(tmp_path / "run2")) == 2
+    text = cluster.log("node")
+    assert "finished; waiting for the next run" in text
+    assert text.count("joined run") == 2
+    assert node.poll() is None
+    node.send_signal(signal.SIGTERM)
+    assert cluster.wait(node, 30) == 130
