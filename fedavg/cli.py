@@ -58,6 +58,32 @@ _OPT = dict(
 )
 
 
+def _on_signal(message, cleanup=None):
+    """Ctrl-C / SIGTERM: print ``message``, run ``cleanup`` (default: stop our Flower
+    processes), keep finished rounds, exit 130.
+
+    ``message`` is a string or a function returning one, called at signal time."""
+    stopping = []
+
+    def _stop(signum, frame):
+        if stopping:  # a second signal while stopping: the first one finishes the job
+            return
+        stopping.append(signum)
+        err_console.print(message() if callable(message) else message, soft_wrap=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if cleanup is not None:
+            cleanup()
+        else:
+            from fedavg.deploy import stop_all
+
+            stop_all()
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+
+
 @app.command()
 def simulate(
     dataset: Annotated[str, typer.Option(help="digits (built in), a local path, or a hub id")] = _D.dataset,
@@ -106,24 +132,13 @@ def simulate(
     with _guard():
         config = RunConfig().replace(**settings)
 
-    stopping = []
-
-    def _stop(signum, frame):
-        # Ctrl-C or SIGTERM: stop Ray and clean up now, keep finished rounds, exit 130.
-        # (Raising KeyboardInterrupt instead can deadlock inside Flower's worker pool.)
-        if stopping:  # a second signal while stopping: the first one finishes the job
-            return
-        stopping.append(signum)
+    def interrupted() -> str:
         done = output is not None and (output / "metrics.jsonl").exists()
-        err_console.print("interrupted" + (f": finished rounds are kept in {output}" if done
-                                           else ""))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        abort_active_runs()
-        os._exit(130)
+        return "interrupted" + (f": finished rounds are kept in {output}" if done else "")
 
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
+    # Stop Ray at once on a signal. (Raising KeyboardInterrupt instead can deadlock inside
+    # Flower's worker pool.)
+    _on_signal(interrupted, abort_active_runs)
     with _guard():
         run(config, output=output, console=console, verbose=verbose,
             cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, overwrite=overwrite)
@@ -248,23 +263,6 @@ def models() -> None:
     table.add_row("auto", "mlp for tabular or < 16x16 inputs, cnn for grey, cnn-cifar for colour")
     console.print(table)
 
-
-
-def _on_signal(message):
-    """Ctrl-C / SIGTERM: stop our Flower processes, keep finished rounds, exit 130.
-
-    ``message`` is a string or a function returning one, called at signal time."""
-    def _stop(signum, frame):
-        from fedavg.deploy import stop_all
-
-        err_console.print(message() if callable(message) else message, soft_wrap=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        stop_all()
-        os._exit(130)
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
 
 
 _SIM_ONLY = ("num_nodes", "cpus_per_node", "gpus_per_node", "verbose")

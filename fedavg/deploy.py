@@ -29,14 +29,16 @@ import tempfile
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 
 from fedavg.config import RunConfig
 from fedavg.errors import RunError, UserError
+
+if TYPE_CHECKING:
+    from fedavg.simulation import SimulationResult
 
 log = logging.getLogger("fedavg")
 
@@ -222,18 +224,18 @@ def resolve_certs(certs: Path | None, insecure: bool, role: str) -> Path | None:
 # --------------------------------------------------------------------------- coordinator
 
 
-@dataclass
-class CoordinatorResult:
-    """What ``fedavg coordinator`` returns: final accuracy, per-round records, run folder."""
+def _reporter(console, insecure: bool):
+    """``say(text)``: print rich markup to ``console`` (unwrapped) and log it; warns first
+    when the traffic is not encrypted."""
+    def say(text: str) -> None:
+        if console is not None:
+            console.print(text, highlight=False, soft_wrap=True)
+        log.info(re.sub(r"\[/?[a-z ]*\]", "", text))
 
-    accuracy: float
-    loss: float
-    rounds: list[dict[str, Any]]
-    output: Path
-    wall_s: float
-    run_id: int
-    nodes: list[int] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
+    if insecure:
+        say("[yellow]warning:[/] --insecure: traffic between coordinator and nodes is NOT "
+            "encrypted")
+    return say
 
 
 def write_app(folder: Path, config: RunConfig) -> Path:
@@ -346,7 +348,7 @@ def coordinate(
     wait_timeout: float = 300.0,
     overwrite: bool = False,
     console=None,
-) -> CoordinatorResult:
+) -> "SimulationResult":
     """Run the coordinator of one run across machines and save the merged model.
 
     Parameters
@@ -378,7 +380,9 @@ def coordinate(
 
     Returns
     -------
-    CoordinatorResult
+    fedavg.simulation.SimulationResult
+        As from ``fedavg simulate``, with the Flower ``run_id``; ``wall_s`` includes
+        waiting for nodes.
 
     Raises
     ------
@@ -396,7 +400,7 @@ def coordinate(
         _quiet_logs,
         _write_summary,
         check_output,
-        default_output,
+        make_output,
         prepare,
     )
 
@@ -423,22 +427,10 @@ def coordinate(
     runtime.check_flower_internals()
     runtime.patch_pull_backoff()
     prepared = prepare(config)
-    out = Path(output) if output is not None else default_output()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"cannot create output folder {out}: {exc.strerror}") from None
+    out = make_output(output)
     RUN_OUTPUT[:] = [out]
-
-    def say(text: str) -> None:
-        if console is not None:
-            console.print(text, highlight=False, soft_wrap=True)
-        log.info(re.sub(r"\[/?[a-z ]*\]", "", text))
-
     _quiet_logs(False)
-    if certs is None:
-        say("[yellow]warning:[/] --insecure: traffic between coordinator and nodes is NOT "
-            "encrypted")
+    say = _reporter(console, certs is None)
     local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     connect = f"{local}:{port}"
     state = RunState()
@@ -528,7 +520,7 @@ def coordinate(
     summary = SimulationResult(accuracy=last.accuracy, loss=last.loss,
                                rounds=[r.as_dict() for r in state.rounds], output=out,
                                wall_s=round(wall, 3), num_nodes=min_nodes,
-                               failures=state.failures)
+                               failures=state.failures, run_id=run_id)
     _write_summary(summary, prepared, config)
     if console is not None:
         from fedavg.simulation import rounds_table
@@ -537,9 +529,7 @@ def coordinate(
         console.print(f"[bold green]done[/] in {wall:.1f} s: test accuracy "
                       f"[bold]{last.accuracy:.4f}[/], loss {last.loss:.4f}; model saved in "
                       f"[bold]{out}[/]")
-    return CoordinatorResult(accuracy=last.accuracy, loss=last.loss, rounds=summary.rounds,
-                             output=out, wall_s=summary.wall_s, run_id=run_id,
-                             failures=state.failures)
+    return summary
 
 
 def _start_run(control, app_dir: Path) -> int:
@@ -683,18 +673,10 @@ def serve_node(
     runtime.check_flower_internals()
     runtime.patch_pull_backoff()
     from fedavg.apps import FINISHED_RUNS, client_app
-
-    def say(text: str) -> None:
-        if console is not None:
-            console.print(text, highlight=False, soft_wrap=True)
-        log.info(re.sub(r"\[/?[a-z ]*\]", "", text))
-
     from fedavg.simulation import _quiet_logs
 
     _quiet_logs(False)
-    if certs is None:
-        say("[yellow]warning:[/] --insecure: traffic between coordinator and nodes is NOT "
-            "encrypted")
+    say = _reporter(console, certs is None)
     status: dict[str, Any] = {"connected": False, "refused": None, "quiet": False}
 
     def echo(line: str) -> None:

@@ -65,6 +65,8 @@ class SimulationResult:
     wall_s: float
     num_nodes: int
     failures: list[str] = field(default_factory=list)
+    #: the Flower run id (``fedavg coordinator`` only)
+    run_id: int | None = None
 
     @property
     def model_dir(self) -> Path:
@@ -96,6 +98,22 @@ def default_output() -> Path:
 
 
 RUN_FILES = ("model.safetensors", "model.json", "metrics.jsonl", "summary.json")
+
+
+def make_output(output: str | Path | None) -> Path:
+    """Create the run folder: ``output``, or a new :func:`default_output`.
+
+    Raises
+    ------
+    UserError
+        It cannot be created.
+    """
+    out = Path(output) if output is not None else default_output()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create output folder {out}: {exc.strerror}") from None
+    return out
 
 
 def check_output(out: Path, overwrite: bool) -> None:
@@ -320,11 +338,7 @@ def simulate(
         check_output(Path(output), overwrite)
 
     prepared = prepare(config)
-    out = Path(output) if output is not None else default_output()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"cannot create output folder {out}: {exc.strerror}") from None
+    out = make_output(output)
     if console is not None:
         for note in prepared.data.notes:
             console.print(f"[yellow]note:[/] {note}")
