@@ -74,7 +74,10 @@ def node_arrays(dataset: str, partition_id: int, num_partitions: int,
             raise UserError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
         from fedavg.simulation import prepare
 
-        prepared = prepare(config.replace(num_nodes=num_partitions))
+        try:
+            prepared = prepare(config.replace(num_nodes=num_partitions))
+        except UserError as exc:  # say it in the node's terms
+            raise UserError(str(exc).replace("--num-nodes", "--num-partitions")) from None
         idx = prepared.parts[partition_id]
         train = prepared.data.train
         return train.x[idx], train.y[idx].astype(np.int64), list(prepared.data.classes)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -91,8 +92,14 @@ def make_certs(folder: Path, hosts: list[str] | None = None, nodes: int = 0,
     if nodes < 0:
         raise UserError(f"--nodes must be >= 0, got {nodes}")
     hosts = list(hosts or [])
-    if any(not h.strip() or "/" in h for h in hosts):
-        raise UserError("--host takes a host name or an IP address")
+    for h in hosts:
+        try:
+            ipaddress.ip_address(h)
+        except ValueError:
+            if not re.fullmatch(r"(?=.{1,253}$)[A-Za-z0-9*]([A-Za-z0-9-]*[A-Za-z0-9])?"
+                                r"(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*", h):
+                raise UserError(f"--host {h!r} is not a host name or an IP address "
+                                "(no port, no spaces)") from None
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{folder} is a file; give a folder")
     if (folder / "ca.key").exists() and not overwrite:

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("fedavg")
 
 DEFAULT_ADDRESS = "127.0.0.1:9092"
+#: A ``--once`` node gives up on a run whose coordinator stays unreachable this long (s).
+LOST_AFTER_S = 30.0
 #: Files written by ``fedavg certs``.
 CA_CERT, SERVER_CERT, SERVER_KEY = "ca.crt", "coordinator.crt", "coordinator.key"
 AUTH_KEYS = "authorized-nodes.pub"
@@ -51,8 +53,8 @@ _ACTIVE: list["FlowerProcess"] = []
 #: The run folder of the coordinator running in this process (for interrupt messages).
 RUN_OUTPUT: list[Path] = []
 CERT_HINT = ("the coordinator cannot verify its own certificate: --certs must hold a "
-             "coordinator.crt signed by its ca.crt and valid for 127.0.0.1 (make one with "
-             "`fedavg certs DIR --host NAME`)")
+             "coordinator.crt signed by its ca.crt and valid for {host} (make one with "
+             "`fedavg certs DIR --host {host}`)")
 
 
 # --------------------------------------------------------------------------- processes
@@ -153,6 +155,79 @@ def stop_all() -> None:
     """Stop every Flower process this process started (signal handlers call this)."""
     for proc in list(_ACTIVE):
         proc.stop(timeout_s=5.0)
+
+
+def join_address(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail early when another program (another coordinator?) listens on ``host:port``.
+
+    Raises
+    ------
+    UserError
+        The port is taken, or ``host`` is not an address of this machine.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # as the SuperLink's server does: connections of a previous run in TIME_WAIT are fine
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == 98:
+                raise UserError(f"--address {join_address(host, port)} is in use (another "
+                                "coordinator?); stop it or choose another port") from None
+            raise UserError(f"cannot listen on {join_address(host, port)}: {exc.strerror}; "
+                            "give an address of this machine, or 0.0.0.0") from None
+
+
+def check_server_certs(certs: Path) -> None:
+    """Check that the coordinator's certificate and key load and belong together.
+
+    Raises
+    ------
+    UserError
+        A file is not PEM, or the key does not match the certificate.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        cert = x509.load_pem_x509_certificate((certs / SERVER_CERT).read_bytes())
+    except ValueError:
+        raise UserError(f"{certs / SERVER_CERT} is not a PEM certificate") from None
+    try:
+        key = serialization.load_pem_private_key((certs / SERVER_KEY).read_bytes(), None)
+    except (ValueError, TypeError):
+        raise UserError(f"{certs / SERVER_KEY} is not an unencrypted PEM private key") from None
+    fmt = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if key.public_key().public_bytes(*fmt) != cert.public_key().public_bytes(*fmt):
+        raise UserError(f"{certs / SERVER_KEY} is not the key of {certs / SERVER_CERT}")
+
+
+def check_node_key(path: Path) -> None:
+    """Check that ``path`` is a node private key (OpenSSH, EC on a NIST curve).
+
+    Raises
+    ------
+    UserError
+        Missing, or not such a key (e.g. a public key).
+    """
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+
+    if not path.is_file():
+        raise UserError(f"--auth-key {path} does not exist")
+    try:
+        key = load_ssh_private_key(path.read_bytes(), None)
+    except Exception:  # noqa: BLE001 - any parse failure means: not a usable key
+        key = None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise UserError(f"--auth-key {path} is not a node private key (node-<i>.key from "
+                        "`fedavg certs DIR --nodes N`)")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -276,7 +351,7 @@ def _control_client(address: str, certs: Path | None):
         return init_http_client_from_connection(conn)
 
 
-def _wait_ready(link: FlowerProcess, address: str, certs: Path | None,
+def _wait_ready(link: FlowerProcess, address: str, certs: Path | None, host: str,
                 timeout_s: float = 60.0):
     """Wait for the SuperLink's Control API; return a client for it."""
     from flwr.proto.control_pb2 import ListRunsRequest  # pylint: disable=E0611
@@ -293,7 +368,7 @@ def _wait_ready(link: FlowerProcess, address: str, certs: Path | None,
         except Exception as exc:  # noqa: BLE001 - not listening yet
             last = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if "CERTIFICATE_VERIFY_FAILED" in str(exc) or "certificate verify failed" in str(exc):
-                raise UserError(f"{CERT_HINT} ({last})") from None
+                raise UserError(CERT_HINT.format(host=host) + f" ({last})") from None
             time.sleep(0.3)
     raise RunError(f"the SuperLink did not answer on {address} within {timeout_s:g} s ({last})")
 
@@ -321,8 +396,10 @@ def load_auth_keys(path: Path) -> list[bytes]:
                 continue
             try:
                 key = serialization.load_ssh_public_key(line.strip().encode())
-            except (ValueError, TypeError) as exc:
-                raise UserError(f"{f}:{n} is not an OpenSSH public key ({exc})") from None
+            except Exception as exc:  # noqa: BLE001 - ValueError, UnsupportedAlgorithm ...
+                raise UserError(f"{f}:{n} is not an OpenSSH public key "
+                                f"({str(exc).splitlines()[0][:80] if str(exc) else exc!r})"
+                                ) from None
             if not isinstance(key, ec.EllipticCurvePublicKey):
                 raise UserError(f"{f}:{n} is not an EC public key (make keys with "
                                 "`fedavg certs DIR --nodes N`)")
@@ -410,12 +487,15 @@ def coordinate(
     if wait_timeout <= 0:
         raise UserError(f"--wait-timeout must be > 0 seconds, got {wait_timeout:g}")
     config = config.replace(num_nodes=min_nodes).validate()
-    per_round = min_nodes_per_round or max(1, -(-config.nodes_per_round // 2))
+    per_round = (min_nodes_per_round if min_nodes_per_round is not None
+                 else max(1, -(-config.nodes_per_round // 2)))
     if not 1 <= per_round <= min_nodes:
         raise UserError(f"--min-nodes-per-round must be in 1..--min-nodes ({min_nodes}), "
                         f"got {per_round}")
     host, port = split_address(address)
     certs = resolve_certs(certs, insecure, "coordinator")
+    if certs is not None:
+        check_server_certs(certs)
     keys_pem = load_auth_keys(auth_keys) if auth_keys is not None else None
     if keys_pem is not None and certs is None:
         raise UserError("--auth-keys needs TLS: pass --certs, not --insecure")
@@ -427,12 +507,11 @@ def coordinate(
     runtime.check_flower_internals()
     runtime.patch_pull_backoff()
     prepared = prepare(config)
-    out = make_output(output)
-    RUN_OUTPUT[:] = [out]
+    check_port_free(host, port)
     _quiet_logs(False)
     say = _reporter(console, certs is None)
-    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    connect = f"{local}:{port}"
+    local = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    connect = join_address(local, port)
     state = RunState()
     tmp = _private_dir("fedavg-coordinator-")
     link = None
@@ -457,8 +536,10 @@ def coordinate(
                 say(f"[red]superlink:[/] {escape(line[:160])}")
 
         link = FlowerProcess("superlink", args, _env(home), echo=echo)
-        control = _wait_ready(link, connect, certs)
-        say(f"coordinator listening on [bold]{host}:{port}[/] "
+        control = _wait_ready(link, connect, certs, local)
+        out = make_output(output)  # only once the SuperLink runs: a failed start writes nothing
+        RUN_OUTPUT[:] = [out]
+        say(f"coordinator listening on [bold]{join_address(host, port)}[/] "
             f"({'TLS' if certs else 'NO TLS'}{', node authentication' if keys_pem else ''})")
         if keys_pem is not None:
             from flwr.proto.control_pb2 import RegisterNodeRequest  # pylint: disable=E0611
@@ -582,8 +663,11 @@ _REFUSED = (
                 r"hostname mismatch|IP address mismatch", re.I),
      "the coordinator's TLS certificate is not signed by --certs/ca.crt or does not name "
      "this address; use the ca.crt of the coordinator's `fedavg certs` folder"),
-    (re.compile(r"SuperNodes must be registered|Failed to activate SuperNode|"
-                r"PERMISSION_DENIED|UNAUTHENTICATED|Public key not recognized", re.I),
+    (re.compile(r"SuperNodes must be registered", re.I),
+     "the coordinator only accepts known nodes: pass --auth-key with a node key listed in "
+     "its --auth-keys"),
+    (re.compile(r"Failed to activate SuperNode|PERMISSION_DENIED|UNAUTHENTICATED|"
+                r"Public key not recognized", re.I),
      "the coordinator refused this node's key: add its public key to the coordinator's "
      "--auth-keys, or pass the right --auth-key"),
 )
@@ -668,8 +752,9 @@ def serve_node(
     if auth_key is not None:
         if certs is None:
             raise UserError("--auth-key needs TLS: pass --certs, not --insecure")
-        if not auth_key.is_file():
-            raise UserError(f"--auth-key {auth_key} does not exist")
+        check_node_key(auth_key)
+    if max_wait_time is not None and max_wait_time <= 0:
+        raise UserError(f"--max-wait-time must be > 0 seconds, got {max_wait_time:g}")
     runtime.check_flower_internals()
     runtime.patch_pull_backoff()
     from fedavg.apps import FINISHED_RUNS, client_app
@@ -677,14 +762,27 @@ def serve_node(
 
     _quiet_logs(False)
     say = _reporter(console, certs is None)
-    status: dict[str, Any] = {"connected": False, "refused": None, "quiet": False}
+    status: dict[str, Any] = {"connected": False, "refused": None, "quiet": False,
+                              "exit": None, "unreachable_since": None, "hinted": False}
 
     def echo(line: str) -> None:
         reason = node_refusal(line)
+        if m := re.search(r"Exit Code: (\d+)", line):
+            status["exit"] = int(m.group(1))  # Flower is shutting the SuperNode down
         if reason:
             if status["refused"] is None:
                 status["refused"] = (reason, line.strip()[:200])
-        elif "SuperNode ID" in line:
+            return
+        if "Connection attempt failed" in line:
+            status["unreachable_since"] = status["unreachable_since"] or time.monotonic()
+        elif "Connection successful" in line:
+            status["unreachable_since"] = None
+        if certs is None and "disconnected without sending a response" in line \
+                and not status["hinted"]:
+            status["hinted"] = True
+            say("[yellow]node:[/] the coordinator closed the connection: if it uses TLS, pass "
+                "--certs DIR instead of --insecure")
+        if "SuperNode ID" in line:
             status["connected"] = True
             say(f"connected to {host}:{port} as node "
                 f"[bold]{escape(line.rsplit(':', 1)[-1].strip())}[/]")
@@ -705,7 +803,7 @@ def serve_node(
     secret_path, secret = _secret_file(home)
 
     def start_supernode() -> tuple[FlowerProcess, Any]:
-        status.update(connected=False, refused=None)
+        status.update(connected=False, refused=None, exit=None, unreachable_since=None)
         rport = free_port()
         args = ["--superlink", f"{host}:{port}", "--isolation", "process",
                 "--host", "127.0.0.1", "--port", str(rport),
@@ -734,7 +832,13 @@ def serve_node(
         proc, endpoint = start_supernode()
         runs: set[int] = set()
         while True:
-            if status["refused"] is not None or not proc.alive():
+            lost = (once and runs and status["unreachable_since"] is not None
+                    and time.monotonic() - status["unreachable_since"] > LOST_AFTER_S)
+            if lost:
+                raise RunError(f"lost the coordinator at {host}:{port} during run "
+                               f"{', '.join(map(str, runs))} (unreachable for "
+                               f"{LOST_AFTER_S:g} s)")
+            if status["refused"] is not None or status["exit"] is not None or not proc.alive():
                 reason, line = status["refused"] or (node_refusal(" ".join(proc.lines)), "")
                 was_connected = status["connected"]
                 proc.stop()
@@ -757,6 +861,11 @@ def serve_node(
                     time.sleep(1.0)
                     proc, endpoint = start_supernode()
                     continue
+                if was_connected:
+                    raise RunError(f"lost the coordinator at {host}:{port} during the run")
+                if any("Giving up" in ln for ln in proc.lines):
+                    raise RunError(f"could not reach the coordinator at {host}:{port} within "
+                                   f"--max-wait-time {max_wait_time:g} s")
                 raise RunError(f"the SuperNode stopped: {proc.last_error()}")
             if source is None:
                 try:
@@ -786,7 +895,21 @@ def serve_node(
             if int(task.run_id) not in runs:
                 runs.add(int(task.run_id))
                 say(f"joined run {task.run_id}")
-            failure = runtime.run_client_task(endpoint, token, client_app)
+            # The task runs in a thread so that this loop keeps watching the SuperNode and the
+            # coordinator: a task whose coordinator vanished mid-transfer would wait for ever.
+            result: list[str | None] = []
+            worker = threading.Thread(
+                target=lambda ep=endpoint, tk=token: result.append(
+                    runtime.run_client_task(ep, tk, client_app)),
+                daemon=True)
+            worker.start()
+            while worker.is_alive() and proc.alive() and status["exit"] is None \
+                    and not (once and status["unreachable_since"] is not None and
+                             time.monotonic() - status["unreachable_since"] > LOST_AFTER_S):
+                worker.join(0.2)
+            if worker.is_alive():
+                continue  # the checks at the top of the loop say what happened
+            failure = result[0] if result else "the task stopped"
             tasks += 1
             if failure is not None:
                 say(f"[red]run {task.run_id}: task failed, reported to the coordinator:[/] "

@@ -201,7 +201,7 @@ def test_wrong_certificate_and_unknown_key_are_refused(cluster, certs, tmp_path)
     unknown = cluster.node("unknown", "--certs", certs, "--auth-key", other / "node-0.key")
     no_key = cluster.node("no_key", "--certs", certs)
     for proc, words in ((wrong_ca, "TLS certificate"), (unknown, "refused this node's key"),
-                        (no_key, "refused this node's key")):
+                        (no_key, "only accepts known nodes")):
         assert cluster.wait(proc, 60) == 2, cluster.log(proc.name)
         text = cluster.log(proc.name)
         assert words in text and "Traceback" not in text, text
@@ -264,3 +264,27 @@ def test_a_serving_node_joins_the_next_coordinator_run(cluster, tmp_path):
     assert node.poll() is None
     node.send_signal(signal.SIGTERM)
     assert cluster.wait(node, 30) == 130
+
+
+def test_node_gives_up_clearly_when_the_coordinator_is_gone(cluster, tmp_path):
+    # nobody listens: --max-wait-time ends the retries with one clear line
+    lonely = cluster.node("lonely", "--insecure", "--max-wait-time", "4")
+    assert cluster.wait(lonely, 60) == 1
+    text = cluster.log("lonely")
+    assert "cannot reach the coordinator" in text and "retrying" in text
+    assert f"could not reach the coordinator at {cluster.address} within --max-wait-time 4 s" \
+        in text
+    # the coordinator dies (SIGKILL) mid-run: its SuperLink goes too, a --once node gives up
+    out = tmp_path / "run"
+    coord = cluster.coordinator("--rounds", "50", "--min-nodes", "1", "--insecure",
+                                "--local-epochs", "5", "--output", out)
+    node = cluster.node("node", "--insecure", "--once")
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text()):
+        assert time.monotonic() < deadline and coord.poll() is None, cluster.log("coordinator")
+        time.sleep(0.2)
+    coord.kill()
+    assert cluster.wait(node, 90) == 1, cluster.log("node")
+    assert "lost the coordinator" in cluster.log("node")
+    assert "Traceback" not in cluster.log("node")
+    assert (out / "model.safetensors").exists()  # finished rounds are kept

@@ -85,7 +85,7 @@ def test_node_refusals_are_recognised():
 
     assert "TLS certificate" in node_refusal(
         "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: unable to get local issuer")
-    assert "refused this node's key" in node_refusal(
+    assert "only accepts known nodes: pass --auth-key" in node_refusal(
         "[code: 2001] SuperNode authentication is enabled. All SuperNodes must be registered")
     assert "refused this node's key" in node_refusal("[code: 2004] Failed to activate SuperNode.")
     for harmless in ("Uvicorn running on http://127.0.0.1:40372", "SuperNode ID: 4031403",
@@ -169,9 +169,55 @@ def test_node_partition_matches_simulate(tmp_path):
     (["node", "--certs", "/nonexistent"], "lacks ca.crt"),
     (["certs", "/dev/null/x"], "cannot create /dev/null/x"),
     (["certs", "out", "--nodes", "-1"], "--nodes must be >= 0"),
+    (["certs", "out", "--host", "a:9092"], "is not a host name or an IP address"),
+    (["certs", "out", "--host", "bad host!"], "is not a host name or an IP address"),
+    (["coordinator", "--insecure", "--min-nodes", "2", "--min-nodes-per-round", "0"],
+     "--min-nodes-per-round must be in 1..--min-nodes (2), got 0"),
+    (["node", "--insecure", "--max-wait-time", "-1"], "--max-wait-time must be > 0"),
 ])
 def test_deployment_user_errors_are_one_line(args, words):
     res = run_cli(*args, check=False, timeout=120)
     assert res.returncode == 2, (res.stdout, res.stderr)
     assert words in res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) <= 3
+
+
+def test_bad_keys_certificates_and_ports_are_one_line(tmp_path):
+    import shutil
+    import socket
+
+    from fedavg.certs import make_certs
+    from fedavg.deploy import free_port
+
+    good = tmp_path / "good"
+    make_certs(good, nodes=1)
+    port = free_port()
+    cases = [
+        (["coordinator", "--certs", good, "--auth-keys", good / "node-0.key"],
+         "is not an OpenSSH public key"),
+        (["node", "--certs", good, "--auth-key", good / "node-0.pub"],
+         "is not a node private key"),
+        (["node", "--certs", good, "--auth-key", good / "ca.key"], "is not a node private key"),
+    ]
+    bad_cert = tmp_path / "bad_cert"
+    shutil.copytree(good, bad_cert)
+    (bad_cert / "coordinator.crt").write_text("not a certificate\n")
+    cases.append((["coordinator", "--certs", bad_cert], "coordinator.crt is not a PEM certificate"))
+    other = tmp_path / "other"
+    make_certs(other)
+    mismatch = tmp_path / "mismatch"
+    shutil.copytree(good, mismatch)
+    shutil.copy(other / "coordinator.key", mismatch / "coordinator.key")
+    cases.append((["coordinator", "--certs", mismatch], "is not the key of"))
+    with socket.socket() as busy:  # another program holds the port
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        cases.append((["coordinator", "--insecure", "--address", f"127.0.0.1:{port}",
+                       "--output", tmp_path / "never"], "is in use"))
+        for args, words in cases:
+            res = run_cli(*args, "--rounds", "1", check=False, timeout=120) \
+                if args[0] == "coordinator" else run_cli(*args, check=False, timeout=120)
+            assert res.returncode == 2, (args, res.stdout, res.stderr)
+            assert words in res.stderr, (args, res.stderr)
+            assert "Traceback" not in res.stderr
+    assert not (tmp_path / "never").exists()  # a coordinator that could not start wrote nothing
