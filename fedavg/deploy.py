@@ -361,11 +361,14 @@ def _wait_ready(link: FlowerProcess, address: str, certs: Path | None, host: str
     while time.monotonic() < deadline:
         if not link.alive():
             raise UserError(f"the SuperLink could not start: {link.last_error()}")
+        client = None
         try:
             client = _control_client(address, certs)
             client.ListRuns(ListRunsRequest())
             return client
         except Exception as exc:  # noqa: BLE001 - not listening yet
+            if client is not None:
+                client.close()
             last = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if "CERTIFICATE_VERIFY_FAILED" in str(exc) or "certificate verify failed" in str(exc):
                 raise UserError(CERT_HINT.format(host=host) + f" ({last})") from None
