@@ -10,7 +10,7 @@ from cryptography import x509
 
 from fedavg.config import RunConfig
 from fedavg.errors import UserError
-from tests.conftest import run_cli
+from conftest import run_cli
 
 
 def test_certs_make_a_ca_a_server_certificate_and_node_keys(tmp_path):
