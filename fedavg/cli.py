@@ -339,23 +339,33 @@ def node(
     max_wait_time: Annotated[Optional[float], typer.Option(help="Give up after this many seconds without reaching the coordinator (default: keep retrying)")] = None,
 ) -> None:
     """Join runs of a coordinator: a Flower SuperNode plus one warm training process."""
-    from fedavg.deploy import serve_node, serve_gpu_nodes
+    from fedavg.deploy import serve_gpu_nodes, serve_node
 
     _setup_logging()
     _on_signal("node stopped")
-    with _guard():
-        if gpus is not None:
-            code = serve_gpu_nodes(gpus, coordinator=coordinator, dataset=dataset,
-                                   partition_id=partition_id, num_partitions=num_partitions,
-                                   device=device, certs=certs, insecure=insecure,
-                                   auth_key=auth_key, once=once, max_wait_time=max_wait_time,
-                                   console=console)
-            raise typer.Exit(code)
-        n = serve_node(coordinator, dataset=dataset, partition_id=partition_id,
-                       num_partitions=num_partitions, device=device, certs=certs,
-                       insecure=insecure, auth_key=auth_key, once=once,
-                       max_wait_time=max_wait_time, console=console)
-        console.print(f"node done: {n} task(s) run")
+    code = 0
+    try:
+        with _guard():
+            if gpus is not None:
+                code = serve_gpu_nodes(gpus, coordinator=coordinator, dataset=dataset,
+                                       partition_id=partition_id,
+                                       num_partitions=num_partitions, device=device,
+                                       certs=certs, insecure=insecure, auth_key=auth_key,
+                                       once=once, max_wait_time=max_wait_time, console=console)
+            else:
+                n = serve_node(coordinator, dataset=dataset, partition_id=partition_id,
+                               num_partitions=num_partitions, device=device, certs=certs,
+                               insecure=insecure, auth_key=auth_key, once=once,
+                               max_wait_time=max_wait_time, console=console)
+                console.print(f"node done: {n} task(s) run")
+    except typer.Exit as exc:
+        code = exc.exit_code
+    # A task abandoned when its coordinator vanished may still block in Flower's transfer
+    # threads, which a normal interpreter exit would wait for: leave now (Flower's processes
+    # are already stopped).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @app.command()
