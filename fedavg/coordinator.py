@@ -84,7 +84,6 @@ class StreamingGrid:
                  node_check_s: float = 1.0) -> None:
         self._grid = grid
         self.poll_s = poll_s
-
         self.on_lost = on_lost
         self.node_check_s = node_check_s
 
