@@ -7,9 +7,8 @@ one state dict, whatever the number of nodes.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -105,10 +104,67 @@ class MergeContext:
         return torch.cat(out)
 
     def accuracy(self, probs: torch.Tensor) -> float:
-        """Validation accuracy of ``(N, K)`` probabilities."""
+        """Return the validation accuracy of ``(N, K)`` probabilities."""
         if self.val_y is None:
             raise MergeError("this merge needs a validation set")
         return float((probs.argmax(1) == self.val_y).float().mean())
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting a strategy takes, declared once next to the code that uses it.
+
+    The run config, the ``fedavg simulate`` / ``coordinator`` / ``merge`` options and the
+    ``fedavg strategies`` table are all generated from these declarations.
+
+    Attributes
+    ----------
+    name : str
+        Python name (``server_lr``); on the command line ``--server-lr``.
+    type : type
+        ``float``, ``int`` or ``str``.
+    default : object
+        Value when the option is not given.
+    help : str
+        One line for ``--help``.
+    choices : tuple of str
+        Allowed values of a ``str`` option (empty: any).
+    """
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+
+    @property
+    def flag(self) -> str:
+        """The command-line spelling, ``--server-lr``."""
+        return "--" + self.name.replace("_", "-")
+
+    def convert(self, value: Any) -> Any:
+        """``value`` as this option's type.
+
+        Raises
+        ------
+        ValueError
+            Not convertible, or not one of ``choices``.
+        """
+        try:
+            out = self.type(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.flag} expects {self.type.__name__}, got {value!r}") from None
+        if isinstance(value, bool) or (self.type is int and isinstance(value, float)
+                                       and value != out):
+            raise ValueError(f"{self.flag} expects {self.type.__name__}, got {value!r}")
+        if self.choices and out not in self.choices:
+            raise ValueError(f"{self.flag} must be one of {', '.join(self.choices)} "
+                             f"(got {value!r})")
+        return out
+
+
+class UnknownOptionError(ValueError):
+    """An option given to a strategy that does not declare it."""
 
 
 class Strategy:
@@ -128,7 +184,38 @@ class Strategy:
     needs_unlabeled: bool = False
     """True when the merge uses ``MergeContext.distill_x`` (unlabeled inputs)."""
     node_config: dict = {}
-    """Extra settings sent to nodes for local training (e.g. FedProx's ``mu``)."""
+    """Extra local-training settings sent to nodes: ``fedavg.wire.TrainSettings`` field
+    names and values (e.g. FedProx's ``proximal_mu``)."""
+    options: tuple[Option, ...] = ()
+    """The settings this strategy takes (see :class:`Option`); each becomes an attribute."""
+
+    def __init__(self, **options: Any) -> None:
+        problem = self.unknown_options(options)
+        if problem:
+            raise UnknownOptionError(problem)
+        for o in self.options:
+            value = options.get(o.name)
+            setattr(self, o.name, o.default if value is None else o.convert(value))
+        self.check()
+
+    @classmethod
+    def unknown_options(cls, names: Iterable[str]) -> str | None:
+        """Say which of ``names`` this strategy does not declare, or return ``None``."""
+        unknown = sorted(set(names) - {o.name for o in cls.options})
+        if not unknown:
+            return None
+        flags = ", ".join("--" + n.replace("_", "-") for n in unknown)
+        takes = ", ".join(o.flag for o in cls.options) or "no options"
+        return f"strategy {cls.name} does not take {flags} (it takes {takes})"
+
+    def check(self) -> None:
+        """Check the option values (after :meth:`__init__` set them).
+
+        Raises
+        ------
+        ValueError
+            A value outside the method's range, naming the option.
+        """
 
     def begin(self, reference: StateDict, buffers: frozenset[str] = frozenset(),
               context: "MergeContext | None" = None) -> None:
@@ -151,7 +238,7 @@ class Strategy:
         raise NotImplementedError
 
     def result(self) -> Merged:
-        """The merged model of everything added since ``begin``."""
+        """Return the merged model of everything added since ``begin``."""
         raise NotImplementedError
 
     def merge(
@@ -182,40 +269,72 @@ _REGISTRY: dict[str, Callable[[], Strategy]] = {}
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
-    """Class decorator: register a :class:`Strategy` subclass under ``cls.name``."""
+    """Class decorator: register a :class:`Strategy` subclass under ``cls.name``.
+
+    Raises
+    ------
+    ValueError
+        No name, or an option whose type differs from the same option of another strategy.
+    """
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
+    for opt in cls.options:
+        for other in _REGISTRY.values():
+            for theirs in other.options:
+                if theirs.name == opt.name and theirs.type is not opt.type:
+                    raise ValueError(f"{cls.name}'s option {opt.flag} is {opt.type.__name__}; "
+                                     f"{other.name} declares it {theirs.type.__name__}")
     _REGISTRY[cls.name] = cls
     return cls
 
 
 def available() -> dict[str, type[Strategy]]:
-    """Registered strategies by name, sorted."""
+    """List the registered strategies by name, sorted."""
     return dict(sorted(_REGISTRY.items()))
 
 
-def get(name: str, **options) -> Strategy:
-    """A new instance of the strategy registered as ``name``.
-
-    ``options`` may hold settings of any strategy (``mu``, ``beta``, ``server_lr`` ...);
-    each strategy takes the ones its constructor names and ignores the rest, so one run
-    config serves every method.
+def strategy_class(name: str) -> type[Strategy]:
+    """Return the class registered as ``name``.
 
     Raises
     ------
     UnknownStrategyError
         With the list of known names.
-    ValueError
-        An option value the strategy refuses (e.g. ``beta`` outside [0, 0.5)).
     """
     try:
-        cls = _REGISTRY[name]
+        return _REGISTRY[name]
     except KeyError:
         raise UnknownStrategyError(
             f"unknown strategy {name!r}; choose one of: {', '.join(sorted(_REGISTRY))}"
         ) from None
-    accepted = inspect.signature(cls.__init__).parameters
-    return cls(**{k: v for k, v in options.items() if k in accepted and v is not None})
+
+
+def get(name: str, **options: Any) -> Strategy:
+    """Return a new instance of the strategy registered as ``name``, with ``options`` set.
+
+    Raises
+    ------
+    UnknownStrategyError
+        With the list of known names.
+    UnknownOptionError
+        An option the strategy does not declare (a ``ValueError``), naming what it takes.
+    ValueError
+        An option value the strategy refuses (e.g. ``beta`` outside [0, 0.5)).
+    """
+    return strategy_class(name)(**options)
+
+
+def all_options() -> dict[str, list[tuple[str, Option]]]:
+    """Return every declared option by name, with the strategies declaring it.
+
+    The mapping is ``name -> [(strategy, Option)]``. An option declared by several
+    strategies has one type everywhere.
+    """
+    out: dict[str, list[tuple[str, Option]]] = {}
+    for sname, cls in available().items():
+        for opt in cls.options:
+            out.setdefault(opt.name, []).append((sname, opt))
+    return dict(sorted(out.items()))
 
 
 def signature(state_dict: StateDict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from strategies.base import Merged, MergeError, register
+from strategies.base import Merged, MergeError, Option, register
 from strategies.fedavg import FedAvg
 from strategies.robust import _Collect
 
@@ -66,18 +66,17 @@ class Ensemble(_Collect):
     """
 
     name = "ensemble"
-    description = "one-shot: weighted average of node models' softmax outputs " \
-                  "(--ensemble-weights num-examples|uniform|accuracy|fitted)"
+    description = "one-shot: weighted average of node models' softmax outputs"
     paper = ("Dietterich 2000, Ensemble Methods in Machine Learning; fitted weights: "
              "van der Laan et al. 2007, Super Learner")
     one_shot = True
 
-    def __init__(self, ensemble_weights: str = "num-examples") -> None:
-        if ensemble_weights not in WEIGHTINGS:
-            raise ValueError(f"--ensemble-weights must be one of {', '.join(WEIGHTINGS)} "
-                             f"(got {ensemble_weights!r})")
-        self.ensemble_weights = ensemble_weights
-        self.needs_validation = ensemble_weights in ("accuracy", "fitted")
+    options = (Option("ensemble_weights", str, "num-examples", "How members are weighted",
+                      choices=WEIGHTINGS),)
+
+    def check(self) -> None:
+        """``accuracy`` and ``fitted`` weights need a validation set."""
+        self.needs_validation = self.ensemble_weights in ("accuracy", "fitted")
 
     def weights(self) -> tuple[torch.Tensor, dict]:
         """``(M,)`` member weights and facts about how they were chosen."""
@@ -99,6 +98,10 @@ class Ensemble(_Collect):
         return fit_weights(probs, ctx.val_y), info
 
     def combine(self) -> Merged:
+        """Return the collected models as ensemble members, weighted by ``ensemble_weights``.
+
+        The merged ``state_dict`` is the members' sample-weighted parameter average.
+        """
         w, info = self.weights()
         avg = FedAvg().merge(self._models, self._weights, self._nodes)
         return Merged(avg.state_dict, len(self._models), sum(self._weights),
@@ -118,29 +121,39 @@ class Distill(_Collect):
         Adam learning rate.
     distill_batch_size : int
         Samples per step.
-    temperature : float
+    distill_temperature : float
         Softmax temperature of teacher and student in the KL loss.
     """
 
     name = "distill"
-    description = "one-shot: distil the node ensemble into one network on unlabeled data " \
-                  "(--distill-data)"
+    description = ("one-shot: distil the node ensemble into one network on unlabeled data "
+                   "(--distill-data)")
     paper = ("Lin et al. 2020, Ensemble Distillation for Robust Model Fusion in Federated "
              "Learning, arXiv:2006.07242")
     one_shot = True
     needs_validation = True
     needs_unlabeled = True
 
-    def __init__(self, distill_steps: int = 1000, distill_lr: float = 1e-3,
-                 distill_batch_size: int = 128, temperature: float = 1.0) -> None:
-        if distill_steps < 1 or distill_batch_size < 1 or not distill_lr > 0 \
-                or not temperature > 0:
-            raise ValueError("distillation needs steps >= 1, batch size >= 1, lr > 0, "
-                             "temperature > 0")
-        self.steps, self.lr = int(distill_steps), float(distill_lr)
-        self.batch_size, self.temperature = int(distill_batch_size), float(temperature)
+    options = (
+        Option("distill_steps", int, 1000, "Adam steps of distillation (>= 1)"),
+        Option("distill_lr", float, 1e-3, "Adam learning rate of distillation (> 0)"),
+        Option("distill_batch_size", int, 128, "Unlabeled samples per distillation step"),
+        Option("distill_temperature", float, 1.0, "Softmax temperature of the KL loss (> 0)"),
+    )
+
+    def check(self) -> None:
+        """Check that steps and batch size are >= 1, learning rate and temperature > 0."""
+        if self.distill_steps < 1 or self.distill_batch_size < 1 or not self.distill_lr > 0 \
+                or not self.distill_temperature > 0:
+            raise ValueError("distillation needs --distill-steps >= 1, --distill-batch-size "
+                             ">= 1, --distill-lr > 0 and --distill-temperature > 0")
 
     def combine(self) -> Merged:
+        """Return one network distilled from the weighted ensemble of the collected models.
+
+        The student starts from the FedAvg of the models; the state with the best validation
+        accuracy is kept.
+        """
         ctx = self._context
         if ctx is None or ctx.distill_x is None or ctx.val_x is None:
             raise MergeError("distill needs unlabeled data (--distill-data) and a validation "
@@ -148,7 +161,7 @@ class Distill(_Collect):
         x = ctx.distill_x
         weights = torch.tensor(self._weights, dtype=torch.float32)
         weights = weights / weights.sum()
-        t = self.temperature
+        t = self.distill_temperature
         # teacher: the weighted ensemble, computed once for every unlabeled input
         with torch.no_grad():
             teacher = None
@@ -164,7 +177,7 @@ class Distill(_Collect):
         student = ctx.build_model()
         student.load_state_dict(start)
         student.to(ctx.device)
-        opt = torch.optim.Adam(student.parameters(), lr=self.lr)
+        opt = torch.optim.Adam(student.parameters(), lr=self.distill_lr)
         g = torch.Generator().manual_seed(ctx.seed)
 
         def val_acc() -> float:
@@ -174,9 +187,9 @@ class Distill(_Collect):
         best_acc = val_acc()
         start_acc = best_acc
         best = {k: v.detach().cpu().clone() for k, v in student.state_dict().items()}
-        check_every = max(self.steps // 20, 1)
-        for step in range(1, self.steps + 1):
-            idx = torch.randint(len(x), (min(self.batch_size, len(x)),), generator=g)
+        check_every = max(self.distill_steps // 20, 1)
+        for step in range(1, self.distill_steps + 1):
+            idx = torch.randint(len(x), (min(self.distill_batch_size, len(x)),), generator=g)
             student.train()
             out = student(ctx.normalize(x[idx].to(ctx.device))).float()
             loss = torch.nn.functional.kl_div(torch.log_softmax(out / t, dim=1),
@@ -185,12 +198,12 @@ class Distill(_Collect):
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            if step % check_every == 0 or step == self.steps:
+            if step % check_every == 0 or step == self.distill_steps:
                 acc = val_acc()
                 if acc > best_acc:
                     best_acc = acc
                     best = {k: v.detach().cpu().clone() for k, v in student.state_dict().items()}
         return Merged(best, len(self._models), sum(self._weights), info={
             "val_accuracy_average": round(start_acc, 6), "val_accuracy": round(best_acc, 6),
-            "steps": self.steps, "unlabeled_samples": len(x),
+            "steps": self.distill_steps, "unlabeled_samples": len(x),
         })

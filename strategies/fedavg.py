@@ -4,8 +4,9 @@ The merged model is the sample-weighted mean of the node models, parameter by pa
 ``w = sum_k n_k w_k / sum_k n_k``. It is kept as a running weighted mean (West 1979,
 Updating mean and variance estimates: an improved method), ``m += (n_k / N_k) (w_k - m)``,
 which does not grow with the number of nodes and stays accurate in float32; half-precision
-tensors are accumulated in float32 and cast back to their own dtype. Integer and boolean buffers (BatchNorm's ``num_batches_tracked``) are not
-averaged as floats: the merge keeps their elementwise maximum (logical or for booleans).
+tensors are accumulated in float32 and cast back to their own dtype. Integer and boolean
+buffers (BatchNorm's ``num_batches_tracked``) are not averaged as floats: the merge keeps
+their elementwise maximum (logical or for booleans).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from strategies.base import (
     Merged,
     MergeError,
+    Option,
     StateDict,
     Strategy,
     check_compatible,
@@ -93,7 +95,7 @@ class FedAvg(Strategy):
         self._count += 1
 
     def result(self) -> Merged:
-        """The weighted mean of everything added, each tensor in its original dtype."""
+        """Return the weighted mean of everything added, each tensor in its original dtype."""
         if not self._count:
             raise MergeError("nothing to merge: no node models")
         out = {}
@@ -115,15 +117,17 @@ class FedProx(FedAvg):
     """
 
     name = "fedprox"
-    description = "FedAvg merge + proximal term mu/2 ||w - w_global||^2 in node training (--mu)"
+    description = "FedAvg merge + proximal term mu/2 ||w - w_global||^2 in node training"
     paper = ("Li et al. 2020, Federated Optimization in Heterogeneous Networks, "
              "arXiv:1812.06127")
 
-    def __init__(self, mu: float = 0.01) -> None:
-        if not mu >= 0:
-            raise ValueError(f"--mu must be >= 0 (got {mu})")
-        self.mu = float(mu)
-        self.node_config = {"proximal-mu": self.mu}
+    options = (Option("mu", float, 0.01, "FedProx proximal coefficient (>= 0; 0 is FedAvg)"),)
+
+    def check(self) -> None:
+        """``mu`` must be >= 0; nodes receive it as their ``proximal_mu``."""
+        if not self.mu >= 0:
+            raise ValueError(f"--mu must be >= 0 (got {self.mu})")
+        self.node_config = {"proximal_mu": self.mu}
 
 
 @register

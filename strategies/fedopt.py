@@ -24,23 +24,29 @@ import math
 
 import torch
 
-from strategies.base import Merged, StateDict, is_float, register
+from strategies.base import Merged, Option, StateDict, is_float, register
 from strategies.fedavg import FedAvg
 
 
 class _ServerOpt(FedAvg):
     """FedAvg average, then an optimiser step of the global model along it."""
 
-    def __init__(self, server_lr: float, tau: float = 1e-3, beta1: float = 0.9,
-                 beta2: float = 0.99) -> None:
-        if not server_lr > 0:
-            raise ValueError(f"--server-lr must be > 0 (got {server_lr})")
-        if not tau > 0:
-            raise ValueError(f"--tau must be > 0 (got {tau})")
-        self.server_lr, self.tau, self.beta1, self.beta2 = server_lr, tau, beta1, beta2
+    beta1: float = 0.9
+    beta2: float = 0.99
+    tau: float = 1e-3
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
         self.m: dict[str, torch.Tensor] = {}
         self.v: dict[str, torch.Tensor] = {}
         self.round = 0
+
+    def check(self) -> None:
+        """``server_lr`` and ``tau`` must be > 0."""
+        if not self.server_lr > 0:
+            raise ValueError(f"--server-lr must be > 0 (got {self.server_lr})")
+        if not self.tau > 0:
+            raise ValueError(f"--tau must be > 0 (got {self.tau})")
 
     def begin(self, reference: StateDict, buffers=frozenset(), context=None) -> None:
         """Start a round from the current global model ``reference``."""
@@ -64,7 +70,7 @@ class _ServerOpt(FedAvg):
         return self.m[key]
 
     def step(self, key: str, w: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """New value of parameter ``key`` from ``w`` and the pseudo-gradient ``delta``."""
+        """Return the new value of ``key`` from ``w`` and the pseudo-gradient ``delta``."""
         raise NotImplementedError
 
 
@@ -81,15 +87,20 @@ class FedAvgM(_ServerOpt):
     """
 
     name = "fedavgm"
-    description = "FedAvg with server momentum (--server-momentum, --server-lr)"
+    description = "FedAvg with server momentum"
     paper = ("Hsu et al. 2019, Measuring the Effects of Non-Identical Data Distribution for "
              "Federated Visual Classification, arXiv:1909.06335")
 
-    def __init__(self, server_lr: float = 1.0, server_momentum: float = 0.9) -> None:
-        super().__init__(server_lr)
-        if not 0 <= server_momentum < 1:
-            raise ValueError(f"--server-momentum must be in [0, 1) (got {server_momentum})")
-        self.server_momentum = server_momentum
+    options = (
+        Option("server_lr", float, 1.0, "Server learning rate"),
+        Option("server_momentum", float, 0.9, "Server momentum, in [0, 1)"),
+    )
+
+    def check(self) -> None:
+        """``server_lr`` > 0, ``server_momentum`` in [0, 1)."""
+        super().check()
+        if not 0 <= self.server_momentum < 1:
+            raise ValueError(f"--server-momentum must be in [0, 1) (got {self.server_momentum})")
 
     def step(self, key, w, delta):
         """SGD with momentum on the pseudo-gradient ``-delta``."""
@@ -113,11 +124,11 @@ class FedAdam(_ServerOpt):
     """
 
     name = "fedadam"
-    description = "server-side Adam over the FedAvg pseudo-gradient (--server-lr, --tau)"
+    description = "server-side Adam over the FedAvg pseudo-gradient"
     paper = "Reddi et al. 2021, Adaptive Federated Optimization, arXiv:2003.00295"
 
-    def __init__(self, server_lr: float = 0.15, tau: float = 0.03) -> None:
-        super().__init__(server_lr, tau)
+    options = (Option("server_lr", float, 0.15, "Server learning rate"),
+               Option("tau", float, 0.03, "Adaptivity of the server optimiser (> 0)"))
 
     def step(self, key, w, delta):
         """One Adam step (Flower's bias correction: rounds counted from 1)."""
@@ -142,11 +153,11 @@ class FedYogi(_ServerOpt):
     """
 
     name = "fedyogi"
-    description = "server-side Yogi over the FedAvg pseudo-gradient (--server-lr, --tau)"
+    description = "server-side Yogi over the FedAvg pseudo-gradient"
     paper = "Reddi et al. 2021, Adaptive Federated Optimization, arXiv:2003.00295"
 
-    def __init__(self, server_lr: float = 1e-2, tau: float = 1e-3) -> None:
-        super().__init__(server_lr, tau)
+    options = (Option("server_lr", float, 1e-2, "Server learning rate"),
+               Option("tau", float, 1e-3, "Adaptivity of the server optimiser (> 0)"))
 
     def step(self, key, w, delta):
         """One Yogi step."""
@@ -170,11 +181,12 @@ class FedAdagrad(_ServerOpt):
     """
 
     name = "fedadagrad"
-    description = "server-side Adagrad over the FedAvg pseudo-gradient (--server-lr, --tau)"
+    description = "server-side Adagrad over the FedAvg pseudo-gradient"
     paper = "Reddi et al. 2021, Adaptive Federated Optimization, arXiv:2003.00295"
 
-    def __init__(self, server_lr: float = 1e-1, tau: float = 1e-3) -> None:
-        super().__init__(server_lr, tau, beta1=0.0, beta2=0.0)
+    options = (Option("server_lr", float, 1e-1, "Server learning rate"),
+               Option("tau", float, 1e-3, "Adaptivity of the server optimiser (> 0)"))
+    beta1 = beta2 = 0.0
 
     def step(self, key, w, delta):
         """One Adagrad step (no first-moment decay, as in Flower: beta1 = 0)."""

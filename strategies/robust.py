@@ -18,6 +18,7 @@ import torch
 from strategies.base import (
     Merged,
     MergeError,
+    Option,
     StateDict,
     Strategy,
     check_compatible,
@@ -86,6 +87,7 @@ class FedMedian(_Collect):
              "Statistical Rates, arXiv:1803.01498")
 
     def combine(self) -> Merged:
+        """Return the coordinate-wise median of the collected models."""
         n = len(self._models)
         out = self._integers(self._models)
         for key, (_, dtype) in self._sig.items():
@@ -107,15 +109,18 @@ class TrimmedMean(_Collect):
     """
 
     name = "trimmed-mean"
-    description = "coordinate-wise mean without the beta largest and smallest values (--beta)"
+    description = "coordinate-wise mean without the beta largest and smallest values"
     paper = FedMedian.paper
 
-    def __init__(self, beta: float = 0.1) -> None:
-        if not 0 <= beta < 0.5:
-            raise ValueError(f"--beta must be in [0, 0.5) (got {beta})")
-        self.beta = beta
+    options = (Option("beta", float, 0.1, "Fraction trimmed at each end, in [0, 0.5)"),)
+
+    def check(self) -> None:
+        """``beta`` in [0, 0.5)."""
+        if not 0 <= self.beta < 0.5:
+            raise ValueError(f"--beta must be in [0, 0.5) (got {self.beta})")
 
     def combine(self) -> Merged:
+        """Return the coordinate-wise trimmed mean of the collected models."""
         n = len(self._models)
         cut = int(math.floor(self.beta * n))
         out = self._integers(self._models)
@@ -167,15 +172,17 @@ class Krum(_Collect):
     """
 
     name = "krum"
-    description = "the node model nearest to its n-f-2 closest others (--num-malicious)"
+    description = "the node model nearest to its n-f-2 closest others"
     paper = ("Blanchard et al. 2017, Machine Learning with Adversaries: Byzantine Tolerant "
              "Gradient Descent, NeurIPS")
     keep = 1
 
-    def __init__(self, num_malicious: int = 0) -> None:
-        if num_malicious < 0:
-            raise ValueError(f"--num-malicious must be >= 0 (got {num_malicious})")
-        self.num_malicious = int(num_malicious)
+    options = (Option("num_malicious", int, 0, "Byzantine nodes tolerated, f (>= 0)"),)
+
+    def check(self) -> None:
+        """``num_malicious`` >= 0."""
+        if self.num_malicious < 0:
+            raise ValueError(f"--num-malicious must be >= 0 (got {self.num_malicious})")
 
     def _selected(self) -> list[int]:
         keys = [k for k, (_, d) in self._sig.items() if is_float(d)]
@@ -184,6 +191,7 @@ class Krum(_Collect):
         return torch.argsort(scores, stable=True)[:k].tolist()
 
     def combine(self) -> Merged:
+        """Return the sample-weighted average of the best-scored models (Krum: the single best)."""
         chosen = self._selected()
         avg = FedAvg().merge([self._models[i] for i in chosen],
                              [self._weights[i] for i in chosen],
@@ -198,6 +206,6 @@ class MultiKrum(Krum):
     """Sample-weighted average of the ``n - f`` node models with the best Krum scores."""
 
     name = "multi-krum"
-    description = "average of the n-f node models with the best Krum scores (--num-malicious)"
+    description = "average of the n-f node models with the best Krum scores"
     paper = Krum.paper
     keep = 0  # n - f

@@ -39,6 +39,7 @@ class GreedySoup(_Collect):
     needs_validation = True
 
     def combine(self) -> Merged:
+        """Return the greedy soup of the collected models and its held-out accuracy."""
         ctx = self._context
         if ctx is None or ctx.val_x is None:
             raise MergeError("greedy-soup needs a validation set (--validation)")

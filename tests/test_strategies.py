@@ -18,7 +18,8 @@ def test_weighted_average_hand_computed():
 
 
 def test_three_models_unequal_weights():
-    sds = [{"x": torch.tensor([[1.0]])}, {"x": torch.tensor([[4.0]])}, {"x": torch.tensor([[10.0]])}]
+    sds = [{"x": torch.tensor([[1.0]])}, {"x": torch.tensor([[4.0]])},
+           {"x": torch.tensor([[10.0]])}]
     out = strategies.get("fedavg").merge(sds, weights=[1, 2, 1]).state_dict
     assert out["x"].item() == pytest.approx((1 + 8 + 10) / 4)  # 4.75
 

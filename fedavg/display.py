@@ -1,0 +1,166 @@
+"""What a run shows in the terminal: the partition table, round progress, the rounds table.
+
+Every command (``simulate``, ``coordinator``, ``node``) prints through these, so the output of
+one engine reads like the other's. Nothing here touches Flower or Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from fedavg.partition import label_counts
+
+if TYPE_CHECKING:
+    from fedavg.config import RunConfig
+    from fedavg.run import Prepared, RoundRecord
+
+log = logging.getLogger("fedavg")
+
+
+def reporter(console, insecure: bool = False) -> Callable[[str], None]:
+    """``say(text)``: print rich markup to ``console`` (unwrapped) and log it.
+
+    Parameters
+    ----------
+    console : rich.console.Console or None
+        Where to print; ``None`` only logs.
+    insecure : bool
+        Warn first that traffic between coordinator and nodes is not encrypted.
+    """
+    def say(text: str) -> None:
+        if console is not None:
+            console.print(text, highlight=False, soft_wrap=True)
+        log.info(re.sub(r"\[/?[a-z ]*\]", "", text))
+
+    if insecure:
+        say("[yellow]warning:[/] --insecure: traffic between coordinator and nodes is NOT "
+            "encrypted")
+    return say
+
+
+def partition_table(prepared: Prepared, max_rows: int = 12):
+    """A rich Table: samples per node and label spread (at most ``max_rows`` rows)."""
+    from rich.table import Table
+
+    classes = prepared.data.classes
+    counts = label_counts(prepared.data.train.y, prepared.parts, len(classes))
+    partitioner = prepared.meta["config"]["data"]["partitioner"]
+    table = Table(title=f"{len(prepared.parts)} nodes, {partitioner} partition of "
+                  f"{len(prepared.data.train)} samples", title_justify="left")
+    for column in ("node", "samples", "labels", "top label (share)", "smallest label (share)"):
+        table.add_column(column, justify="right")
+    rows = list(range(len(prepared.parts)))
+    if len(rows) > max_rows:
+        rows = rows[: max_rows - 2] + rows[-2:]
+    for i in rows:
+        table.add_row(*_partition_row(i, counts[i], classes))
+    if len(prepared.parts) > max_rows:
+        table.caption = f"{len(prepared.parts) - max_rows} more nodes not shown"
+    return table
+
+
+def _partition_row(node: int, counts: np.ndarray, classes: list[str]) -> list[str]:
+    total = int(counts.sum())
+    present = np.flatnonzero(counts)
+    top = int(counts.argmax())
+    low = int(present[counts[present].argmin()]) if len(present) else 0
+    return [str(node), str(total), f"{len(present)}/{len(classes)}",
+            f"{classes[top][:12]} ({counts[top] / max(total, 1):.0%})",
+            f"{classes[low][:12]} ({counts[low] / max(total, 1):.0%})"]
+
+
+def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True) -> None:
+    """Print the data notes, the partition table and a one-line summary of the run."""
+    if console is None:
+        return
+    for note in prepared.data.notes:
+        console.print(f"[yellow]note:[/] {note}")
+    if not table:
+        return
+    console.print(partition_table(prepared))
+    console.print(
+        f"model [bold]{prepared.spec.name}[/] on inputs {tuple(prepared.spec.input_shape)}, "
+        f"{prepared.spec.num_classes} classes; strategy [bold]{config.merge.strategy}[/], "
+        f"{config.merge.rounds} rounds, {config.nodes_per_round}/{config.merge.num_nodes} "
+        f"nodes per round, {config.train.local_epochs} local epoch(s)"
+    )
+
+
+def rounds_table(rounds: list[dict[str, Any]]):
+    """A rich Table of per-round metrics (one row per ``metrics.jsonl`` entry)."""
+    from rich.table import Table
+
+    table = Table(title="rounds", title_justify="left")
+    for col in ("round", "accuracy", "loss", "train loss", "nodes", "wall s"):
+        table.add_column(col, justify="right")
+    for r in rounds:
+        tl = r.get("train_loss")
+        nodes = f"{r['num_nodes']}" + (f" ({r['num_failed']} failed)" if r.get("num_failed")
+                                       else "")
+        table.add_row(str(r["round"]), f"{r['accuracy']:.4f}", f"{r['loss']:.4f}",
+                      "-" if tl is None else f"{tl:.4f}", nodes, f"{r['wall_s']:.2f}")
+    return table
+
+
+class Progress:
+    """A progress bar over the rounds plus one line per round and per failed node.
+
+    With ``console=None`` every method does nothing, so callers need no checks.
+
+    Parameters
+    ----------
+    console : rich.console.Console or None
+        Where to draw.
+    rounds : int
+        Rounds of the run.
+    """
+
+    def __init__(self, console, rounds: int) -> None:
+        self.rounds = rounds
+        self._bar = None
+        if console is None:
+            return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+        from rich.progress import Progress as Bar
+
+        self._bar = Bar(TextColumn("[bold]rounds"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TextColumn("{task.description}"),
+                        console=console, transient=True)
+        self._task = self._bar.add_task("training round 1", total=rounds)
+
+    def start(self) -> None:
+        """Show the bar."""
+        if self._bar is not None:
+            self._bar.start()
+
+    def stop(self) -> None:
+        """Remove the bar (the printed lines stay)."""
+        if self._bar is not None:
+            self._bar.stop()
+
+    def on_round(self, rec: RoundRecord) -> None:
+        """Print a finished round and advance the bar."""
+        if self._bar is None:
+            return
+        train_loss = "None" if rec.train_loss is None else format(rec.train_loss, ".4f")
+        self._bar.console.print(
+            f"round {rec.round:>3}/{self.rounds}: accuracy {rec.accuracy:.4f}  "
+            f"loss {rec.loss:.4f}  train loss {train_loss}  nodes {rec.num_nodes}  "
+            f"{rec.wall_s:.2f} s")
+        nxt = rec.round + 1
+        self._bar.update(self._task, advance=1, description=(
+            f"training round {nxt}" if nxt <= self.rounds else "finishing"))
+
+    def on_failure(self, server_round: int, node: int, reason: str) -> None:
+        """Print a node left out of a round, and why."""
+        if self._bar is not None:
+            self._bar.console.print(f"[red]round {server_round}: node {node} failed:[/] {reason}")

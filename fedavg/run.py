@@ -1,0 +1,377 @@
+"""The run lifecycle both engines share: prepare, run folder, round records, summary, result.
+
+``fedavg simulate`` (:mod:`fedavg.simulation`, Ray) and ``fedavg coordinator``
+(:mod:`fedavg.deployment`, SuperLink) differ only in how the ServerApp and the ClientApps
+are driven. Everything around that is here, in the order a run goes through it::
+
+    config.validate()  ->  prepare(config)  ->  open_output(...)  ->  [engine runs rounds,
+    appending RoundRecords to a RunState]  ->  finish(...)  ->  RunResult
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedavg.config import RunConfig
+from fedavg.data import LoadedData, Split, conform, holdout, load
+from fedavg.errors import RunError, UserError
+from fedavg.partition import partition
+
+log = logging.getLogger("fedavg")
+
+#: The files a finished run folder holds; their presence means "a run is here".
+RUN_FILES = ("model.safetensors", "model.json", "metrics.jsonl", "summary.json")
+
+
+@dataclass
+class RoundRecord:
+    """What one round produced (one line of ``metrics.jsonl``).
+
+    Attributes
+    ----------
+    round : int
+        Round number, from 1.
+    accuracy, loss : float
+        Test accuracy (fraction) and mean cross-entropy (nats) of the merged model.
+    train_loss : float or None
+        Sample-weighted mean training loss the nodes reported.
+    num_nodes, num_failed : int
+        Node models merged, and node replies left out.
+    wall_s : float
+        Seconds from sending the round's messages to its saved checkpoint.
+    train_s : float or None
+        The slowest node's training time (seconds); ``wall_s`` minus this is overhead.
+    """
+
+    round: int
+    accuracy: float
+    loss: float
+    train_loss: float | None
+    num_nodes: int
+    num_failed: int
+    wall_s: float
+    train_s: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON."""
+        return dict(self.__dict__)
+
+
+@dataclass
+class RunState:
+    """Shared between the ServerApp thread and the caller: progress and results."""
+
+    rounds: list[RoundRecord] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+@dataclass
+class Prepared:
+    """Data, partitions, model and strategy of a run, before any training.
+
+    Attributes
+    ----------
+    data : LoadedData
+        The dataset; ``data.train`` is what the nodes share out.
+    parts : list of numpy.ndarray
+        One index array into ``data.train`` per node.
+    spec : fedavg.models.ModelSpec
+        The model every node trains.
+    meta : dict
+        Base of ``model.json``: model, classes, input normalisation, dataset, config.
+    strategy : strategies.Strategy
+        The run's merge strategy (built once, here).
+    validation : Split, optional
+        Held-out labelled data for data-driven merges (never the test split).
+    distill_x : numpy.ndarray, optional
+        ``(M, ...)`` unlabeled inputs for distillation.
+    """
+
+    data: LoadedData
+    parts: list[np.ndarray]
+    spec: Any
+    meta: dict[str, Any]
+    strategy: Any = None
+    validation: Split | None = None
+    distill_x: np.ndarray | None = None
+
+
+@dataclass
+class RunResult:
+    """What a finished run returns (``fedavg simulate`` and ``fedavg coordinator``).
+
+    Attributes
+    ----------
+    accuracy, loss : float
+        Test accuracy (fraction) and mean cross-entropy (nats) of the final merged model.
+    rounds : list of dict
+        One entry per round, as in ``metrics.jsonl``.
+    output : pathlib.Path
+        Run folder; ``model_dir`` is the same folder (load it with :func:`fedavg.load_model`).
+    wall_s : float
+        Seconds from start to end of the run, data loading (and waiting for nodes) included.
+    num_nodes : int
+        Nodes of the run (``--num-nodes``, or ``--min-nodes`` across machines).
+    failures : list of str
+        One line per node reply left out of a merge.
+    run_id : int, optional
+        The Flower run id (``fedavg coordinator`` only).
+    """
+
+    accuracy: float
+    loss: float
+    rounds: list[dict[str, Any]]
+    output: Path
+    wall_s: float
+    num_nodes: int
+    failures: list[str] = field(default_factory=list)
+    run_id: int | None = None
+
+    @property
+    def model_dir(self) -> Path:
+        """Folder holding ``model.safetensors`` and ``model.json``."""
+        return self.output
+
+    @property
+    def metrics_path(self) -> Path:
+        """``metrics.jsonl``: one JSON object per round."""
+        return self.output / "metrics.jsonl"
+
+    @property
+    def summary_path(self) -> Path:
+        """``summary.json``: the run's final figures and settings."""
+        return self.output / "summary.json"
+
+
+# --------------------------------------------------------------------------- run folder
+
+
+def default_output() -> Path:
+    """A new ``runs/<YYYYmmdd-HHMMSS>[-N]`` folder under the current folder (created).
+
+    Raises
+    ------
+    UserError
+        No free name among 999 candidates.
+    """
+    base = Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 1000):
+        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            candidate.mkdir(parents=True, exist_ok=False)
+            return candidate
+        except FileExistsError:
+            continue
+    raise UserError(f"cannot find a free run folder next to {base}; pass --output")
+
+
+def make_output(output: str | Path | None) -> Path:
+    """Create the run folder: ``output``, or a new :func:`default_output`.
+
+    Raises
+    ------
+    UserError
+        It cannot be created.
+    """
+    out = Path(output) if output is not None else default_output()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create output folder {out}: {exc.strerror}") from None
+    return out
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    """Refuse to write over a previous run's files unless ``overwrite``.
+
+    Raises
+    ------
+    UserError
+        ``out`` is a file, or holds a run and ``overwrite`` is false.
+    """
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output {out} is a file; give a folder")
+    if not overwrite and any((out / name).exists() for name in RUN_FILES):
+        raise UserError(f"{out} already holds a run; choose another --output or pass "
+                        "--overwrite to replace it")
+
+
+# --------------------------------------------------------------------------- prepare
+
+
+def prepare(config: RunConfig) -> Prepared:
+    """Load the dataset, hold out merge data, partition it, choose the model and strategy.
+
+    Raises
+    ------
+    UserError
+        Bad dataset, columns, partitioning, model or strategy options.
+    """
+    from fedavg.models import ModelSpec, resolve_model
+
+    d = config.data
+    strategy = config.build_strategy()
+    data = load(d.dataset, image_column=d.image_column, label_column=d.label_column,
+                partition_by=d.partition_by if d.partitioner == "natural" else None,
+                seed=d.seed, test_fraction=d.test_fraction)
+    validation, distill_x = _merge_data(config, strategy, data)
+    parts = partition(data.train.y, config.merge.num_nodes, d.partitioner, alpha=d.alpha,
+                      classes_per_node=d.classes_per_node, groups=data.train.groups,
+                      seed=d.seed)
+    spec = ModelSpec(resolve_model(config.train.model, data.input_shape), data.input_shape,
+                     len(data.classes))
+    spec.build()  # fail early on shapes the model cannot take
+    meta = _metadata(config, data, spec, validation, distill_x)
+    return Prepared(data, parts, spec, meta, strategy, validation, distill_x)
+
+
+def _merge_data(config: RunConfig, strategy, data: LoadedData):
+    """Validation split and unlabeled inputs the strategy needs, taken out of ``data.train``
+    unless given as their own datasets."""
+    d, m = config.data, config.merge
+    validation, distill_x = None, None
+    if strategy.needs_validation:
+        if m.validation:
+            validation = _aligned_split(m.validation, data, "--validation")
+        else:
+            data.splits["train"], validation = holdout(data.train, m.validation_fraction,
+                                                       d.seed + 1)
+            data.notes.append(f"validation for {m.strategy}: {len(validation)} train samples "
+                              f"({m.validation_fraction:.0%}) kept from the nodes")
+    if strategy.needs_unlabeled:
+        if m.distill_data:
+            distill_x = _aligned_split(m.distill_data, data, "--distill-data", labels=False).x
+        else:
+            data.splits["train"], unlabeled = holdout(data.train, m.distill_fraction, d.seed + 2)
+            distill_x = unlabeled.x
+            data.notes.append(f"distillation data: {len(distill_x)} train samples "
+                              f"({m.distill_fraction:.0%}) kept from the nodes, labels removed")
+    return validation, distill_x
+
+
+def _aligned_split(source: str, data: LoadedData, flag: str, labels: bool = True) -> Split:
+    """The train split of another dataset, checked against ``data``'s inputs and classes."""
+    other = load(source)
+    return conform(other.train, f"{flag} {source}", data.input_shape,
+                   other.classes if labels else None, data.classes)
+
+
+def _metadata(config: RunConfig, data: LoadedData, spec, validation, distill_x) -> dict:
+    # a local path is stored absolute, so that evaluate works from any folder
+    source = data.source
+    if source != "digits" and Path(source).expanduser().exists():
+        source = str(Path(source).expanduser().resolve())
+    return {
+        "model": spec.as_dict(),
+        "classes": data.classes,
+        "input": data.input_spec(),
+        "dataset": {
+            "source": source,
+            "columns": data.columns,
+            "train_samples": len(data.train),
+            "test_samples": len(data.test),
+            "seed": config.data.seed,
+            "test_fraction": config.data.test_fraction,
+            "validation_samples": 0 if validation is None else len(validation),
+            "distill_samples": 0 if distill_x is None else len(distill_x),
+            "notes": data.notes,
+        },
+        "strategy": config.merge.strategy,
+        "config": config.as_dict(),
+    }
+
+
+def quiet_logs(verbose: bool) -> None:
+    """Keep Flower's and Ray's own logs (and telemetry) off unless ``verbose``."""
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    # A Ray call racing the end of a run must fail, not start a new Ray instance.
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+    import flwr.common.logger  # noqa: F401  (configures the "flwr" logger on import)
+
+    logging.getLogger("flwr").setLevel(logging.INFO if verbose else logging.CRITICAL)
+
+
+# --------------------------------------------------------------------------- finish
+
+
+def finish(state: RunState, prepared: Prepared, config: RunConfig, out: Path, started: float,
+           *, num_nodes: int, run_id: int | None = None, console=None) -> RunResult:
+    """Check every round finished, write ``summary.json``, print the rounds table.
+
+    Parameters
+    ----------
+    state : RunState
+        What the ServerApp recorded.
+    prepared : Prepared
+        The run's data and model.
+    config : RunConfig
+        The run's settings.
+    out : pathlib.Path
+        The run folder.
+    started : float
+        ``time.monotonic()`` at the start of the run.
+    num_nodes : int
+        Nodes of the run, for the summary.
+    run_id : int, optional
+        Flower's run id (deployment).
+    console : rich.console.Console, optional
+        Where to print the table and the closing line.
+
+    Raises
+    ------
+    RunError
+        The run stopped before its last round (finished rounds stay in ``out``).
+    """
+    if state.error is not None:
+        raise state.error
+    if len(state.rounds) != config.merge.rounds:
+        raise RunError(f"the run stopped after {len(state.rounds)} of {config.merge.rounds} "
+                       f"rounds; finished rounds are in {out}")
+    wall = time.monotonic() - started
+    last = state.rounds[-1]
+    result = RunResult(accuracy=last.accuracy, loss=last.loss,
+                       rounds=[r.as_dict() for r in state.rounds], output=out,
+                       wall_s=round(wall, 3), num_nodes=num_nodes, failures=state.failures,
+                       run_id=run_id)
+    write_summary(result, prepared, config)
+    if console is not None:
+        from fedavg.display import rounds_table
+
+        console.print(rounds_table(result.rounds))
+        console.print(f"[bold green]done[/] in {wall:.1f} s: test accuracy "
+                      f"[bold]{last.accuracy:.4f}[/], loss {last.loss:.4f}; model saved in "
+                      f"[bold]{out}[/]", soft_wrap=True)
+    return result
+
+
+def write_summary(result: RunResult, prepared: Prepared, config: RunConfig) -> None:
+    """Write ``summary.json``: final and best accuracy, timing, sizes, failures, settings."""
+    from fedavg.checkpoint import write_json
+
+    write_json(result.summary_path, {
+        "accuracy": result.accuracy,
+        "loss": result.loss,
+        "best_accuracy": max(r["accuracy"] for r in result.rounds),
+        "rounds": len(result.rounds),
+        "num_nodes": result.num_nodes,
+        "wall_s": result.wall_s,
+        "strategy": config.merge.strategy,
+        "model": prepared.spec.name,
+        "dataset": prepared.data.source,
+        "train_samples": len(prepared.data.train),
+        "test_samples": len(prepared.data.test),
+        "failures": result.failures,
+        "config": config.as_dict(),
+    })
