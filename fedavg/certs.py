@@ -84,14 +84,34 @@ def make_certs(folder: Path, hosts: list[str] | None = None, nodes: int = 0,
         ``folder`` already holds a CA (without ``overwrite``), a host name is empty, or
         ``nodes`` is negative.
     """
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.hazmat.primitives import serialization
 
     if nodes < 0:
         raise UserError(f"--nodes must be >= 0, got {nodes}")
     hosts = list(hosts or [])
+    _check_hosts(hosts)
+    _prepare_folder(folder, overwrite)
+    now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
+    pem = serialization.Encoding.PEM
+    no_pw = serialization.NoEncryption()
+    pkcs8 = serialization.PrivateFormat.PKCS8
+
+    ca_key, ca = _make_ca(now)
+    key, cert = _make_coordinator_cert(ca_key, ca.subject, hosts, now)
+    written = []
+    for name, data, private in (
+        ("ca.key", ca_key.private_bytes(pem, pkcs8, no_pw), True),
+        ("ca.crt", ca.public_bytes(pem), False),
+        ("coordinator.key", key.private_bytes(pem, pkcs8, no_pw), True),
+        ("coordinator.crt", cert.public_bytes(pem), False),
+    ):
+        _write(folder / name, data, private)
+        written.append(folder / name)
+    return written + _write_node_keys(folder, nodes)
+
+
+def _check_hosts(hosts: list[str]) -> None:
+    """Refuse a ``--host`` that is neither an IP address nor a host name."""
     for h in hosts:
         try:
             ipaddress.ip_address(h)
@@ -100,6 +120,10 @@ def make_certs(folder: Path, hosts: list[str] | None = None, nodes: int = 0,
                                 r"(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*", h):
                 raise UserError(f"--host {h!r} is not a host name or an IP address "
                                 "(no port, no spaces)") from None
+
+
+def _prepare_folder(folder: Path, overwrite: bool) -> None:
+    """Create ``folder``; refuse a file, or a folder holding a CA unless ``overwrite``."""
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{folder} is a file; give a folder")
     if (folder / "ca.key").exists() and not overwrite:
@@ -109,10 +133,14 @@ def make_certs(folder: Path, hosts: list[str] | None = None, nodes: int = 0,
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create {folder}: {exc.strerror}") from None
-    now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
-    pem = serialization.Encoding.PEM
-    no_pw = serialization.NoEncryption()
-    pkcs8 = serialization.PrivateFormat.PKCS8
+
+
+def _make_ca(now: dt.datetime):
+    """Make a self-signed ECDSA P-384 CA valid ``CA_DAYS`` from ``now``: ``(key, cert)``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
 
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedavg CA")])
@@ -128,6 +156,19 @@ def make_certs(folder: Path, hosts: list[str] | None = None, nodes: int = 0,
           .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()),
                          critical=False)
           .sign(ca_key, hashes.SHA384()))
+    return ca_key, ca
+
+
+def _make_coordinator_cert(ca_key, ca_name, hosts: list[str], now: dt.datetime):
+    """Make the SuperLink's server certificate, signed by the CA: ``(key, cert)``.
+
+    Valid ``CERT_DAYS`` from ``now`` for ``localhost``, ``127.0.0.1``, ``::1``, this
+    machine's host name and ``hosts``.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     key = ec.generate_private_key(ec.SECP384R1())
     names = ["localhost", "127.0.0.1", "::1", socket.gethostname(), *hosts]
@@ -144,24 +185,24 @@ def make_certs(folder: Path, hosts: list[str] | None = None, nodes: int = 0,
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
                 ca_key.public_key()), critical=False)
             .sign(ca_key, hashes.SHA384()))
+    return key, cert
 
-    written = []
-    for name, data, private in (
-        ("ca.key", ca_key.private_bytes(pem, pkcs8, no_pw), True),
-        ("ca.crt", ca.public_bytes(pem), False),
-        ("coordinator.key", key.private_bytes(pem, pkcs8, no_pw), True),
-        ("coordinator.crt", cert.public_bytes(pem), False),
-    ):
-        _write(folder / name, data, private)
-        written.append(folder / name)
-    pubs = []
+
+def _write_node_keys(folder: Path, nodes: int) -> list[Path]:
+    """Write ``nodes`` OpenSSH node key pairs and ``authorized-nodes.pub``; return the files."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    no_pw = serialization.NoEncryption()
+    written, pubs = [], []
     for i in range(nodes):
         nkey = ec.generate_private_key(ec.SECP384R1())
         pub = nkey.public_key().public_bytes(serialization.Encoding.OpenSSH,
                                              serialization.PublicFormat.OpenSSH)
         pubs.append(pub + f" node-{i}".encode())
         _write(folder / f"node-{i}.key",
-               nkey.private_bytes(pem, serialization.PrivateFormat.OpenSSH, no_pw), True)
+               nkey.private_bytes(serialization.Encoding.PEM,
+                                  serialization.PrivateFormat.OpenSSH, no_pw), True)
         _write(folder / f"node-{i}.pub", pubs[-1] + b"\n")
         written += [folder / f"node-{i}.key", folder / f"node-{i}.pub"]
     if nodes:

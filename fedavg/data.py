@@ -3,36 +3,53 @@
 Every source becomes a :class:`LoadedData`: per split, inputs ``x`` of shape ``(N, C, H, W)``
 (images, ``uint8`` or ``float32``) or ``(N, D)`` (tabular ``float32``) and labels ``y`` of
 shape ``(N,)`` (``int64`` class indices), plus class names and the input normalisation
-computed on train. No Flower import here.
+computed on train. Opening sources and reading their columns lives in
+:mod:`fedavg.datasources`; its public names are importable from here too. No Flower import.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fedavg.datasources import (
+    BUILTIN,
+    FILE_BUILDERS,
+    IMAGE_NAMES,
+    IMAGE_SUFFIXES,
+    LABEL_NAMES,
+    TEST_NAMES,
+    decode_images,
+    detect_columns,
+    input_array,
+    label_array,
+    label_classes,
+    looks_like_path,
+    open_source,
+)
 from fedavg.errors import UserError
 
-log = logging.getLogger(__name__)
+__all__ = [
+    "BUILTIN",
+    "FILE_BUILDERS",
+    "IMAGE_NAMES",
+    "IMAGE_SUFFIXES",
+    "LABEL_NAMES",
+    "TEST_NAMES",
+    "LoadedData",
+    "Split",
+    "conform",
+    "decode_images",
+    "holdout",
+    "load",
+    "looks_like_path",
+    "normalize",
+]
 
-BUILTIN = ("digits",)
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
-FILE_BUILDERS = {
-    ".parquet": "parquet",
-    ".csv": "csv",
-    ".tsv": "csv",
-    ".arrow": "arrow",
-    ".json": "json",
-    ".jsonl": "json",
-}
-IMAGE_NAMES = ("image", "img", "images", "pixel_values", "pixels", "x", "features")
-LABEL_NAMES = ("label", "labels", "target", "class", "y", "fine_label")
-TEST_NAMES = ("test", "validation", "valid", "val")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -195,7 +212,7 @@ def load(
                 raise UserError(f"{flag} {col}: the built-in {dataset} dataset has no columns")
         data = _load_digits()
     else:
-        dsdict = _open(dataset)
+        dsdict = open_source(dataset)
         data = _from_hf(dsdict, dataset, image_column, label_column, partition_by)
     if "test" not in data.splits:
         train = data.splits["train"]
@@ -216,8 +233,10 @@ def load(
 def conform(split: Split, source: str, shape: tuple[int, ...] | list[int],
             split_classes: list[str] | None = None,
             classes: list[str] | None = None) -> Split:
-    """Check ``split``'s inputs have ``shape`` and relabel it from ``split_classes`` to
-    ``classes`` by class name (labels are left alone when either is ``None``).
+    """Check that ``split``'s inputs have ``shape``; relabel it by class name.
+
+    Labels go from indices into ``split_classes`` to indices into ``classes`` (they are left
+    alone when either is ``None``). ``source`` names the data in messages.
 
     Raises
     ------
@@ -265,78 +284,12 @@ def _load_digits() -> LoadedData:
     return LoadedData({"train": Split(x, y)}, classes, "digits", {"image": None, "label": None})
 
 
-def looks_like_path(name: str) -> bool:
-    """Whether ``name`` is meant as a filesystem path rather than a hub id."""
-    return (
-        name.startswith((".", "/", "~"))
-        or name.count("/") > 1
-        or Path(name).suffix.lower() in FILE_BUILDERS
-        or Path(name).suffix.lower() in IMAGE_SUFFIXES
-        or "\\" in name
-    )
-
-
-def _open(dataset: str):
-    """Open a local path or hub id as a ``datasets.DatasetDict``."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    _quiet_hub_logs()
-    path = Path(dataset).expanduser()
-    if path.exists():
-        try:
-            if path.is_file():
-                builder = FILE_BUILDERS.get(path.suffix.lower())
-                if builder is None:
-                    raise UserError(
-                        f"cannot read {path}: use a .parquet, .csv, .arrow or .json file, "
-                        "or a folder"
-                    )
-                return datasets.load_dataset(builder, data_files=str(path))
-            if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
-                loaded = datasets.load_from_disk(str(path))
-                if isinstance(loaded, datasets.Dataset):
-                    loaded = datasets.DatasetDict({"train": loaded})
-                return loaded
-            return datasets.load_dataset(str(path))
-        except UserError:
-            raise
-        except Exception as exc:  # datasets raises many types for unreadable data
-            raise UserError(f"cannot read dataset at {path}: {_one_line(exc)}") from None
-    if looks_like_path(dataset):
-        raise UserError(f"no such file or folder: {dataset}")
-    try:
-        return datasets.load_dataset(dataset)
-    except Exception as exc:  # connection errors, unknown repo ids, gated repos
-        raise UserError(
-            f"unknown dataset {dataset!r}: not built in ({', '.join(BUILTIN)}), not a local "
-            f"path, and the Hugging Face hub could not provide it ({_one_line(exc)}); "
-            "give a local path or check the id and the network"
-        ) from None
-
-
-def _quiet_hub_logs() -> None:
-    """Keep the hub's retry chatter and pyarrow's warnings off the user's terminal."""
-    import datasets
-
-    datasets.logging.set_verbosity_error()
-    try:
-        from huggingface_hub.utils import logging as hub_logging
-
-        hub_logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover - comes with datasets
-        pass
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else type(exc).__name__
-    return first[:300]
-
-
 def _from_hf(dsdict, source, image_column, label_column, partition_by) -> LoadedData:
-    import datasets
+    """Turn every split of ``dsdict`` that has the input and label columns into arrays.
 
+    The ``train`` split (else the first one) fixes the columns and the classes; the first
+    of :data:`TEST_NAMES` present becomes ``test``; other splits keep their names.
+    """
     names = list(dsdict.keys())
     if not names:
         raise UserError(f"dataset {source!r} has no splits")
@@ -345,75 +298,9 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by) -> Loaded
     train_ds = dsdict[train_name]
     if len(train_ds) == 0:
         raise UserError(f"split {train_name!r} of {source!r} is empty")
-    features = train_ds.features
-    columns = list(features)
-
-    def check(col: str, flag: str) -> str:
-        if col not in features:
-            raise UserError(
-                f"column {col!r} ({flag}) is not in {source}; columns are: {', '.join(columns)}"
-            )
-        return col
-
-    if label_column is not None:
-        label = check(label_column, "--label-column")
-    else:
-        label = next(
-            (c for c, f in features.items() if isinstance(f, datasets.ClassLabel)), None
-        ) or next((c for c in columns if c.lower() in LABEL_NAMES), None)
-        if label is None:
-            raise UserError(
-                f"no label column found in {source}; pass --label-column (columns: "
-                f"{', '.join(columns)})"
-            )
-    if image_column is not None:
-        image = [check(image_column, "--image-column")]
-    else:
-        found = next(
-            (c for c, f in features.items() if isinstance(f, datasets.Image) and c != label),
-            None,
-        ) or next((c for c in columns if c.lower() in IMAGE_NAMES and c != label), None)
-        if found is not None:
-            image = [found]
-        else:  # tabular: every numeric column but the label and the group column
-            image = [
-                c
-                for c, f in features.items()
-                if c not in (label, partition_by)
-                and isinstance(f, datasets.Value)
-                and (f.dtype.startswith(("int", "uint", "float")) or f.dtype == "bool")
-            ]
-            if not image:
-                raise UserError(
-                    f"no image or numeric feature column in {source}; pass --image-column "
-                    f"(columns: {', '.join(columns)})"
-                )
-    if partition_by is not None:
-        check(partition_by, "--partition-by")
-    if label in image:
-        raise UserError(f"column {label!r} is both the input and the label; pass another "
-                        "--image-column or --label-column")
-
-    label_feature = features[label]
-    if isinstance(label_feature, datasets.ClassLabel):
-        classes = list(label_feature.names)
-        mapping = None
-    else:
-        values = np.asarray(train_ds[label], dtype=object)
-        empty = sum(v is None or (isinstance(v, float) and np.isnan(v)) for v in values)
-        if empty:
-            raise UserError(f"label column {label!r} has {empty} empty value(s) in split "
-                            f"{train_name!r}: fill or drop those rows")
-        values = np.asarray(list(values))
-        if values.dtype.kind == "f" and not np.all(values == np.round(values)):
-            raise UserError(
-                f"label column {label!r} holds non-integer numbers: fedavg trains classifiers; "
-                "pass --label-column with a class column"
-            )
-        uniq = np.unique(values)
-        classes = [str(v) for v in uniq]
-        mapping = {v.item() if hasattr(v, "item") else v: i for i, v in enumerate(uniq)}
-
+    label, image = detect_columns(train_ds.features, source, image_column, label_column,
+                                  partition_by)
+    classes, mapping = label_classes(train_ds, label, train_name)
     splits: dict[str, Split] = {}
     for name in names:
         ds = dsdict[name]
@@ -422,8 +309,8 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by) -> Loaded
             if name == train_name:
                 raise UserError(f"split {name!r} lacks column(s) {missing}")
             continue
-        x = _inputs(ds, image, source)
-        y = _labels(ds[label], mapping, classes, label, name)
+        x = input_array(ds, image, source)
+        y = label_array(ds[label], mapping, classes, label, name)
         groups = None
         if partition_by is not None and partition_by in ds.features:
             groups = np.asarray([str(v) for v in ds[partition_by]])
@@ -434,116 +321,3 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by) -> Loaded
     else:
         cols = {"features": image, "label": label}
     return LoadedData(splits, classes, source, cols)
-
-
-def _labels(values, mapping, classes, column, split) -> np.ndarray:
-    arr = np.asarray(values)
-    if mapping is None:
-        y = arr.astype(np.int64)
-        if len(y) and (y.min() < 0 or y.max() >= len(classes)):
-            raise UserError(f"label column {column!r} in split {split!r} has values outside "
-                            f"0..{len(classes) - 1}")
-        return y
-    try:
-        return np.asarray([mapping[v.item() if hasattr(v, "item") else v] for v in arr],
-                          dtype=np.int64)
-    except KeyError as exc:
-        raise UserError(
-            f"split {split!r} has label {exc.args[0]!r} that train does not have"
-        ) from None
-
-
-def _inputs(ds, columns: list[str], source: str) -> np.ndarray:
-    import datasets
-
-    if len(columns) > 1:  # tabular
-        table = ds.with_format("numpy")
-        x = np.stack([np.asarray(table[c], dtype=np.float32) for c in columns], axis=1)
-        bad = ~np.isfinite(x).all(axis=0)
-        if bad.any():
-            names = [c for c, b in zip(columns, bad) if b]
-            raise UserError(f"feature column(s) {names[:5]} of {source} have empty, NaN or "
-                            "infinite values: fill or drop them")
-        return x
-    col = columns[0]
-    feature = ds.features[col]
-    if isinstance(feature, datasets.Image):
-        raw = ds.cast_column(col, datasets.Image(decode=False))[col]
-        return decode_images(raw, source)
-    if isinstance(feature, dict) and "bytes" in feature:  # image structs without HF metadata
-        return decode_images(ds[col], source)
-    try:
-        arr = np.asarray(ds.with_format("numpy")[col])
-    except Exception:
-        arr = np.asarray(ds[col], dtype=object)
-    if arr.dtype == object or arr.dtype.kind not in "biuf":
-        raise UserError(
-            f"column {col!r} of {source} holds {feature}, not images or numbers; "
-            "pass --image-column"
-        )
-    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-        raise UserError(f"column {col!r} of {source} has NaN or infinite values")
-    if arr.ndim == 1:
-        return arr.astype(np.float32)[:, None]
-    if arr.ndim == 2:
-        return arr.astype(np.float32)
-    if arr.ndim == 3:
-        arr = arr[:, None]
-    elif arr.ndim == 4 and arr.shape[-1] in (1, 3, 4) and arr.shape[1] not in (1, 3, 4):
-        arr = arr.transpose(0, 3, 1, 2)
-    return arr if arr.dtype == np.uint8 else arr.astype(np.float32)
-
-
-def decode_images(raw, source: str = "", size: tuple[int, int] | None = None,
-                  mode: str | None = None) -> np.ndarray:
-    """Decode images (bytes, paths or PIL images) into one ``(N, C, H, W)`` uint8 array.
-
-    Parameters
-    ----------
-    raw : sequence
-        Items as stored by ``datasets.Image(decode=False)`` (``{"bytes", "path"}``), file
-        paths, or PIL images.
-    size : (int, int), optional
-        ``(H, W)`` to resize to; default the first image's size.
-    mode : str, optional
-        ``"L"`` or ``"RGB"``; default: grey if the first image is grey, else RGB.
-
-    Raises
-    ------
-    UserError
-        When an item cannot be decoded as an image.
-    """
-    from PIL import Image
-
-    out = []
-    for i, item in enumerate(raw):
-        try:
-            if isinstance(item, Image.Image):
-                img = item
-            elif isinstance(item, dict):
-                img = Image.open(io.BytesIO(item["bytes"]) if item.get("bytes") else item["path"])
-            else:
-                img = Image.open(item)
-            if mode is None:
-                mode = "L" if img.mode in ("L", "1", "I", "I;16", "I;16B", "I;16L", "F", "LA",
-                                           "P") and not (
-                    img.mode == "P" and "RGB" in img.palette.mode
-                ) else "RGB"
-            if img.mode.startswith("I;16") or img.mode == "I":
-                # 16/32-bit grey: scale to 8 bits (PIL's convert would clip at 255)
-                wide = np.asarray(img, dtype=np.float64)
-                top = 65535.0 if img.mode.startswith("I;16") else max(float(wide.max()), 1.0)
-                img = Image.fromarray(np.clip(wide * (255.0 / top), 0, 255).astype(np.uint8))
-            img = img.convert(mode)
-            if size is None:
-                size = (img.height, img.width)
-            if (img.height, img.width) != tuple(size):
-                img = img.resize((size[1], size[0]), Image.BILINEAR)
-            arr = np.asarray(img, dtype=np.uint8)
-        except Exception as exc:
-            where = item if isinstance(item, (str, Path)) else f"row {i}"
-            raise UserError(f"cannot decode image {where} of {source}: {_one_line(exc)}") from None
-        out.append(arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1))
-    if not out:
-        raise UserError(f"no images in {source}")
-    return np.stack(out)

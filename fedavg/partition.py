@@ -1,17 +1,253 @@
-"""Deterministic partitioning of a dataset across nodes, through flwr-datasets partitioners.
+"""Deterministic partitioning of a dataset across nodes: a registry of partitioners by name.
 
 ``partition(labels, num_partitions, scheme, ...)`` returns one sorted index array per node;
 the same arguments always give the same partitions (on any machine), so a coordinator and a
 node that partition independently agree.
+
+Each scheme is a small function registered with :func:`register_partitioner` that wraps one
+flwr-datasets partitioner. Its keyword-only parameters carry the config names
+(``DataConfig.alpha`` / ``--alpha`` is the ``alpha`` of :func:`dirichlet`), and
+:func:`partition` passes each partitioner exactly the parameters it declares.
+
+>>> from fedavg.partition import partitioner_names, get_partitioner
+>>> partitioner_names()
+('iid', 'dirichlet', 'pathological', 'natural')
+>>> get_partitioner("dirichlet").params
+('alpha', 'seed')
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
 from fedavg.errors import UserError
+
+PARAMETERS = ("alpha", "classes_per_node", "groups", "seed")
+"""Config names a partitioner may declare: the keyword arguments of :func:`partition`."""
+
+
+@dataclass(frozen=True)
+class PartitionerSpec:
+    """A registered partitioner.
+
+    Attributes
+    ----------
+    name : str
+        Registered name (``DataConfig.partitioner``, ``--partitioner``).
+    description : str
+        One line for tables and ``--help``.
+    paper : str
+        Source of the method (authors, year, arXiv id), or ``""``.
+    build : callable
+        ``(labels, num_partitions, **params) -> flwr_datasets.partitioner.Partitioner``
+        whose ``dataset`` (columns ``label``, ``index``, ...) is already set.
+    params : tuple of str
+        The config names ``build`` takes, a subset of :data:`PARAMETERS`.
+    remedy : str
+        Extra advice when a node ends up empty (e.g. ``"a larger --alpha"``).
+    """
+
+    name: str
+    description: str
+    paper: str
+    build: Callable[..., Any]
+    params: tuple[str, ...]
+    remedy: str = ""
+
+
+_REGISTRY: dict[str, PartitionerSpec] = {}
+
+
+def register_partitioner(name: str, description: str, *, paper: str = "", remedy: str = ""):
+    """Register ``fn(labels, num_partitions, *, <params>)`` under ``name`` (a decorator).
+
+    Parameters
+    ----------
+    name : str
+        Name users pass as ``--partitioner``.
+    description : str
+        One-line description.
+    paper : str
+        Citation of the method, with its arXiv id.
+    remedy : str
+        Advice besides fewer ``--num-nodes`` when a node would be empty.
+
+    Raises
+    ------
+    ValueError
+        ``fn`` declares a keyword-only parameter that is not in :data:`PARAMETERS`.
+    """
+
+    def deco(fn):
+        params = tuple(p.name for p in inspect.signature(fn).parameters.values()
+                       if p.kind is inspect.Parameter.KEYWORD_ONLY)
+        unknown = [p for p in params if p not in PARAMETERS]
+        if unknown:
+            raise ValueError(f"partitioner {name!r} declares {unknown}; parameters must be "
+                             f"among {', '.join(PARAMETERS)}")
+        _REGISTRY[name] = PartitionerSpec(name, description, paper, fn, params, remedy)
+        return fn
+
+    return deco
+
+
+def partitioner_names() -> tuple[str, ...]:
+    """Return the registered partitioner names, in registration order (``iid`` first)."""
+    return tuple(_REGISTRY)
+
+
+def available_partitioners() -> dict[str, str]:
+    """Return ``{name: one-line description}`` of the registered partitioners, in order."""
+    return {name: spec.description for name, spec in _REGISTRY.items()}
+
+
+def get_partitioner(name: str) -> PartitionerSpec:
+    """Return the partitioner registered as ``name``.
+
+    Raises
+    ------
+    UserError
+        Unknown name, with the list of known names.
+    """
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        *rest, last = partitioner_names()
+        raise UserError(
+            f"unknown partitioner {name!r}; choose {', '.join(rest)} or {last}"
+        ) from None
+
+
+def _table(labels: np.ndarray, **extra: np.ndarray):
+    """Build a ``datasets.Dataset`` of ``label`` (int64), ``index`` (0..N-1) and ``extra``."""
+    import datasets
+
+    columns = {"label": np.asarray(labels, dtype=np.int64), "index": np.arange(len(labels))}
+    return datasets.Dataset.from_dict({**columns, **extra})
+
+
+@register_partitioner("iid", "uniform random split into near-equal sizes")
+def iid(labels: np.ndarray, num_partitions: int, *, seed: int):
+    """Shuffle with ``seed``, then cut into ``num_partitions`` contiguous near-equal shards.
+
+    Wraps :class:`flwr_datasets.partitioner.IidPartitioner`; sizes differ by at most one.
+    """
+    from flwr_datasets.partitioner import IidPartitioner
+
+    p = IidPartitioner(num_partitions=num_partitions)
+    p.dataset = _table(labels).shuffle(seed=seed).flatten_indices()
+    return p
+
+
+@register_partitioner("dirichlet", "label skew: each node's label shares drawn from Dir(alpha)",
+                      paper="Hsu et al. 2019, arXiv:1909.06335", remedy="a larger --alpha")
+def dirichlet(labels: np.ndarray, num_partitions: int, *, alpha: float, seed: int):
+    """Split each label's samples across nodes in proportions drawn from ``Dir(alpha)``.
+
+    Wraps :class:`flwr_datasets.partitioner.DirichletPartitioner` (no self-balancing, every
+    node at least one sample). Smaller ``alpha`` gives more skewed nodes.
+
+    Raises
+    ------
+    UserError
+        ``alpha <= 0``.
+
+    References
+    ----------
+    Hsu, Qi and Brown, "Measuring the Effects of Non-Identical Data Distribution for
+    Federated Visual Classification", 2019, arXiv:1909.06335.
+    """
+    from flwr_datasets.partitioner import DirichletPartitioner
+
+    if not alpha > 0:
+        raise UserError(f"--alpha must be > 0 (got {alpha})")
+    p = DirichletPartitioner(
+        num_partitions=num_partitions,
+        partition_by="label",
+        alpha=alpha,
+        min_partition_size=1,
+        self_balancing=False,
+        seed=seed,
+    )
+    p.dataset = _table(labels)
+    return p
+
+
+@register_partitioner("pathological", "each node holds classes_per_node labels only",
+                      paper="McMahan et al. 2017, arXiv:1602.05629")
+def pathological(labels: np.ndarray, num_partitions: int, *, classes_per_node: int, seed: int):
+    """Give each node ``classes_per_node`` labels and split each label among its nodes.
+
+    Wraps :class:`flwr_datasets.partitioner.PathologicalPartitioner` in its
+    ``first-deterministic`` mode: node ``i`` gets label ``i`` (mod the number of labels)
+    first, the others at random with ``seed``. Samples of labels no node got are left out.
+
+    Raises
+    ------
+    UserError
+        ``classes_per_node`` above the number of distinct labels.
+
+    References
+    ----------
+    McMahan, Moore, Ramage, Hampson and Agüera y Arcas, "Communication-Efficient Learning of
+    Deep Networks from Decentralized Data", AISTATS 2017, arXiv:1602.05629.
+    """
+    from flwr_datasets.partitioner import PathologicalPartitioner
+
+    num_classes = len(np.unique(labels))
+    if classes_per_node > num_classes:
+        raise UserError(
+            f"--classes-per-node {classes_per_node} exceeds the {num_classes} labels present"
+        )
+    p = PathologicalPartitioner(
+        num_partitions=num_partitions,
+        partition_by="label",
+        num_classes_per_partition=classes_per_node,
+        class_assignment_mode="first-deterministic",
+        seed=seed,
+    )
+    p.dataset = _table(labels)
+    return p
+
+
+@register_partitioner("natural", "one node per distinct value of --partition-by")
+def natural(labels: np.ndarray, num_partitions: int, *, groups: np.ndarray | None):
+    """One node per natural id (writer, user, site), node ``i`` the ``i``-th id in sorted order.
+
+    Wraps :class:`flwr_datasets.partitioner.NaturalIdPartitioner` on ``groups`` as strings.
+
+    Raises
+    ------
+    UserError
+        No ``groups``, empty values among them, or a number of distinct values other than
+        ``num_partitions``.
+    """
+    from flwr_datasets.partitioner import NaturalIdPartitioner
+
+    if groups is None:
+        raise UserError("--partitioner natural needs --partition-by COLUMN")
+    empty = int(np.isin(np.asarray(groups).astype(str), ["None", "nan", ""]).sum())
+    if empty:
+        raise UserError(f"the --partition-by column has {empty} empty value(s): fill or "
+                        "drop those rows")
+    distinct = len(np.unique(groups))
+    if distinct != num_partitions:
+        raise UserError(
+            f"the --partition-by column has {distinct} distinct values: "
+            f"use --num-nodes {distinct} with --partitioner natural"
+        )
+    p = NaturalIdPartitioner(partition_by="group")
+    p.dataset = _table(labels, group=np.asarray(groups).astype(str))
+    return p
+
+
+PARTITIONERS = partitioner_names()
+"""Names of the built-in partitioners (:func:`partitioner_names` also sees later ones)."""
 
 
 def partition(
@@ -24,7 +260,7 @@ def partition(
     groups: np.ndarray | None = None,
     seed: int = 0,
 ) -> list[np.ndarray]:
-    """Split sample indices ``0..N-1`` into ``num_partitions`` disjoint, covering parts.
+    """Split sample indices ``0..N-1`` into ``num_partitions`` disjoint parts.
 
     Parameters
     ----------
@@ -33,11 +269,10 @@ def partition(
     num_partitions : int
         Number of nodes.
     scheme : str
-        ``iid`` (:class:`flwr_datasets.partitioner.IidPartitioner` on a seeded shuffle),
-        ``dirichlet`` (label skew, Hsu et al. 2019, arXiv:1909.06335, via
-        ``DirichletPartitioner``), ``pathological`` (``classes_per_node`` labels per node,
-        McMahan et al. 2017, via ``PathologicalPartitioner``) or ``natural`` (one node per
-        distinct value of ``groups``, via ``NaturalIdPartitioner``).
+        A registered partitioner (:func:`available_partitioners`): ``iid`` (seeded shuffle,
+        near-equal sizes), ``dirichlet`` (label skew, Hsu et al. 2019, arXiv:1909.06335),
+        ``pathological`` (``classes_per_node`` labels per node, McMahan et al. 2017,
+        arXiv:1602.05629) or ``natural`` (one node per distinct value of ``groups``).
     alpha : float
         Dirichlet concentration, > 0.
     classes_per_node : int
@@ -57,11 +292,10 @@ def partition(
     Raises
     ------
     UserError
-        More nodes than samples, ``alpha <= 0``, a partition that would be empty, a
-        ``natural`` split whose number of ids differs from ``num_partitions``.
+        Fewer than one node or more nodes than samples, an unknown scheme, a parameter the
+        scheme refuses (``alpha <= 0``, ...), a partition that would be empty.
     """
     import datasets
-    from flwr_datasets import partitioner as fp
 
     datasets.disable_progress_bars()
     n = len(labels)
@@ -71,56 +305,22 @@ def partition(
         raise UserError(
             f"{num_partitions} nodes but only {n} training samples: use --num-nodes <= {n}"
         )
-    columns = {"label": np.asarray(labels, dtype=np.int64), "index": np.arange(n)}
-    if scheme == "iid":
-        p = fp.IidPartitioner(num_partitions=num_partitions)
-    elif scheme == "dirichlet":
-        if not alpha > 0:
-            raise UserError(f"--alpha must be > 0 (got {alpha})")
-        p = fp.DirichletPartitioner(
-            num_partitions=num_partitions,
-            partition_by="label",
-            alpha=alpha,
-            min_partition_size=1,
-            self_balancing=False,
-            seed=seed,
-        )
-    elif scheme == "pathological":
-        num_classes = len(np.unique(labels))
-        if classes_per_node > num_classes:
-            raise UserError(
-                f"--classes-per-node {classes_per_node} exceeds the {num_classes} labels present"
-            )
-        p = fp.PathologicalPartitioner(
-            num_partitions=num_partitions,
-            partition_by="label",
-            num_classes_per_partition=classes_per_node,
-            class_assignment_mode="first-deterministic",
-            seed=seed,
-        )
-    elif scheme == "natural":
-        if groups is None:
-            raise UserError("--partitioner natural needs --partition-by COLUMN")
-        empty = int(np.isin(np.asarray(groups).astype(str), ["None", "nan", ""]).sum())
-        if empty:
-            raise UserError(f"the --partition-by column has {empty} empty value(s): fill or "
-                            "drop those rows")
-        distinct = len(np.unique(groups))
-        if distinct != num_partitions:
-            raise UserError(
-                f"the --partition-by column has {distinct} distinct values: "
-                f"use --num-nodes {distinct} with --partitioner natural"
-            )
-        columns["group"] = np.asarray(groups).astype(str)
-        p = fp.NaturalIdPartitioner(partition_by="group")
-    else:
+    spec = get_partitioner(scheme)
+    given = {"alpha": alpha, "classes_per_node": classes_per_node, "groups": groups,
+             "seed": seed}
+    p = spec.build(labels, num_partitions, **{k: given[k] for k in spec.params})
+    parts = _load_parts(p, n, num_partitions, scheme)
+    empty = [i for i, part in enumerate(parts) if len(part) == 0]
+    if empty:
         raise UserError(
-            f"unknown partitioner {scheme!r}; choose iid, dirichlet, pathological or natural"
+            f"{scheme} partitioning left node(s) {empty[:5]} with no samples; "
+            "use fewer --num-nodes" + (f" or {spec.remedy}" if spec.remedy else "")
         )
-    ds = datasets.Dataset.from_dict(columns)
-    if scheme == "iid":
-        ds = ds.shuffle(seed=seed).flatten_indices()
-    p.dataset = ds
+    return parts
+
+
+def _load_parts(p, n: int, num_partitions: int, scheme: str) -> list[np.ndarray]:
+    """Sorted ``int64`` sample indices of each of the ``num_partitions`` partitions of ``p``."""
     parts = []
     try:
         with warnings.catch_warnings():  # their retry warnings would bury our one-line error
@@ -133,15 +333,24 @@ def partition(
             f"cannot split {n} samples into {num_partitions} non-empty {scheme} partitions "
             f"({str(exc).splitlines()[0][:160]}); use fewer nodes or a larger --alpha"
         ) from None
-    empty = [i for i, part in enumerate(parts) if len(part) == 0]
-    if empty:
-        raise UserError(
-            f"{scheme} partitioning left node(s) {empty[:5]} with no samples; "
-            "use fewer --num-nodes" + (" or a larger --alpha" if scheme == "dirichlet" else "")
-        )
     return parts
 
 
 def label_counts(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> np.ndarray:
-    """Per-node label histogram, ``(num_partitions, num_classes)`` sample counts."""
+    """Per-node label histogram.
+
+    Parameters
+    ----------
+    labels : numpy.ndarray
+        ``(N,)`` integer class labels.
+    parts : list of numpy.ndarray
+        Index arrays, as :func:`partition` returns.
+    num_classes : int
+        Number of classes (columns).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``(num_partitions, num_classes)`` sample counts.
+    """
     return np.stack([np.bincount(labels[p], minlength=num_classes) for p in parts])

@@ -24,7 +24,7 @@ def png(value: int, size: int = 6, mode: str = "L") -> bytes:
 
 
 def image_dataset(values, labels, **extra) -> datasets.Dataset:
-    """A Dataset with an ``image`` column (PNG bytes, Image feature) and the given labels."""
+    """Build a Dataset with an ``image`` column (PNG bytes, Image feature) and ``labels``."""
     cols = {"image": [{"bytes": png(v), "path": None} for v in values], "label": list(labels)}
     cols.update(extra)
     return datasets.Dataset.from_dict(cols).cast_column("image", datasets.Image())
@@ -45,6 +45,7 @@ def pixel_to_label(data: LoadedData) -> dict[int, str]:
 
 
 def test_digits_shapes_classes_and_holdout():
+    """Digits load as 8x8 uint8 images over 10 classes, with a 20% test hold-out."""
     data = load("digits", seed=0)
     assert set(data.splits) == {"train", "test"}
     assert data.train.x.dtype == np.uint8 and data.test.x.dtype == np.uint8
@@ -59,6 +60,7 @@ def test_digits_shapes_classes_and_holdout():
 
 
 def test_digits_holdout_is_seeded():
+    """The digits hold-out depends on the seed only."""
     a, b, c = load("digits", seed=0), load("digits", seed=0), load("digits", seed=1)
     np.testing.assert_array_equal(a.test.x, b.test.x)
     np.testing.assert_array_equal(a.train.y, b.train.y)
@@ -71,6 +73,7 @@ def test_digits_holdout_is_seeded():
 
 @pytest.fixture
 def parquet_dir(tmp_path):
+    """Build a folder of train/test Parquet files like the real MNIST one."""
     root = tmp_path / "pq"
     root.mkdir()
     # pixel value 10 * i identifies sample i; label i % 3
@@ -82,6 +85,7 @@ def parquet_dir(tmp_path):
 
 
 def test_parquet_folder(parquet_dir):
+    """A Parquet folder gives its train and test splits, each image with its label."""
     data = load(str(parquet_dir))
     assert data.columns == {"image": "image", "label": "label"}
     assert set(data.splits) == {"train", "test"}
@@ -96,6 +100,7 @@ def test_parquet_folder(parquet_dir):
 
 
 def test_parquet_written_by_pyarrow_without_hf_metadata(tmp_path):
+    """Image structs without HF metadata are decoded."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -113,6 +118,7 @@ def test_parquet_written_by_pyarrow_without_hf_metadata(tmp_path):
 
 
 def test_single_parquet_file_gets_holdout(tmp_path):
+    """A single file gets a seeded test hold-out and keeps labels."""
     path = tmp_path / "one.parquet"
     image_dataset([10 * i for i in range(10)], [i % 2 for i in range(10)]).to_parquet(str(path))
     data = load(str(path), seed=3)
@@ -125,6 +131,7 @@ def test_single_parquet_file_gets_holdout(tmp_path):
 
 
 def test_save_to_disk_datasetdict(tmp_path):
+    """A ``save_to_disk`` folder keeps ClassLabel order; validation serves as test."""
     label = datasets.ClassLabel(names=["zebra", "ant", "moose"])
     train = image_dataset([1, 2, 3, 4, 5, 6], [0, 1, 2, 0, 1, 2]).cast_column("label", label)
     val = image_dataset([7, 8], [2, 1]).cast_column("label", label)
@@ -139,6 +146,7 @@ def test_save_to_disk_datasetdict(tmp_path):
 
 
 def test_csv_tabular(tmp_path):
+    """A CSV table gives float32 features and sorted string classes."""
     names = ["pear", "apple", "fig"]
     rows = ["f1,f2,f3,label"] + [f"{i},{i * 0.5},{-i},{names[i % 3]}" for i in range(12)]
     path = tmp_path / "table.csv"
@@ -157,6 +165,7 @@ def test_csv_tabular(tmp_path):
 
 
 def test_image_folder(tmp_path):
+    """An image folder gives one class per subfolder."""
     root = tmp_path / "imgs"
     values = {"cat": 40, "dog": 200}
     for cls, value in values.items():
@@ -189,6 +198,7 @@ def two_columns(tmp_path):
 
 
 def test_column_detection_default(two_columns):
+    """The ``image`` and ``label`` columns are detected."""
     data = load(str(two_columns))
     assert data.columns == {"image": "image", "label": "label"}
     assert data.classes == ["a", "b"]
@@ -196,6 +206,7 @@ def test_column_detection_default(two_columns):
 
 
 def test_column_overrides(two_columns):
+    """Named columns override detection."""
     data = load(str(two_columns), image_column="alt", label_column="target")
     assert data.columns == {"image": "alt", "label": "target"}
     assert data.classes == ["0", "1", "2", "3"]
@@ -207,6 +218,7 @@ def test_column_overrides(two_columns):
 @pytest.mark.parametrize("kwargs,flag", [({"label_column": "nope"}, "--label-column"),
                                          ({"image_column": "nope"}, "--image-column")])
 def test_wrong_column_name(two_columns, kwargs, flag):
+    """A wrong column name is a user error naming the flag and listing columns."""
     with pytest.raises(UserError) as info:
         load(str(two_columns), **kwargs)
     msg = str(info.value)
@@ -216,6 +228,7 @@ def test_wrong_column_name(two_columns, kwargs, flag):
 
 
 def test_no_label_column(tmp_path):
+    """No detectable label column is a user error asking for ``--label-column``."""
     ds = datasets.Dataset.from_dict({"pic": [{"bytes": png(i), "path": None} for i in range(3)],
                                      "kind": [0, 1, 0]}).cast_column("pic", datasets.Image())
     ds.to_parquet(str(tmp_path / "nolabel.parquet"))
@@ -228,12 +241,14 @@ def test_no_label_column(tmp_path):
 
 
 def test_missing_path(tmp_path, monkeypatch):
+    """A path that does not exist is a user error."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match="no such file or folder: ./nope"):
         load("./nope")
 
 
 def test_unsupported_suffix(tmp_path):
+    """An unsupported file type is a user error."""
     path = tmp_path / "data.xlsx"
     path.write_bytes(b"not a spreadsheet")
     with pytest.raises(UserError, match=r"cannot read .*data\.xlsx"):
@@ -244,10 +259,12 @@ def test_unsupported_suffix(tmp_path):
 
 
 def spec_of(x: np.ndarray) -> dict:
+    """Return the input spec of a one-class dataset with train inputs ``x``."""
     return LoadedData({"train": Split(x, np.zeros(len(x), np.int64))}, ["a"], "t").input_spec()
 
 
 def test_input_spec_one_channel_by_hand():
+    """One-channel mean and std match a hand computation."""
     x = np.array([[[[0, 255], [255, 0]]], [[[51, 102], [153, 204]]]], dtype=np.uint8)
     spec = spec_of(x)
     # scaled values: 0 1 1 0 0.2 0.4 0.6 0.8 -> mean 4/8 = 0.5
@@ -259,6 +276,7 @@ def test_input_spec_one_channel_by_hand():
 
 
 def test_input_spec_per_channel_and_constant_channel():
+    """Statistics are per channel; a constant channel gets std 1."""
     # channel 0: 0 255 | 255 0 -> mean 0.5, std 0.5; channel 1 constant 0.2 -> std 0 -> 1.0
     x = np.array([[[[0, 255]], [[51, 51]]], [[[255, 0]], [[51, 51]]]], dtype=np.uint8)
     spec = spec_of(x)
@@ -268,6 +286,7 @@ def test_input_spec_per_channel_and_constant_channel():
 
 
 def test_input_spec_tabular():
+    """Tabular statistics are per feature; a constant feature gets std 1."""
     spec = spec_of(np.array([[1.0, 10.0], [3.0, 10.0]], dtype=np.float32))
     assert spec["shape"] == [2] and spec["dtype"] == "float32" and spec["scale"] == 1.0
     assert spec["mean"] == pytest.approx([2.0, 10.0])
@@ -278,6 +297,7 @@ def test_input_spec_tabular():
 
 
 def test_real_mnist():
+    """The real MNIST copy loads with its 60000/10000 splits."""
     data = load(str(MNIST))
     assert len(data.train) == 60000 and len(data.test) == 10000
     assert data.input_shape == (1, 28, 28) and data.train.x.dtype == np.uint8

@@ -1,0 +1,393 @@
+"""Open a dataset source (local file or folder, Hugging Face hub id) and read its columns.
+
+The reading half of :mod:`fedavg.data`: find the ``datasets.DatasetDict`` behind a name,
+detect its input and label columns, and turn columns into arrays (images ``(N, C, H, W)``
+``uint8``, tabular ``(N, D)`` ``float32``, labels ``(N,)`` ``int64``). :mod:`fedavg.data`
+assembles these into a :class:`~fedavg.data.LoadedData` and re-exports the public names
+here. No Flower import.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedavg.errors import UserError
+
+BUILTIN = ("digits",)
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+FILE_BUILDERS = {
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".arrow": "arrow",
+    ".json": "json",
+    ".jsonl": "json",
+}
+IMAGE_NAMES = ("image", "img", "images", "pixel_values", "pixels", "x", "features")
+LABEL_NAMES = ("label", "labels", "target", "class", "y", "fine_label")
+TEST_NAMES = ("test", "validation", "valid", "val")
+
+
+def looks_like_path(name: str) -> bool:
+    """Tell whether ``name`` is meant as a filesystem path rather than a hub id."""
+    return (
+        name.startswith((".", "/", "~"))
+        or name.count("/") > 1
+        or Path(name).suffix.lower() in FILE_BUILDERS
+        or Path(name).suffix.lower() in IMAGE_SUFFIXES
+        or "\\" in name
+    )
+
+
+def open_source(dataset: str):
+    """Open a local path or hub id as a ``datasets.DatasetDict``.
+
+    Parameters
+    ----------
+    dataset : str
+        A data file (``.parquet``, ``.csv``, ``.arrow``, ``.json``), a folder (data files,
+        a ``save_to_disk`` folder, an image folder) or a Hugging Face hub id.
+
+    Returns
+    -------
+    datasets.DatasetDict
+
+    Raises
+    ------
+    UserError
+        Unsupported file type, unreadable data, a path that does not exist, or a hub id
+        the hub cannot provide.
+    """
+    import datasets
+
+    datasets.disable_progress_bars()
+    _quiet_hub_logs()
+    path = Path(dataset).expanduser()
+    if path.exists():
+        try:
+            return _open_local(path)
+        except UserError:
+            raise
+        except Exception as exc:  # datasets raises many types for unreadable data
+            raise UserError(f"cannot read dataset at {path}: {_one_line(exc)}") from None
+    if looks_like_path(dataset):
+        raise UserError(f"no such file or folder: {dataset}")
+    try:
+        return datasets.load_dataset(dataset)
+    except Exception as exc:  # connection errors, unknown repo ids, gated repos
+        raise UserError(
+            f"unknown dataset {dataset!r}: not built in ({', '.join(BUILTIN)}), not a local "
+            f"path, and the Hugging Face hub could not provide it ({_one_line(exc)}); "
+            "give a local path or check the id and the network"
+        ) from None
+
+
+def _open_local(path: Path):
+    """Open an existing file or folder with the ``datasets`` builder that fits it."""
+    import datasets
+
+    if path.is_file():
+        builder = FILE_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise UserError(
+                f"cannot read {path}: use a .parquet, .csv, .arrow or .json file, "
+                "or a folder"
+            )
+        return datasets.load_dataset(builder, data_files=str(path))
+    if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.Dataset):
+            loaded = datasets.DatasetDict({"train": loaded})
+        return loaded
+    return datasets.load_dataset(str(path))
+
+
+def _quiet_hub_logs() -> None:
+    """Keep the hub's retry chatter and pyarrow's warnings off the user's terminal."""
+    import datasets
+
+    datasets.logging.set_verbosity_error()
+    try:
+        from huggingface_hub.utils import logging as hub_logging
+
+        hub_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover - comes with datasets
+        pass
+
+
+def _one_line(exc: BaseException) -> str:
+    """Shorten ``exc`` to its first line, at most 300 characters."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else type(exc).__name__
+    return first[:300]
+
+
+def _check_column(features, col: str, flag: str, source: str) -> str:
+    """Return ``col`` if ``features`` has it, else a user error naming ``flag``."""
+    if col not in features:
+        raise UserError(
+            f"column {col!r} ({flag}) is not in {source}; columns are: {', '.join(features)}"
+        )
+    return col
+
+
+def detect_columns(features, source: str, image_column: str | None = None,
+                   label_column: str | None = None,
+                   partition_by: str | None = None) -> tuple[str, list[str]]:
+    """Pick the label column and the input column(s) of the train split's ``features``.
+
+    Columns the user named (``image_column``, ``label_column``, ``partition_by``) are
+    checked, the others detected: the label is a ``ClassLabel`` column, else the first with
+    a usual label name; the input is one image (or array) column, else every numeric column
+    but the label and ``partition_by`` (tabular data). ``source`` names the data in messages.
+
+    Returns
+    -------
+    tuple of (str, list of str)
+        ``(label, inputs)``.
+
+    Raises
+    ------
+    UserError
+        A named column that does not exist, no label or input column found, or the same
+        column as both input and label.
+    """
+    import datasets
+
+    columns = list(features)
+    if label_column is not None:
+        label = _check_column(features, label_column, "--label-column", source)
+    else:
+        label = next(
+            (c for c, f in features.items() if isinstance(f, datasets.ClassLabel)), None
+        ) or next((c for c in columns if c.lower() in LABEL_NAMES), None)
+        if label is None:
+            raise UserError(
+                f"no label column found in {source}; pass --label-column (columns: "
+                f"{', '.join(columns)})"
+            )
+    if image_column is not None:
+        image = [_check_column(features, image_column, "--image-column", source)]
+    else:
+        image = _detect_inputs(features, source, label, partition_by)
+    if partition_by is not None:
+        _check_column(features, partition_by, "--partition-by", source)
+    if label in image:
+        raise UserError(f"column {label!r} is both the input and the label; pass another "
+                        "--image-column or --label-column")
+    return label, image
+
+
+def _detect_inputs(features, source: str, label: str, partition_by: str | None) -> list[str]:
+    """Find an image column, or else every numeric feature column (tabular data)."""
+    import datasets
+
+    columns = list(features)
+    found = next(
+        (c for c, f in features.items() if isinstance(f, datasets.Image) and c != label),
+        None,
+    ) or next((c for c in columns if c.lower() in IMAGE_NAMES and c != label), None)
+    if found is not None:
+        return [found]
+    # tabular: every numeric column but the label and the group column
+    image = [
+        c
+        for c, f in features.items()
+        if c not in (label, partition_by)
+        and isinstance(f, datasets.Value)
+        and (f.dtype.startswith(("int", "uint", "float")) or f.dtype == "bool")
+    ]
+    if not image:
+        raise UserError(
+            f"no image or numeric feature column in {source}; pass --image-column "
+            f"(columns: {', '.join(columns)})"
+        )
+    return image
+
+
+def label_classes(train_ds, label: str, split: str) -> tuple[list[str], dict[Any, int] | None]:
+    """Return the class names of column ``label`` of ``train_ds`` (split ``split``).
+
+    Returns
+    -------
+    classes : list of str
+        A ``ClassLabel``'s names in their order, else the sorted distinct values as text.
+    mapping : dict or None
+        Raw value to class index; ``None`` for a ``ClassLabel`` (values are indices).
+
+    Raises
+    ------
+    UserError
+        Empty labels, or non-integer numbers as labels.
+    """
+    import datasets
+
+    label_feature = train_ds.features[label]
+    if isinstance(label_feature, datasets.ClassLabel):
+        return list(label_feature.names), None
+    values = np.asarray(train_ds[label], dtype=object)
+    empty = sum(v is None or (isinstance(v, float) and np.isnan(v)) for v in values)
+    if empty:
+        raise UserError(f"label column {label!r} has {empty} empty value(s) in split "
+                        f"{split!r}: fill or drop those rows")
+    values = np.asarray(list(values))
+    if values.dtype.kind == "f" and not np.all(values == np.round(values)):
+        raise UserError(
+            f"label column {label!r} holds non-integer numbers: fedavg trains classifiers; "
+            "pass --label-column with a class column"
+        )
+    uniq = np.unique(values)
+    classes = [str(v) for v in uniq]
+    mapping = {v.item() if hasattr(v, "item") else v: i for i, v in enumerate(uniq)}
+    return classes, mapping
+
+
+def label_array(values, mapping: dict[Any, int] | None, classes: list[str], column: str,
+                split: str) -> np.ndarray:
+    """Turn a split's label values into ``(N,)`` ``int64`` class indices.
+
+    ``mapping`` (from :func:`label_classes`) maps raw values; without it the values are
+    indices already and must lie in ``0..len(classes) - 1``.
+
+    Raises
+    ------
+    UserError
+        An index out of range, or a value train does not have.
+    """
+    arr = np.asarray(values)
+    if mapping is None:
+        y = arr.astype(np.int64)
+        if len(y) and (y.min() < 0 or y.max() >= len(classes)):
+            raise UserError(f"label column {column!r} in split {split!r} has values outside "
+                            f"0..{len(classes) - 1}")
+        return y
+    try:
+        return np.asarray([mapping[v.item() if hasattr(v, "item") else v] for v in arr],
+                          dtype=np.int64)
+    except KeyError as exc:
+        raise UserError(
+            f"split {split!r} has label {exc.args[0]!r} that train does not have"
+        ) from None
+
+
+def input_array(ds, columns: list[str], source: str) -> np.ndarray:
+    """Read the input ``columns`` of split ``ds`` as one array.
+
+    ``columns`` is one image or array column, or several numeric feature columns;
+    ``source`` names the data in messages.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``(N, C, H, W)`` images (``uint8``, or ``float32`` for float arrays) or ``(N, D)``
+        ``float32`` features.
+
+    Raises
+    ------
+    UserError
+        Empty, NaN or infinite features, undecodable images, or a column of other data.
+    """
+    import datasets
+
+    if len(columns) > 1:  # tabular
+        table = ds.with_format("numpy")
+        x = np.stack([np.asarray(table[c], dtype=np.float32) for c in columns], axis=1)
+        bad = ~np.isfinite(x).all(axis=0)
+        if bad.any():
+            names = [c for c, b in zip(columns, bad) if b]
+            raise UserError(f"feature column(s) {names[:5]} of {source} have empty, NaN or "
+                            "infinite values: fill or drop them")
+        return x
+    col = columns[0]
+    feature = ds.features[col]
+    if isinstance(feature, datasets.Image):
+        raw = ds.cast_column(col, datasets.Image(decode=False))[col]
+        return decode_images(raw, source)
+    if isinstance(feature, dict) and "bytes" in feature:  # image structs without HF metadata
+        return decode_images(ds[col], source)
+    return _array_column(ds, col, feature, source)
+
+
+def _array_column(ds, col: str, feature, source: str) -> np.ndarray:
+    """Read a numeric column (scalars, vectors or image-like arrays) into a batch array."""
+    try:
+        arr = np.asarray(ds.with_format("numpy")[col])
+    except Exception:
+        arr = np.asarray(ds[col], dtype=object)
+    if arr.dtype == object or arr.dtype.kind not in "biuf":
+        raise UserError(
+            f"column {col!r} of {source} holds {feature}, not images or numbers; "
+            "pass --image-column"
+        )
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise UserError(f"column {col!r} of {source} has NaN or infinite values")
+    if arr.ndim == 1:
+        return arr.astype(np.float32)[:, None]
+    if arr.ndim == 2:
+        return arr.astype(np.float32)
+    if arr.ndim == 3:
+        arr = arr[:, None]
+    elif arr.ndim == 4 and arr.shape[-1] in (1, 3, 4) and arr.shape[1] not in (1, 3, 4):
+        arr = arr.transpose(0, 3, 1, 2)
+    return arr if arr.dtype == np.uint8 else arr.astype(np.float32)
+
+
+def decode_images(raw, source: str = "", size: tuple[int, int] | None = None,
+                  mode: str | None = None) -> np.ndarray:
+    """Decode images (bytes, paths or PIL images) into one ``(N, C, H, W)`` uint8 array.
+
+    Parameters
+    ----------
+    raw : sequence
+        Items as stored by ``datasets.Image(decode=False)`` (``{"bytes", "path"}``), file
+        paths, or PIL images.
+    source : str
+        What the user asked for, for messages.
+    size : (int, int), optional
+        ``(H, W)`` to resize to; default the first image's size.
+    mode : str, optional
+        ``"L"`` or ``"RGB"``; default: grey if the first image is grey, else RGB.
+
+    Raises
+    ------
+    UserError
+        When an item cannot be decoded as an image.
+    """
+    from PIL import Image
+
+    out = []
+    for i, item in enumerate(raw):
+        try:
+            if isinstance(item, Image.Image):
+                img = item
+            elif isinstance(item, dict):
+                img = Image.open(io.BytesIO(item["bytes"]) if item.get("bytes") else item["path"])
+            else:
+                img = Image.open(item)
+            if mode is None:
+                mode = "L" if img.mode in ("L", "1", "I", "I;16", "I;16B", "I;16L", "F", "LA",
+                                           "P") and not (
+                    img.mode == "P" and "RGB" in img.palette.mode
+                ) else "RGB"
+            if img.mode.startswith("I;16") or img.mode == "I":
+                # 16/32-bit grey: scale to 8 bits (PIL's convert would clip at 255)
+                wide = np.asarray(img, dtype=np.float64)
+                top = 65535.0 if img.mode.startswith("I;16") else max(float(wide.max()), 1.0)
+                img = Image.fromarray(np.clip(wide * (255.0 / top), 0, 255).astype(np.uint8))
+            img = img.convert(mode)
+            if size is None:
+                size = (img.height, img.width)
+            if (img.height, img.width) != tuple(size):
+                img = img.resize((size[1], size[0]), Image.BILINEAR)
+            arr = np.asarray(img, dtype=np.uint8)
+        except Exception as exc:
+            where = item if isinstance(item, (str, Path)) else f"row {i}"
+            raise UserError(f"cannot decode image {where} of {source}: {_one_line(exc)}") from None
+        out.append(arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1))
+    if not out:
+        raise UserError(f"no images in {source}")
+    return np.stack(out)
