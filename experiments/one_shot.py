@@ -30,12 +30,13 @@ import fedavg
 import strategies
 from fedavg import checkpoint
 from fedavg.config import RunConfig
-from fedavg.coordinator import ModelSpec, merge_context
-from fedavg.simulation import prepare
+from fedavg.models import ModelSpec, merge_context
+from fedavg.run import prepare
 from fedavg.train import evaluate
 
 
 def main() -> None:
+    """Train the node models once, merge them by every one-shot method and report accuracy."""
     root = Path(__file__).resolve().parents[1]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(root.parent / "shared" / "data" / "cifar10"))
@@ -59,8 +60,7 @@ def main() -> None:
 
     # the same data, partitions and held-out slices as the run (all seeded)
     prepared = prepare(config)
-    spec = ModelSpec(**{k: v for k, v in prepared.meta["model"].items() if k != "input_shape"},
-                     input_shape=tuple(prepared.meta["model"]["input_shape"]))
+    spec = ModelSpec.from_dict(prepared.meta["model"])
     input_spec = prepared.meta["input"]
     test = prepared.data.test
     ctx = merge_context(spec, input_spec, args.seed, prepared.validation, prepared.distill_x,

@@ -2,7 +2,8 @@
 
 Independent nodes each train a full copy of one model on their own data; a coordinator merges
 the copies (FedAvg and its family over rounds, or one-shot merging: soups, ensembles,
-distillation) into one saved model for prediction. Runs on Flower's simulation engine.
+distillation) into one saved model for prediction. Runs on Flower's simulation engine
+(``fedavg simulate``) and deployment engine (``fedavg coordinator`` / ``fedavg node``).
 
 Python API (the CLI is a thin layer over it)::
 
@@ -20,7 +21,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "simulate": "fedavg.simulation",
-    "SimulationResult": "fedavg.simulation",
+    "RunResult": "fedavg.run",
     "load_model": "fedavg.inference",
     "evaluate_model": "fedavg.inference",
     "predict": "fedavg.inference",

@@ -120,7 +120,7 @@ def _is_number(v: Any) -> bool:
 
 
 def _meta_problem(meta: dict[str, Any]) -> str | None:
-    """What is wrong with a model description, or ``None``."""
+    """Return what is wrong with a model description, or ``None``."""
     model, classes, spec = meta["model"], meta["classes"], meta["input"]
     if not isinstance(model, dict) or not isinstance(model.get("name"), str):
         return "'model' must be an object with a 'name'"
@@ -187,3 +187,17 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
             "damaged: re-run or use another checkpoint"
         ) from None
     return state_dict, meta
+
+
+def save_merged(output: str | Path, merged, meta: dict[str, Any]) -> None:
+    """Write a merge result (``strategies.Merged``) as a model artifact.
+
+    A single network goes through :func:`save`, an output ensemble through
+    :func:`save_ensemble`; the strategy's ``info`` is kept as ``merge_info``.
+    """
+    if merged.info:
+        meta = {**meta, "merge_info": json.loads(json.dumps(merged.info, default=str))}
+    if merged.is_ensemble:
+        save_ensemble(output, merged.members, merged.member_weights, meta)
+    else:
+        save(output, merged.state_dict, meta)

@@ -2,20 +2,28 @@
 
 The tree is ``RunConfig(data=DataConfig, train=TrainConfig, merge=MergeConfig)``. Python uses
 snake_case field names; Flower's ``run_config`` (and TOML) use the same names in kebab-case,
-flattened (``local-epochs``, ``alpha``, ...). :meth:`RunConfig.validate` runs once and raises
-:class:`~fedavg.errors.UserError` with a message that says what to change.
+flattened (``local-epochs``, ``alpha``, ...). Each field declares its command-line help next
+to it (:func:`setting`), and each strategy declares its own options
+(:class:`strategies.Option`); the CLI is generated from both. :meth:`RunConfig.validate`
+runs once and raises :class:`~fedavg.errors.UserError` with a message that says what to change.
+
+What the coordinator sends a node each round is :class:`fedavg.wire.TrainSettings`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from fedavg.errors import UserError
 
-PARTITIONERS = ("iid", "dirichlet", "pathological", "natural")
+
+def setting(default: Any, help: str, *, cli: bool = True) -> Any:
+    """Return a config field with its command-line help (``cli=False``: config and TOML only)."""
+    return field(default=default, metadata={"help": help, "cli": cli})
 
 
 @dataclass(frozen=True)
@@ -30,8 +38,7 @@ class DataConfig:
     image_column, label_column : str or None
         Override the detected input and label columns.
     partitioner : str
-        ``iid``, ``dirichlet`` (label skew, ``alpha``), ``pathological`` (``classes_per_node``
-        labels per node) or ``natural`` (one node per value of ``partition_by``).
+        A registered partitioner (:func:`fedavg.partition.partitioner_names`).
     alpha : float
         Dirichlet concentration; smaller is more skewed. Must be > 0.
     classes_per_node : int
@@ -44,15 +51,15 @@ class DataConfig:
         Share of train held out as test when the dataset has no test split.
     """
 
-    dataset: str = "digits"
-    image_column: str | None = None
-    label_column: str | None = None
-    partitioner: str = "iid"
-    alpha: float = 0.5
-    classes_per_node: int = 2
-    partition_by: str | None = None
-    seed: int = 0
-    test_fraction: float = 0.2
+    dataset: str = setting("digits", "digits (built in), a local path, or a hub id")
+    image_column: str | None = setting(None, "Input column (default: detected)")
+    label_column: str | None = setting(None, "Label column (default: detected)")
+    partitioner: str = setting("iid", "iid | dirichlet | pathological | natural")
+    alpha: float = setting(0.5, "Dirichlet alpha (> 0; smaller = more skew)")
+    classes_per_node: int = setting(2, "Labels per node (pathological)")
+    partition_by: str | None = setting(None, "Column of natural node ids (natural)")
+    seed: int = setting(0, "Seed of partitioning, hold-out, init and sampling")
+    test_fraction: float = setting(0.2, "Share of train held out as test", cli=False)
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,7 @@ class TrainConfig:
     Attributes
     ----------
     model : str
-        Registered model name (``fedavg strategies``' sibling ``fedavg models``), or ``auto``.
+        Registered model name (see ``fedavg models``), or ``auto``.
     local_epochs : int
         Passes over the node's partition per round.
     batch_size : int
@@ -77,13 +84,13 @@ class TrainConfig:
         ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
     """
 
-    model: str = "auto"
-    local_epochs: int = 1
-    batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    device: str = "auto"
+    model: str = setting("auto", "Model (see `fedavg models`), or auto")
+    local_epochs: int = setting(1, "Local epochs per round")
+    batch_size: int = setting(32, "Samples per SGD step")
+    lr: float = setting(0.05, "SGD learning rate")
+    momentum: float = setting(0.9, "SGD momentum")
+    weight_decay: float = setting(0.0, "L2 penalty")
+    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
 
 
 @dataclass(frozen=True)
@@ -102,17 +109,6 @@ class MergeConfig:
         Participation fraction: share of nodes sampled per round, in (0, 1].
     round_timeout : float
         Seconds to wait for node replies in one round.
-    mu : float
-        FedProx proximal coefficient.
-    server_lr, server_momentum, tau : float
-        Server optimiser settings (FedAvgM, FedAdam, FedYogi, FedAdagrad); ``None`` keeps
-        each method's default.
-    beta : float
-        Trimmed-mean fraction cut at each end.
-    num_malicious : int
-        Krum's ``f``.
-    ensemble_weights : str
-        ``num-examples``, ``uniform``, ``accuracy`` or ``fitted``.
     validation : str or None
         Held-out set for greedy soup, fitted/accuracy weights and distillation: a dataset
         (its train split); default a seeded ``validation_fraction`` slice of train, kept
@@ -124,37 +120,41 @@ class MergeConfig:
         ``distill_fraction`` slice of train with labels removed.
     distill_fraction : float
         Share of train held out as unlabeled distillation data by default.
-    distill_steps : int
-        Adam steps of distillation.
     save_node_models : bool
         Also save every node's final local model under ``nodes/<partition-id>/``.
+    options : mapping
+        The strategy's options given explicitly (``mu``, ``server_lr`` ...); each strategy
+        declares its own (``strategies.Option``) and defaults the rest.
     """
 
-    strategy: str = "fedavg"
-    rounds: int = 10
-    num_nodes: int = 5
-    fraction: float = 1.0
-    round_timeout: float = 600.0
-    mu: float = 0.01
-    server_lr: float | None = None
-    server_momentum: float = 0.9
-    tau: float | None = None
-    beta: float = 0.1
-    num_malicious: int = 0
-    ensemble_weights: str = "num-examples"
-    validation: str | None = None
-    validation_fraction: float = 0.1
-    distill_data: str | None = None
-    distill_fraction: float = 0.1
-    distill_steps: int = 1000
-    save_node_models: bool = False
+    strategy: str = setting("fedavg", "Merge strategy (see `fedavg strategies`)")
+    rounds: int = setting(10, "Number of rounds")
+    num_nodes: int = setting(5, "Number of nodes (= partitions)")
+    fraction: float = setting(1.0, "Participation fraction: share of nodes per round")
+    round_timeout: float = setting(600.0, "Seconds to wait for nodes in a round")
+    validation: str | None = setting(None, "Held-out dataset for greedy-soup, fitted "
+                                     "weights, distill (default: a slice of train)")
+    validation_fraction: float = setting(0.1, "Share of train held out for validation",
+                                         cli=False)
+    distill_data: str | None = setting(None, "Unlabeled dataset for distill (default: a "
+                                       "slice of train, labels removed)")
+    distill_fraction: float = setting(0.1, "Share of train held out for distillation",
+                                      cli=False)
+    save_node_models: bool = setting(False, "Also save each node's final model in "
+                                     "OUTPUT/nodes/")
+    options: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
 
-    def strategy_options(self) -> dict[str, Any]:
-        """Options handed to ``strategies.get`` (each strategy takes the ones it knows)."""
-        return {"mu": self.mu, "server_lr": self.server_lr,
-                "server_momentum": self.server_momentum, "tau": self.tau, "beta": self.beta,
-                "num_malicious": self.num_malicious, "ensemble_weights": self.ensemble_weights,
-                "distill_steps": self.distill_steps}
+
+SECTIONS = {"data": DataConfig, "train": TrainConfig, "merge": MergeConfig}
+
+
+def cli_fields() -> list[tuple[dataclasses.Field, type]]:
+    """Every config field shown on the command line, with its resolved type."""
+    out = []
+    for klass in SECTIONS.values():
+        hints = typing.get_type_hints(klass)
+        out += [(f, hints[f.name]) for f in fields(klass) if f.metadata.get("cli", True)]
+    return out
 
 
 @dataclass(frozen=True)
@@ -170,78 +170,41 @@ class RunConfig:
         """Nodes sampled per round: ``ceil(fraction * num_nodes)``, at least 1."""
         return max(1, math.ceil(self.merge.fraction * self.merge.num_nodes - 1e-9))
 
-    def validate(self) -> "RunConfig":
+    def validate(self) -> RunConfig:
         """Check every value; return ``self``.
+
+        The strategy's own option values are checked when it is built, once per run
+        (:meth:`build_strategy`, called by :func:`fedavg.run.prepare`).
 
         Raises
         ------
         UserError
             On the first invalid value, naming the option and the accepted range.
         """
-        d, t, m = self.data, self.train, self.merge
-        if d.partitioner not in PARTITIONERS:
-            raise UserError(
-                f"unknown partitioner {d.partitioner!r}; choose one of {', '.join(PARTITIONERS)}"
-            )
-        if not d.alpha > 0:
-            raise UserError(f"--alpha must be > 0 (got {d.alpha}); try 0.5 for label skew")
-        if d.classes_per_node < 1:
-            raise UserError(f"--classes-per-node must be >= 1 (got {d.classes_per_node})")
-        if d.partitioner == "natural" and not d.partition_by:
-            raise UserError("--partitioner natural needs --partition-by COLUMN")
-        if d.seed < 0:
-            raise UserError(f"--seed must be >= 0 (got {d.seed})")
-        if not 0 < d.test_fraction < 1:
-            raise UserError(f"test fraction must be in (0, 1) (got {d.test_fraction})")
-        if t.local_epochs < 1:
-            raise UserError(f"--local-epochs must be >= 1 (got {t.local_epochs})")
-        if t.batch_size < 1:
-            raise UserError(f"--batch-size must be >= 1 (got {t.batch_size})")
-        if not t.lr > 0:
-            raise UserError(f"--lr must be > 0 (got {t.lr})")
-        if not 0 <= t.momentum < 1:
-            raise UserError(f"--momentum must be in [0, 1) (got {t.momentum})")
-        if t.weight_decay < 0:
-            raise UserError(f"--weight-decay must be >= 0 (got {t.weight_decay})")
-        if m.rounds < 1:
-            raise UserError(f"--rounds must be >= 1 (got {m.rounds})")
-        if m.num_nodes < 1:
-            raise UserError(f"--num-nodes must be >= 1 (got {m.num_nodes})")
-        if not 0 < m.fraction <= 1:
-            raise UserError(f"--fraction must be in (0, 1] (got {m.fraction})")
-        if not m.round_timeout > 0:
-            raise UserError(f"--round-timeout must be > 0 seconds (got {m.round_timeout})")
-        for name in ("validation_fraction", "distill_fraction"):
-            if not 0 < getattr(m, name) < 0.5:
-                raise UserError(f"--{name.replace('_', '-')} must be in (0, 0.5)")
-        return self.check_strategy()
+        for check in (_check_data, _check_train, _check_merge, _check_strategy):
+            problem = check(self)
+            if problem:
+                raise UserError(problem)
+        return self
 
-    def strategy(self):
-        """The configured merge strategy (a new ``strategies.Strategy``).
+    def build_strategy(self):
+        """Build the configured merge strategy (a new ``strategies.Strategy``).
 
         Raises
         ------
         UserError
-            Unknown strategy or an option value it refuses.
+            Unknown strategy, an option it does not take or a value it refuses, or a
+            one-shot strategy with more than one round.
         """
         import strategies
 
+        problem = _check_strategy(self)
+        if problem:
+            raise UserError(problem)
         try:
-            return strategies.get(self.merge.strategy, **self.merge.strategy_options())
-        except strategies.UnknownStrategyError as exc:
-            raise UserError(str(exc)) from None
+            return strategies.get(self.merge.strategy, **dict(self.merge.options))
         except ValueError as exc:
             raise UserError(f"{self.merge.strategy}: {exc}") from None
-
-    def check_strategy(self) -> "RunConfig":
-        """Check the strategy exists, takes its options, and fits the number of rounds."""
-        strategy = self.strategy()
-        if strategy.one_shot and self.merge.rounds != 1:
-            raise UserError(
-                f"{self.merge.strategy} is a one-shot merge of fully trained node models: "
-                f"use --rounds 1 (and --local-epochs to train longer)"
-            )
-        return self
 
     def to_flat(self) -> dict[str, Any]:
         """Flatten to Flower ``run_config`` style: kebab-case keys, no ``None`` values."""
@@ -249,57 +212,149 @@ class RunConfig:
         for section in (self.data, self.train, self.merge):
             for f in fields(section):
                 value = getattr(section, f.name)
-                if value is not None:
-                    flat[f.name.replace("_", "-")] = value
+                if f.name != "options" and value is not None:
+                    flat[_kebab(f.name)] = value
+        flat.update({_kebab(k): v for k, v in self.merge.options.items() if v is not None})
         return flat
 
     @classmethod
-    def from_flat(cls, flat: Mapping[str, Any]) -> "RunConfig":
-        """Build from a flat kebab-case mapping (Flower ``run_config``, CLI overrides).
+    def from_flat(cls, flat: Mapping[str, Any]) -> RunConfig:
+        """Build from a flat kebab- or snake-case mapping (Flower ``run_config``, CLI).
 
-        Unknown keys raise :class:`UserError`; missing keys keep their defaults. Values are
-        converted to each field's type.
+        Keys are config fields or strategy options (``strategies.all_options``); missing
+        keys keep their defaults, ``None`` values are left out. Values are converted to
+        each field's type.
+
+        Raises
+        ------
+        UserError
+            An unknown key, or a value of the wrong type.
         """
-        sections = {"data": DataConfig, "train": TrainConfig, "merge": MergeConfig}
-        known = {
-            f.name.replace("_", "-"): (name, f)
-            for name, klass in sections.items()
-            for f in fields(klass)
-        }
-        values: dict[str, dict[str, Any]] = {name: {} for name in sections}
-        for key, value in flat.items():
-            if key not in known:
-                raise UserError(f"unknown setting {key!r}; known: {', '.join(sorted(known))}")
-            name, f = known[key]
-            values[name][f.name] = _convert(key, value, f)
-        return cls(**{name: klass(**values[name]) for name, klass in sections.items()})
+        import strategies
 
-    def replace(self, **flat: Any) -> "RunConfig":
+        known = {_kebab(f.name): (name, f, typing.get_type_hints(klass)[f.name])
+                 for name, klass in SECTIONS.items() for f in fields(klass)
+                 if f.name != "options"}
+        declared = {_kebab(name): decl[0][1] for name, decl in strategies.all_options().items()}
+        values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        options: dict[str, Any] = {}
+        for raw_key, value in flat.items():
+            key = _kebab(raw_key)
+            if key in declared:
+                if value is not None:
+                    options[declared[key].name] = _convert_option(declared[key], value)
+            elif key in known:
+                name, f, hint = known[key]
+                values[name][f.name] = _convert(key, value, f, hint)
+            else:
+                raise UserError(f"unknown setting {raw_key!r}; known: "
+                                f"{', '.join(sorted([*known, *declared]))}")
+        values["merge"]["options"] = options
+        return cls(**{name: klass(**values[name]) for name, klass in SECTIONS.items()})
+
+    def replace(self, **flat: Any) -> RunConfig:
         """Return a copy with some flat (snake- or kebab-case) settings changed."""
         merged = self.to_flat()
-        merged.update({k.replace("_", "-"): v for k, v in flat.items() if v is not None})
+        merged.update({_kebab(k): v for k, v in flat.items() if v is not None})
         return RunConfig.from_flat(merged)
 
     def as_dict(self) -> dict[str, Any]:
         """Nested plain dict, for JSON artifacts."""
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["merge"]["options"] = dict(self.merge.options)
+        return out
 
 
-def _convert(key: str, value: Any, f: dataclasses.Field) -> Any:
-    kind = str(f.type)
+def _kebab(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _check_data(c: RunConfig) -> str | None:
+    from fedavg.partition import partitioner_names
+
+    d = c.data
+    if d.partitioner not in partitioner_names():
+        return (f"unknown partitioner {d.partitioner!r}; choose one of "
+                f"{', '.join(partitioner_names())}")
+    if not d.alpha > 0:
+        return f"--alpha must be > 0 (got {d.alpha}); try 0.5 for label skew"
+    if d.classes_per_node < 1:
+        return f"--classes-per-node must be >= 1 (got {d.classes_per_node})"
+    if d.partitioner == "natural" and not d.partition_by:
+        return "--partitioner natural needs --partition-by COLUMN"
+    if d.seed < 0:
+        return f"--seed must be >= 0 (got {d.seed})"
+    if not 0 < d.test_fraction < 1:
+        return f"test fraction must be in (0, 1) (got {d.test_fraction})"
+    return None
+
+
+def _check_train(c: RunConfig) -> str | None:
+    t = c.train
+    if t.local_epochs < 1:
+        return f"--local-epochs must be >= 1 (got {t.local_epochs})"
+    if t.batch_size < 1:
+        return f"--batch-size must be >= 1 (got {t.batch_size})"
+    if not t.lr > 0:
+        return f"--lr must be > 0 (got {t.lr})"
+    if not 0 <= t.momentum < 1:
+        return f"--momentum must be in [0, 1) (got {t.momentum})"
+    if t.weight_decay < 0:
+        return f"--weight-decay must be >= 0 (got {t.weight_decay})"
+    return None
+
+
+def _check_merge(c: RunConfig) -> str | None:
+    m = c.merge
+    if m.rounds < 1:
+        return f"--rounds must be >= 1 (got {m.rounds})"
+    if m.num_nodes < 1:
+        return f"--num-nodes must be >= 1 (got {m.num_nodes})"
+    if not 0 < m.fraction <= 1:
+        return f"--fraction must be in (0, 1] (got {m.fraction})"
+    if not m.round_timeout > 0:
+        return f"--round-timeout must be > 0 seconds (got {m.round_timeout})"
+    for name in ("validation_fraction", "distill_fraction"):
+        if not 0 < getattr(m, name) < 0.5:
+            return f"--{_kebab(name)} must be in (0, 0.5)"
+    return None
+
+
+def _check_strategy(c: RunConfig) -> str | None:
+    import strategies
+
+    m = c.merge
+    try:
+        cls = strategies.strategy_class(m.strategy)
+    except strategies.UnknownStrategyError as exc:
+        return str(exc)
+    unknown = cls.unknown_options(m.options)
+    if unknown:
+        return unknown
+    if cls.one_shot and m.rounds != 1:
+        return (f"{m.strategy} is a one-shot merge of fully trained node models: "
+                "use --rounds 1 (and --local-epochs to train longer)")
+    return None
+
+
+def _convert(key: str, value: Any, f: dataclasses.Field, hint: Any) -> Any:
+    kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
     try:
         if value is None or value == "":
-            return None if "None" in kind else f.default
-        if kind.startswith("bool"):
+            return None if type(None) in typing.get_args(hint) else f.default
+        if kind is bool:
             if isinstance(value, str):
                 if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                     raise ValueError(value)
                 return value.lower() in ("true", "1", "yes")
             return bool(value)
-        if kind.startswith("int"):
-            return int(value)
-        if kind.startswith("float"):
-            return float(value)
-        return str(value)
+        return kind(value)
     except (TypeError, ValueError):
-        raise UserError(f"setting {key!r} expects {kind.split(' ')[0]}, got {value!r}") from None
+        raise UserError(f"setting {key!r} expects {kind.__name__}, got {value!r}") from None
+
+
+def _convert_option(option, value: Any) -> Any:
+    try:
+        return option.convert(value)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None

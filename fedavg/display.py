@@ -43,7 +43,7 @@ def reporter(console, insecure: bool = False) -> Callable[[str], None]:
 
 
 def partition_table(prepared: Prepared, max_rows: int = 12):
-    """A rich Table: samples per node and label spread (at most ``max_rows`` rows)."""
+    """Return a rich Table: samples per node and label spread (at most ``max_rows`` rows)."""
     from rich.table import Table
 
     classes = prepared.data.classes
@@ -91,7 +91,7 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
 
 
 def rounds_table(rounds: list[dict[str, Any]]):
-    """A rich Table of per-round metrics (one row per ``metrics.jsonl`` entry)."""
+    """Return a rich Table of per-round metrics (one row per ``metrics.jsonl`` entry)."""
     from rich.table import Table
 
     table = Table(title="rounds", title_justify="left")

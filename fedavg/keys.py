@@ -1,6 +1,8 @@
 """Wire-contract constants shared by the coordinator and the nodes.
 
 These are the record keys inside Flower messages; both sides of a run must agree on them.
+A round's train settings are the entries of the ``config`` record, named after the fields
+of :class:`fedavg.wire.TrainSettings` in kebab-case (``local-epochs``, ``proximal-mu`` ...).
 """
 
 ARRAYS = "arrays"
@@ -16,9 +18,10 @@ NUM_EXAMPLES = "num-examples"
 """Number of training samples a node used; the FedAvg weight of its reply."""
 
 TRAIN_LOSS = "train-loss"
-#: Seconds a node spent training in a round (reply metric).
-TRAIN_SECONDS = "train-seconds"
 """Mean training loss over a node's local epochs (cross-entropy, nats per sample)."""
+
+TRAIN_SECONDS = "train-seconds"
+"""Seconds a node spent training in a round (reply metric)."""
 
 PARTITION_ID = "partition-id"
 """Node config key: which partition of the dataset a node trains on."""
@@ -28,3 +31,6 @@ NUM_PARTITIONS = "num-partitions"
 
 SERVER_ROUND = "server-round"
 """Config key set by Flower's strategies: the current round, starting at 1."""
+
+RUN_FINISHED = "run-finished"
+"""Config key of the coordinator's end-of-run ``query`` message to every node."""

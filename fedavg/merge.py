@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-
 from fedavg import checkpoint
 from fedavg.config import RunConfig
 from fedavg.data import Split, conform, holdout, load
@@ -83,22 +82,48 @@ def merge_models(
         Missing or damaged models, models of different architectures or classes, a
         strategy that needs data it was not given.
     """
-    from fedavg.coordinator import ModelSpec, merge_context, save_merged
-    from fedavg.inference import evaluate_model
-
     t0 = time.monotonic()
-    config = config or RunConfig()
-    strategy = config.strategy()
+    config = (config or RunConfig()).replace(rounds=1)  # one merge, whatever the method
+    strategy = config.build_strategy()
     dirs = model_dirs(models)
     loaded = [checkpoint.load(d) for d in dirs]
-    first = loaded[0][1]
-    for d, (_, meta) in zip(dirs, loaded):
+    first = _check_alike(dirs, [meta for _, meta in loaded])
+    validation, distill_x = _merge_data(config, strategy, first)
+    merged = _merge(strategy, config, dirs, loaded, first, validation, distill_x)
+    meta = {k: v for k, v in first.items() if k not in ("format", "kind", "node", "metrics",
+                                                        "member_weights", "members")}
+    meta.update({"strategy": config.merge.strategy, "merged_from": [str(d) for d in dirs]})
+    out = Path(output)
+    checkpoint.save_merged(out, merged, meta)
+    result: dict[str, Any] = {"num_models": len(dirs), "strategy": config.merge.strategy}
+    if dataset:
+        from fedavg.inference import evaluate_model
+
+        ev = evaluate_model(out, dataset)
+        result.update({"accuracy": ev["accuracy"], "loss": ev["loss"]})
+        meta["metrics"] = {"accuracy": ev["accuracy"], "loss": ev["loss"]}
+        checkpoint.save_merged(out, merged, meta)
+    result["wall_s"] = round(time.monotonic() - t0, 3)
+    checkpoint.write_json(out / "summary.json", {**result, "merge_info": merged.info,
+                                                 "models": [str(d) for d in dirs]})
+    return result
+
+
+def _check_alike(dirs: list[Path], metas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Return the first model's metadata, once every model is a single network like it."""
+    first = metas[0]
+    for d, meta in zip(dirs, metas):
         if meta.get("kind") == "ensemble":
             raise UserError(f"{d} is an ensemble; merge its members' folders instead")
         for key in ("model", "classes", "input"):
             if meta[key] != first[key]:
                 raise UserError(f"{d} differs from {dirs[0]} in {key!r}: models must share "
                                 "architecture, classes and input normalisation")
+    return first
+
+
+def _merge_data(config: RunConfig, strategy, first: dict[str, Any]):
+    """Return the validation split and unlabeled inputs for a data-driven strategy."""
     m = config.merge
     validation = distill_x = None
     if strategy.needs_validation:
@@ -109,14 +134,18 @@ def merge_models(
         if not m.distill_data:
             raise UserError(f"{m.strategy} needs unlabeled inputs: pass --distill-data DATASET")
         distill_x = _validation(m.distill_data, first, m.distill_fraction).x
-    spec = ModelSpec(first["model"]["name"], tuple(first["model"]["input_shape"]),
-                     int(first["model"]["num_classes"]), first["model"].get("args", {}))
-    weights = [float((meta.get("node") or {}).get("num_examples", 1) or 1) for _, meta in loaded]
-    import strategies
+    return validation, distill_x
 
+
+def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill_x):
+    import strategies
+    from fedavg.models import ModelSpec, merge_context
+
+    spec = ModelSpec.from_dict(first["model"])
+    weights = [float((meta.get("node") or {}).get("num_examples", 1) or 1) for _, meta in loaded]
     model = spec.build()
     try:
-        merged = strategy.merge(
+        return strategy.merge(
             [sd for sd, _ in loaded], weights, [str(d) for d in dirs],
             buffers=frozenset(name for name, _ in model.named_buffers()),
             context=merge_context(spec, first["input"], config.data.seed, validation,
@@ -124,18 +153,3 @@ def merge_models(
         )
     except strategies.MergeError as exc:
         raise UserError(str(exc)) from None
-    meta = {k: v for k, v in first.items() if k not in ("format", "kind", "node", "metrics",
-                                                        "member_weights", "members")}
-    meta.update({"strategy": m.strategy, "merged_from": [str(d) for d in dirs]})
-    out = Path(output)
-    save_merged(out, merged, meta)
-    result: dict[str, Any] = {"num_models": len(dirs), "strategy": m.strategy}
-    if dataset:
-        ev = evaluate_model(out, dataset)
-        result.update({"accuracy": ev["accuracy"], "loss": ev["loss"]})
-        meta["metrics"] = {"accuracy": ev["accuracy"], "loss": ev["loss"]}
-        save_merged(out, merged, meta)
-    result["wall_s"] = round(time.monotonic() - t0, 3)
-    checkpoint.write_json(out / "summary.json", {**result, "merge_info": merged.info,
-                                                 "models": [str(d) for d in dirs]})
-    return result

@@ -7,7 +7,8 @@ returns a ``torch.nn.Module`` mapping a normalised ``(N, *input_shape)`` float b
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ def register_model(name: str, description: str):
 
 
 def available_models() -> dict[str, str]:
-    """Registered model names and their one-line descriptions."""
+    """Return the registered model names and their one-line descriptions."""
     return {name: desc for name, (_, desc) in sorted(_MODELS.items())}
 
 
@@ -130,7 +131,7 @@ def cnn(input_shape, num_classes, width: int = 32) -> nn.Module:
 
 @register_model("cnn-cifar", "NIID-Bench CNN: two 5x5 convs (6, 16 channels), fc 120-84")
 def cnn_cifar(input_shape, num_classes) -> nn.Module:
-    """The simple CNN of NIID-Bench (Li et al. 2022, arXiv:2102.02079), LeNet-5 shaped."""
+    """Build the simple CNN of NIID-Bench (Li et al. 2022, arXiv:2102.02079), LeNet-5 shaped."""
     if len(input_shape) != 3:
         raise ValueError("cnn-cifar needs image inputs (C, H, W)")
     features = nn.Sequential(
@@ -203,3 +204,94 @@ class EnsembleModel(nn.Module):
         probs = sum(w * torch.softmax(m(x).float(), dim=1)
                     for w, m in zip(self.weights, self.members))
         return torch.log(probs.clamp_min(1e-12))
+
+
+@dataclass
+class ModelSpec:
+    """How to rebuild the model: registry name, builder args, input shape, classes.
+
+    Attributes
+    ----------
+    name : str
+        Registered model name (``auto`` already resolved).
+    input_shape : tuple of int
+        ``(C, H, W)`` or ``(D,)``.
+    num_classes : int
+        Output width.
+    args : dict
+        Builder-specific arguments.
+    """
+
+    name: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+    args: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any]) -> "ModelSpec":
+        """Inverse of :meth:`as_dict` (the ``model`` entry of ``model.json``)."""
+        return cls(spec["name"], tuple(spec["input_shape"]), int(spec["num_classes"]),
+                   dict(spec.get("args", {})))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON and the wire."""
+        return {"name": self.name, "input_shape": list(self.input_shape),
+                "num_classes": self.num_classes, "args": dict(self.args)}
+
+    def build(self) -> nn.Module:
+        """Build a fresh instance.
+
+        Raises
+        ------
+        UserError
+            See :func:`build_model`.
+        """
+        return build_model(self.name, self.input_shape, self.num_classes, **self.args)
+
+    def build_ensemble(self, members: list[dict[str, torch.Tensor]],
+                       weights: list[float]) -> nn.Module:
+        """Return an :class:`EnsembleModel` of instances loaded with the ``members`` state dicts."""
+        nets = []
+        for state in members:
+            net = self.build()
+            net.load_state_dict(state)
+            nets.append(net)
+        return EnsembleModel(nets, weights)
+
+
+def merge_context(spec: ModelSpec, input_spec: dict[str, Any], seed: int,
+                  validation=None, distill_x=None, device: str = "auto"):
+    """Return what data-driven merges may use: model builder, normalisation, held-out data.
+
+    Parameters
+    ----------
+    spec : ModelSpec
+        The architecture being merged.
+    input_spec : dict
+        Input normalisation (``model.json``'s ``input``).
+    seed : int
+        Seed of any random choice in the merge.
+    validation : fedavg.data.Split, optional
+        Held-out labelled data: ``(N, ...)`` inputs, ``(N,)`` labels.
+    distill_x : numpy.ndarray, optional
+        ``(M, ...)`` unlabeled inputs.
+    device : str
+        ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Returns
+    -------
+    strategies.MergeContext
+    """
+    import strategies
+    from fedavg.data import normalize
+    from fedavg.train import resolve_device
+
+    return strategies.MergeContext(
+        build_model=spec.build,
+        normalize=lambda x: normalize(x, input_spec),
+        val_x=None if validation is None else torch.as_tensor(validation.x),
+        val_y=None if validation is None else torch.as_tensor(validation.y, dtype=torch.long),
+        distill_x=None if distill_x is None else torch.as_tensor(distill_x),
+        device=resolve_device(device),
+        seed=seed,
+    )

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +24,7 @@ from flwr.clientapp import ClientApp
 from fedavg import keys
 from fedavg.models import build_model
 from fedavg.train import resolve_device, train
+from fedavg.wire import TrainSettings
 
 
 @functools.lru_cache(maxsize=2)
@@ -44,7 +44,7 @@ def load_node_data(path: str) -> dict[str, np.ndarray]:
 
 
 def partition_arrays(path: str, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Inputs and labels of one partition of a prepared data file."""
+    """Return the inputs and labels of one partition of a prepared data file."""
     data = load_node_data(path)
     offsets = data["offsets"]
     if not 0 <= partition_id < len(offsets) - 1:
@@ -60,55 +60,49 @@ def _model_for(spec_json: str) -> torch.nn.Module:
                        **spec.get("args", {}))
 
 
-def train_config(config: Any) -> dict[str, Any]:
-    """Decode a round's ConfigRecord into plain values."""
-    return {
-        "model": json.loads(str(config["model"])),
-        "input": json.loads(str(config["input"])),
-        "local_epochs": int(config["local-epochs"]),
-        "batch_size": int(config["batch-size"]),
-        "lr": float(config["lr"]),
-        "momentum": float(config["momentum"]),
-        "weight_decay": float(config["weight-decay"]),
-        "seed": int(config["seed"]),
-        "round": int(config.get(keys.SERVER_ROUND, 0)),
-        "proximal_mu": float(config.get("proximal-mu", 0.0)),
-    }
-
-
 def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
               partition_id: int) -> Message:
-    """Train the received model on ``(x, y)`` and build the reply message."""
-    cfg = train_config(message.content[keys.CONFIG])
-    model = _model_for(json.dumps(cfg["model"], sort_keys=True))
-    state = message.content[keys.ARRAYS].to_torch_state_dict()
-    model.load_state_dict(state, strict=True)
+    """Train the received model on ``(x, y)`` and build the reply message.
+
+    Parameters
+    ----------
+    message : flwr.app.Message
+        The round's ``train`` message: ``arrays`` (the global model) and ``config``
+        (:class:`~fedavg.wire.TrainSettings`).
+    x, y : numpy.ndarray
+        ``(N, ...)`` raw inputs and ``(N,)`` int64 labels of this node.
+    device : str
+        ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+    partition_id : int
+        This node's partition (``-1``: its whole dataset); seeds its batch order.
+
+    Returns
+    -------
+    flwr.app.Message
+        ``arrays`` (the trained state dict) and ``metrics`` (``num-examples``,
+        ``train-loss``, ``partition-id``, ``train-seconds``).
+    """
+    cfg = TrainSettings.from_record(message.content[keys.CONFIG])
+    model = _model_for(json.dumps(cfg.model, sort_keys=True))
+    model.load_state_dict(message.content[keys.ARRAYS].to_torch_state_dict(), strict=True)
     started = time.perf_counter()
     stats = train(
-        model,
-        x,
-        y,
-        cfg["input"],
-        epochs=cfg["local_epochs"],
-        batch_size=cfg["batch_size"],
-        lr=cfg["lr"],
-        momentum=cfg["momentum"],
-        weight_decay=cfg["weight_decay"],
+        model, x, y, cfg.input,
+        epochs=cfg.local_epochs,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
         device=resolve_device(device),
         # distinct, reproducible batch order per node and round
-        seed=cfg["seed"] * 1_000_003 + partition_id * 1009 + cfg["round"],
-        proximal_mu=cfg["proximal_mu"],
+        seed=cfg.seed * 1_000_003 + partition_id * 1009 + cfg.server_round,
+        proximal_mu=cfg.proximal_mu,
     )
-    reply = RecordDict(
-        {
-            keys.ARRAYS: ArrayRecord(model.state_dict()),
-            keys.METRICS: MetricRecord(
-                {keys.NUM_EXAMPLES: stats["num_examples"], keys.TRAIN_LOSS: stats["train_loss"],
-                 keys.PARTITION_ID: partition_id,
-                 keys.TRAIN_SECONDS: time.perf_counter() - started}
-            ),
-        }
-    )
+    metrics = MetricRecord({keys.NUM_EXAMPLES: stats["num_examples"],
+                            keys.TRAIN_LOSS: stats["train_loss"],
+                            keys.PARTITION_ID: partition_id,
+                            keys.TRAIN_SECONDS: time.perf_counter() - started})
+    reply = RecordDict({keys.ARRAYS: ArrayRecord(model.state_dict()), keys.METRICS: metrics})
     return Message(reply, reply_to=message)
 
 

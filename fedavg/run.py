@@ -156,7 +156,7 @@ class RunResult:
 
 
 def default_output() -> Path:
-    """A new ``runs/<YYYYmmdd-HHMMSS>[-N]`` folder under the current folder (created).
+    """Create a new ``runs/<YYYYmmdd-HHMMSS>[-N]`` folder under the current folder, return it.
 
     Raises
     ------
@@ -235,8 +235,10 @@ def prepare(config: RunConfig) -> Prepared:
 
 
 def _merge_data(config: RunConfig, strategy, data: LoadedData):
-    """Validation split and unlabeled inputs the strategy needs, taken out of ``data.train``
-    unless given as their own datasets."""
+    """Return the validation split and unlabeled inputs the strategy needs.
+
+    They are taken out of ``data.train`` unless given as their own datasets.
+    """
     d, m = config.data, config.merge
     validation, distill_x = None, None
     if strategy.needs_validation:
@@ -259,7 +261,7 @@ def _merge_data(config: RunConfig, strategy, data: LoadedData):
 
 
 def _aligned_split(source: str, data: LoadedData, flag: str, labels: bool = True) -> Split:
-    """The train split of another dataset, checked against ``data``'s inputs and classes."""
+    """Return the train split of another dataset, checked against ``data``'s inputs and classes."""
     other = load(source)
     return conform(other.train, f"{flag} {source}", data.input_shape,
                    other.classes if labels else None, data.classes)

@@ -46,3 +46,33 @@ def test_unknown_and_mistyped_settings():
         RunConfig.from_flat({"rounds-per-node": 3})
     with pytest.raises(UserError, match="expects int"):
         RunConfig.from_flat({"rounds": "many"})
+
+
+def test_strategy_options_round_trip_through_the_flat_config():
+    cfg = RunConfig().replace(strategy="fedadam", server_lr="0.2", tau=0.01)
+    assert dict(cfg.merge.options) == {"server_lr": 0.2, "tau": 0.01}
+    flat = cfg.to_flat()
+    assert flat["server-lr"] == 0.2 and "mu" not in flat  # only options given are kept
+    assert RunConfig.from_flat(flat) == cfg
+    built = cfg.validate().build_strategy()
+    assert (built.server_lr, built.tau) == (0.2, 0.01)
+    assert RunConfig().replace(strategy="fedadam").build_strategy().server_lr == 0.15
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"strategy": "fedavg", "mu": 0.1}, "strategy fedavg does not take --mu"),
+    ({"strategy": "krum", "beta": 0.2}, "(it takes --num-malicious)"),
+    ({"strategy": "nope"}, "unknown strategy 'nope'"),
+    ({"strategy": "average"}, "use --rounds 1"),
+])
+def test_strategy_mistakes_are_caught_by_validate(change, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RunConfig().replace(**change).validate()
+
+
+def test_strategy_option_values_are_checked_when_built():
+    with pytest.raises(UserError, match="expects int"):
+        RunConfig().replace(strategy="krum", num_malicious="many")
+    cfg = RunConfig().replace(strategy="trimmed-mean", beta=0.7).validate()
+    with pytest.raises(UserError, match="--beta must be in"):
+        cfg.build_strategy()

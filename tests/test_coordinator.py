@@ -7,8 +7,9 @@ import torch
 from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
 
 import strategies
-from fedavg.coordinator import FlowerAdapter, error_summary
 from fedavg.errors import RunError
+from fedavg.flower_adapter import FlowerAdapter
+from fedavg.flower_compat import error_summary
 
 
 def reply(node, content):
@@ -115,7 +116,7 @@ def _sent(*nodes):
 
 
 def test_streaming_grid_yields_replies_as_they_arrive():
-    from fedavg.coordinator import StreamingGrid
+    from fedavg.flower_adapter import StreamingGrid
 
     fake = _FakeGrid([_Reply(i) for i in range(3)])
     grid = StreamingGrid(fake, poll_s=0.0)
@@ -129,7 +130,7 @@ def test_streaming_grid_yields_replies_as_they_arrive():
 
 
 def test_streaming_grid_stops_at_the_timeout():
-    from fedavg.coordinator import StreamingGrid
+    from fedavg.flower_adapter import StreamingGrid
 
     grid = StreamingGrid(_FakeGrid([]), poll_s=0.01)
     start = time.monotonic()
@@ -138,7 +139,7 @@ def test_streaming_grid_stops_at_the_timeout():
 
 
 def test_streaming_grid_stops_waiting_for_a_node_that_left():
-    from fedavg.coordinator import StreamingGrid
+    from fedavg.flower_adapter import StreamingGrid
 
     class Shrinking(_FakeGrid):
         def get_node_ids(self):  # node 2 disconnects after the first reply

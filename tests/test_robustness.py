@@ -14,7 +14,7 @@ from fedavg.data import decode_images, load
 from fedavg.errors import UserError
 from fedavg.models import build_model
 from fedavg.partition import partition
-from fedavg.simulation import check_output, default_output, prepare
+from fedavg.run import check_output, default_output, prepare
 from fedavg.train import resolve_device
 
 

@@ -1,0 +1,78 @@
+"""Command-line options generated from their one declaration.
+
+Run settings are declared once, as fields of :mod:`fedavg.config` (each with its help), and
+strategy options once, on their strategy (``strategies.Option``). :func:`with_settings` adds
+them as typer options to a command written as ``def cmd(own options..., **settings)``; the
+command then builds its :class:`~fedavg.config.RunConfig` with ``RunConfig().replace(
+**settings)``. So ``--alpha`` is the field ``DataConfig.alpha``, which
+:func:`fedavg.run.prepare` hands to the partitioner as ``alpha``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+
+def _option(name: str, kind: Any, default: Any, help: str) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[kind, typer.Option(help=help)])
+
+
+def _plain(hint: Any) -> Any:
+    """``str | None`` as ``Optional[str]`` (what typer reads), others unchanged."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return Optional[args[0]] if len(args) == 1 and type(None) in typing.get_args(hint) else hint
+
+
+def config_parameters(skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
+    """One typer option per command-line field of the run config (defaults included)."""
+    from fedavg.config import cli_fields
+
+    return [_option(f.name, _plain(hint), f.default, f.metadata["help"])
+            for f, hint in cli_fields() if f.name not in skip]
+
+
+def strategy_parameters() -> list[inspect.Parameter]:
+    """One typer option per strategy option of any registered strategy.
+
+    Its default is ``None`` ("the strategy's own default", listed in the help); giving it
+    to a strategy that does not declare it is an error (:meth:`RunConfig.build_strategy`).
+    """
+    import strategies
+
+    params = []
+    for name, declared in strategies.all_options().items():
+        first = declared[0][1]
+        defaults = ", ".join(f"{s} {o.default}" for s, o in declared)
+        choices = f" [{' | '.join(first.choices)}]" if first.choices else ""
+        params.append(_option(name, Optional[first.type], None,
+                              f"{first.help}{choices} (default: {defaults})"))
+    return params
+
+
+def with_settings(command: Callable[..., None], *, skip: tuple[str, ...] = (),
+                  config: bool = True) -> Callable[..., None]:
+    """Return ``command`` with the config and strategy options added to its own, for typer.
+
+    The run config's options are added unless ``config=False``; every strategy option is.
+    ``command`` takes its own options as keywords and the generated ones in ``**settings``.
+    """
+    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+           for p in inspect.signature(command, eval_str=True).parameters.values()
+           if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    names = {p.name for p in own}
+    settings = [p for p in config_parameters(skip) if p.name not in names] if config else []
+    params = settings + own + [p for p in strategy_parameters() if p.name not in names]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> None:
+        return command(**kwargs)
+
+    wrapper.__signature__ = inspect.Signature(params)
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper

@@ -1,0 +1,252 @@
+"""The thin adapter between Flower's strategy loop and our Flower-free merges.
+
+Flower's own FedAvg samples nodes and sends messages; :class:`FlowerAdapter` replaces only
+its aggregation: each reply is checked, turned into ``(state_dict, num_examples)`` and folded
+into a registered ``strategies`` merge, one at a time (:class:`StreamingGrid` hands replies
+over as they arrive, so the coordinator holds one node model at a time).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+
+import strategies
+from fedavg import keys
+from fedavg.errors import RunError
+from fedavg.flower_compat import error_summary
+
+
+class StreamingGrid:
+    """A Flower ``Grid`` whose ``send_and_receive`` yields each reply as it arrives.
+
+    Flower's own ``send_and_receive`` returns the list of all replies of a round, so the
+    coordinator would hold every node's model at once. With this wrapper (public
+    ``push_messages`` / ``pull_messages`` only) the strategy's ``aggregate_train`` folds each
+    model in and drops it before the next one is pulled: memory O(model), not
+    O(nodes x model). Everything else is delegated to the wrapped grid.
+
+    Parameters
+    ----------
+    grid : flwr.serverapp.Grid
+        The run's grid.
+    poll_s : float
+        Seconds between polls while no reply is waiting.
+    on_lost : callable, optional
+        Called with a node id when a node that owes a reply is no longer connected; the
+        round stops waiting for it. ``None``: wait until the round's timeout.
+    node_check_s : float
+        Seconds between checks of the connected nodes.
+    """
+
+    def __init__(self, grid: Grid, poll_s: float = 0.05,
+                 on_lost: Callable[[int], None] | None = None,
+                 node_check_s: float = 1.0) -> None:
+        self._grid = grid
+        self.poll_s = poll_s
+        self.on_lost = on_lost
+        self.node_check_s = node_check_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+    def send_and_receive(self, messages: Iterable[Message], *,
+                         timeout: float | None = None) -> Iterable[Message]:
+        """Push now; return a generator of the replies, pulled while it is consumed."""
+        messages = list(messages)
+        ids = list(self._grid.push_messages(messages))
+        destination = {mid: msg.metadata.dst_node_id for mid, msg in zip(ids, messages)}
+        del messages
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return _Replies(self._replies(set(ids), destination, deadline), destination)
+
+    def _replies(self, pending: set[str], destination: dict[str, int],
+                 deadline: float | None) -> Iterable[Message]:
+        checked = time.monotonic()
+        while pending and (deadline is None or time.monotonic() < deadline):
+            got = list(self._grid.pull_messages(pending))
+            for msg in got:
+                pending.discard(msg.metadata.reply_to_message_id)
+            while got:
+                yield got.pop(0)  # hand over one at a time, keeping no reference
+            if pending and self.on_lost is not None \
+                    and time.monotonic() - checked >= self.node_check_s:
+                checked = time.monotonic()
+                self._drop_lost(pending, destination)
+            if pending:
+                time.sleep(self.poll_s)
+
+    def _drop_lost(self, pending: set[str], destination: dict[str, int]) -> None:
+        online = set(self._grid.get_node_ids())
+        for mid in [m for m in pending if destination.get(m) not in online]:
+            pending.discard(mid)  # the node left: stop waiting for it
+            self.on_lost(destination[mid])
+
+
+class _Replies:
+    """The replies of a round (consumed once) and which node each message went to."""
+
+    def __init__(self, replies: Iterable[Message], destination: dict[str, int]) -> None:
+        self._replies = replies
+        self.destination = destination
+
+    def __iter__(self):
+        return iter(self._replies)
+
+
+def parse_reply(msg: Message) -> tuple[dict[str, torch.Tensor], float, MetricRecord]:
+    """Return a node's train reply as ``(state_dict, num_examples, metrics)``.
+
+    Raises
+    ------
+    fedavg.errors.RunError
+        The reply is an error, or lacks its ``arrays`` record or ``num-examples`` metric.
+    ValueError, TypeError
+        Arrays that do not convert to tensors.
+    """
+    if msg.has_error():
+        raise RunError(error_summary(msg.error.reason))
+    content = msg.content
+    if keys.ARRAYS not in content.array_records:
+        raise RunError(f"reply has no {keys.ARRAYS!r} record")
+    metrics = content.metric_records.get(keys.METRICS)
+    if metrics is None or keys.NUM_EXAMPLES not in metrics:
+        raise RunError(f"reply has no {keys.NUM_EXAMPLES!r} metric")
+    state = content.array_records[keys.ARRAYS].to_torch_state_dict(keep_input=False)
+    return state, metrics[keys.NUM_EXAMPLES], metrics
+
+
+class _RoundTally:
+    """Counts, losses and timings of the replies folded into one round."""
+
+    def __init__(self) -> None:
+        self.used = self.failed = 0
+        self.loss_sum = self.weight_sum = 0.0
+        self.train_s: float | None = None
+        self.reasons: list[str] = []
+
+    def add(self, weight: float, metrics: MetricRecord) -> None:
+        self.used += 1
+        self.weight_sum += float(weight)
+        if keys.TRAIN_LOSS in metrics:
+            self.loss_sum += float(metrics[keys.TRAIN_LOSS]) * float(weight)
+        if keys.TRAIN_SECONDS in metrics:
+            self.train_s = max(self.train_s or 0.0, float(metrics[keys.TRAIN_SECONDS]))
+
+    def summary(self) -> dict[str, Any]:
+        loss = self.loss_sum / self.weight_sum if self.weight_sum else float("nan")
+        return {"train_loss": loss, "num_nodes": self.used, "num_failed": self.failed,
+                "train_s": self.train_s}
+
+
+class FlowerAdapter(FlowerFedAvg):
+    """Flower's FedAvg for sampling and messaging, with aggregation by a ``strategies`` method.
+
+    Replies with an error, or whose content is malformed (missing arrays or ``num-examples``,
+    mismatched keys, shapes or dtypes, NaN), are reported through ``on_failure`` with the
+    node id and left out of the merge; the others are merged.
+
+    Parameters
+    ----------
+    merge : strategies.Strategy
+        The run's merge.
+    reference : dict of str to torch.Tensor
+        The initial global model.
+    on_failure : callable
+        ``(round, node, reason)`` for each reply left out.
+    buffers : frozenset of str
+        State-dict keys that are buffers (BatchNorm statistics).
+    context : strategies.MergeContext, optional
+        Data and model access for data-driven merges.
+    on_node_model : callable, optional
+        ``(round, state_dict, info)`` for each usable node model, before it is dropped.
+    before_round : callable, optional
+        Called with the round number before its nodes are sampled (e.g. wait for nodes).
+    min_replies : int
+        Usable replies a round needs.
+    **kwargs
+        Flower ``FedAvg`` arguments (fractions, minimum node counts).
+
+    Raises
+    ------
+    fedavg.errors.RunError
+        From ``aggregate_train`` when a round has fewer than ``min_replies`` usable replies.
+    """
+
+    def __init__(self, merge: strategies.Strategy, reference: dict[str, torch.Tensor],
+                 on_failure: Callable[[int, int, str], None], *,
+                 buffers: frozenset[str] = frozenset(),
+                 context: strategies.MergeContext | None = None,
+                 on_node_model: Callable[[int, dict, dict], None] | None = None,
+                 before_round: Callable[[int], None] | None = None,
+                 min_replies: int = 1,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.merge, self.reference, self.buffers, self.context = merge, reference, buffers, context
+        self.on_failure, self.on_node_model = on_failure, on_node_model
+        self.before_round, self.min_replies = before_round, min_replies
+        self.current_round = 0
+        self.last_train: dict[str, Any] = {}
+        self.last_merged: strategies.Merged | None = None
+        self.round_started = time.monotonic()
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Sample nodes and build their messages; start the round's clock."""
+        if self.before_round is not None:
+            self.before_round(server_round)
+        self.current_round = server_round
+        self.round_started = time.monotonic()
+        self.reference = arrays.to_torch_state_dict()  # the round's starting point
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        """Merge usable replies one at a time; report the others."""
+        self.merge.begin(self.reference, self.buffers, self.context)
+        tally = _RoundTally()
+        sent_to = getattr(replies, "destination", None) or {}
+        for msg in replies:
+            # an error reply made by the SuperLink (node gone) names the SuperLink as source
+            node = sent_to.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
+            self._fold(server_round, node, msg, tally)
+        merged = self._finish_round(server_round, tally)
+        self.last_merged = merged
+        self.last_train = tally.summary()
+        metrics_out = MetricRecord({"train-loss": self.last_train["train_loss"],
+                                    "num-nodes": tally.used})
+        return ArrayRecord(merged.state_dict), metrics_out
+
+    def _fold(self, server_round: int, node: int, msg: Message, tally: _RoundTally) -> None:
+        try:
+            state, weight, metrics = parse_reply(msg)
+            self.merge.add(state, weight, node=str(node))
+            if self.on_node_model is not None:
+                self.on_node_model(server_round, state, {
+                    "node_id": node, "num_examples": weight,
+                    "partition_id": int(metrics.get(keys.PARTITION_ID, -1)),
+                    "train_loss": float(metrics.get(keys.TRAIN_LOSS, float("nan")))})
+            del state
+        except (RunError, strategies.MergeError, ValueError, TypeError) as exc:
+            tally.failed += 1
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            tally.reasons.append(f"node {node}: {reason}")
+            self.on_failure(server_round, node, reason)
+            return
+        tally.add(weight, metrics)
+
+    def _finish_round(self, server_round: int, tally: _RoundTally) -> strategies.Merged:
+        if not tally.used:
+            detail = "; ".join(tally.reasons[:3]) or "no replies before --round-timeout"
+            raise RunError(f"round {server_round}: no usable model from any node ({detail})")
+        if tally.used < self.min_replies:
+            raise RunError(f"round {server_round}: only {tally.used} usable model(s), fewer "
+                           f"than --min-nodes-per-round {self.min_replies}")
+        try:
+            return self.merge.result()
+        except strategies.MergeError as exc:
+            raise RunError(f"round {server_round}: {exc}") from None

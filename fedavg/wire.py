@@ -1,0 +1,108 @@
+"""What goes over the wire each round: the train settings a node receives, typed.
+
+:class:`TrainSettings` is the schema of the ``config`` record of a round's ``train``
+message: the coordinator builds it from the run config (:meth:`TrainSettings.for_run`) and
+sends :meth:`TrainSettings.to_record`; a node decodes it with
+:meth:`TrainSettings.from_record`. Record keys are in :mod:`fedavg.keys`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, fields
+from typing import Any
+
+from fedavg import keys
+
+
+def _kebab(name: str) -> str:
+    return name.replace("_", "-")
+
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What a node needs to train one round: the round's ConfigRecord, typed.
+
+    On the wire each field is a ConfigRecord entry named by its kebab-case name (the names
+    in :mod:`fedavg.keys`); ``model``, ``input`` and ``classes`` travel as JSON text.
+
+    Attributes
+    ----------
+    model : dict
+        ``fedavg.models.ModelSpec.as_dict()`` of the model to train.
+    input : dict
+        Input normalisation (``model.json``'s ``input``).
+    classes : list of str
+        Class names, in label order.
+    local_epochs, batch_size : int
+        Passes over the partition, samples per step.
+    lr, momentum, weight_decay : float
+        SGD settings.
+    seed : int
+        Run seed (each node and round derives its own batch order from it).
+    proximal_mu : float
+        FedProx's proximal coefficient (0: none).
+    server_round : int
+        Set by Flower's strategy on the way out (``keys.SERVER_ROUND``).
+    """
+
+    model: dict
+    input: dict
+    classes: list
+    local_epochs: int
+    batch_size: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    seed: int
+    proximal_mu: float = 0.0
+    server_round: int = 0
+
+    _JSON = ("model", "input", "classes")
+
+    @classmethod
+    def for_run(cls, config, meta: dict[str, Any], strategy) -> TrainSettings:
+        """Return the settings of ``config``'s rounds, plus what ``strategy`` sends its nodes."""
+        t = config.train
+        return cls(model=meta["model"], input=meta["input"], classes=list(meta["classes"]),
+                   local_epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr,
+                   momentum=t.momentum, weight_decay=t.weight_decay, seed=config.data.seed,
+                   **strategy.node_config)
+
+    def to_record(self):
+        """Return the ``flwr.app.ConfigRecord`` sent with each round's model."""
+        from flwr.app import ConfigRecord
+
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in self._JSON:
+                value = json.dumps(value, sort_keys=True)
+            if _kebab(f.name) != keys.SERVER_ROUND:  # Flower's strategy sets the round
+                out[_kebab(f.name)] = value
+        return ConfigRecord(out)
+
+    @classmethod
+    def from_record(cls, record) -> TrainSettings:
+        """Decode a round's ConfigRecord.
+
+        Raises
+        ------
+        ValueError
+            A missing entry, naming it.
+        """
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for f in fields(cls):
+            key = _kebab(f.name)
+            if key not in record:
+                if f.default is dataclasses.MISSING:
+                    raise ValueError(f"the round's config has no {key!r}")
+                continue
+            raw = record[key]
+            values[f.name] = (json.loads(str(raw)) if f.name in cls._JSON
+                              else hints[f.name](raw))
+        return cls(**values)

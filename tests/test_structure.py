@@ -1,0 +1,118 @@
+"""The shape of the code: a new strategy is one file plus one test; no oversized functions.
+
+The throwaway strategy below lives in this file only. Registering it is all it takes for its
+option to appear in ``fedavg simulate --help`` and to reach its merge in a real run.
+"""
+
+import ast
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import strategies
+from strategies.fedavg import FedAvg
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 450
+
+
+@pytest.fixture
+def scaled_strategy(monkeypatch):
+    """Register ``test-scaled`` for one test; the registry is restored afterwards.
+
+    ``test-scaled`` is FedAvg, then every float tensor times ``--scale``.
+    """
+    monkeypatch.setattr(strategies.base, "_REGISTRY", dict(strategies.base._REGISTRY))
+    seen: list[float] = []
+
+    @strategies.register
+    class Scaled(FedAvg):
+        name = "test-scaled"
+        description = "FedAvg, then scaled (test only)"
+        paper = "none"
+        options = (strategies.Option("scale", float, 1.0, "Factor applied after averaging"),)
+
+        def check(self) -> None:
+            if not self.scale > 0:
+                raise ValueError(f"--scale must be > 0 (got {self.scale})")
+
+        def result(self):
+            merged = super().result()
+            seen.append(self.scale)
+            merged.state_dict = {k: v * self.scale if v.is_floating_point() else v
+                                 for k, v in merged.state_dict.items()}
+            return merged
+
+    return seen
+
+
+def _app():
+    from fedavg.cli import build_app
+
+    return build_app()
+
+
+def test_a_new_strategy_option_is_declared_once(scaled_strategy):
+    runner = CliRunner()
+    for command in ("simulate", "coordinator", "merge"):
+        res = runner.invoke(_app(), [command, "--help"], env={"COLUMNS": "200"})
+        assert res.exit_code == 0, res.output
+        assert "--scale" in res.output and "test-scaled 1.0" in res.output, command
+    assert strategies.get("test-scaled", scale=3.0).scale == 3.0
+    assert "test-scaled" in runner.invoke(_app(), ["strategies"],
+                                          env={"COLUMNS": "300"}).output
+
+
+def test_an_option_the_strategy_does_not_take_is_one_line(scaled_strategy):
+    res = CliRunner().invoke(_app(), ["simulate", "--strategy", "fedavg", "--scale", "2"])
+    assert res.exit_code == 2
+    assert "strategy fedavg does not take --scale" in res.output
+    assert "Traceback" not in res.output
+    res = CliRunner().invoke(_app(), ["simulate", "--strategy", "test-scaled", "--scale", "-1"])
+    assert res.exit_code == 2 and "--scale must be > 0" in res.output
+    res = CliRunner().invoke(_app(), ["simulate", "--strategy", "fedprox", "--tau", "0.1"])
+    assert res.exit_code == 2 and "fedprox does not take --tau (it takes --mu)" in res.output
+
+
+@pytest.mark.e2e
+def test_a_new_strategy_option_reaches_its_merge(scaled_strategy, tmp_path, no_leaks):
+    from fedavg import checkpoint
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        res = CliRunner().invoke(_app(), [
+            "simulate", "--strategy", "test-scaled", "--scale", "0.5", "--rounds", "1",
+            "--num-nodes", "2", "--output", str(tmp_path / "run")])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert res.exit_code == 0, res.output
+    assert scaled_strategy == [0.5]
+    state, meta = checkpoint.load(tmp_path / "run")
+    assert meta["config"]["merge"]["options"] == {"scale": 0.5}
+    assert meta["strategy"] == "test-scaled"
+    assert all(torch.isfinite(v).all() for v in state.values())
+
+
+def _functions(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.name, node.end_lineno - node.lineno + 1
+
+
+def test_no_function_over_80_lines_and_no_oversized_module():
+    long_functions, long_modules = [], []
+    for package in ("fedavg", "strategies"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            long_functions += [f"{rel}:{name} ({n} lines)" for name, n in _functions(path)
+                               if n > MAX_FUNCTION_LINES]
+            lines = len(path.read_text().splitlines())
+            if lines > MAX_MODULE_LINES:
+                long_modules.append(f"{rel} ({lines} lines)")
+    assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
+    assert not long_modules, f"modules over {MAX_MODULE_LINES} lines: {long_modules}"

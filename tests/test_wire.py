@@ -1,0 +1,51 @@
+"""The round's train settings on the wire: one schema, both directions."""
+
+import pytest
+from flwr.app import ConfigRecord
+
+from fedavg import keys
+from fedavg.config import RunConfig
+from fedavg.wire import TrainSettings
+
+
+def _settings(**change):
+    values = dict(model={"name": "mlp", "input_shape": [1, 8, 8], "num_classes": 10,
+                         "args": {}},
+                  input={"kind": "image", "shape": [1, 8, 8]}, classes=["a", "b"],
+                  local_epochs=3, batch_size=16, lr=0.1, momentum=0.5, weight_decay=1e-4,
+                  seed=7)
+    values.update(change)
+    return TrainSettings(**values)
+
+
+def test_record_round_trip_with_kebab_keys():
+    sent = _settings(proximal_mu=0.25)
+    record = sent.to_record()
+    assert record["local-epochs"] == 3 and record["proximal-mu"] == 0.25
+    assert record["classes"] == '["a", "b"]'  # JSON text on the wire
+    assert keys.SERVER_ROUND not in record  # Flower's strategy adds the round
+    record[keys.SERVER_ROUND] = 4
+    got = TrainSettings.from_record(record)
+    assert got == _settings(proximal_mu=0.25, server_round=4)
+    assert isinstance(got.local_epochs, int) and isinstance(got.lr, float)
+
+
+def test_missing_entry_is_named():
+    record = _settings().to_record()
+    del record["batch-size"]
+    with pytest.raises(ValueError, match="'batch-size'"):
+        TrainSettings.from_record(record)
+    optional = ConfigRecord({k: v for k, v in _settings().to_record().items()
+                             if k != "proximal-mu"})
+    assert TrainSettings.from_record(optional).proximal_mu == 0.0
+
+
+def test_for_run_takes_the_strategy_node_settings():
+    import strategies
+
+    config = RunConfig().replace(strategy="fedprox", mu=0.3, lr=0.02, local_epochs=2, seed=5)
+    meta = {"model": {"name": "mlp"}, "input": {}, "classes": ["x"]}
+    got = TrainSettings.for_run(config, meta, config.build_strategy())
+    assert (got.proximal_mu, got.lr, got.local_epochs, got.seed) == (0.3, 0.02, 2, 5)
+    plain = TrainSettings.for_run(RunConfig(), meta, strategies.get("fedavg"))
+    assert plain.proximal_mu == 0.0
