@@ -27,10 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from fedavg.deploy import free_port
+from fedavg.deployment import free_port
 
 
 def run(kind: str, nodes: int, rounds: int, tmp: Path) -> list[dict]:
+    """Run one coordinator with ``nodes`` nodes of ``kind``; return its per-round records."""
     port = free_port()
     address = f"127.0.0.1:{port}"
     out = tmp / f"run-{kind}"
@@ -77,6 +78,7 @@ def run(kind: str, nodes: int, rounds: int, tmp: Path) -> list[dict]:
 
 
 def main() -> None:
+    """Run both setups and print the per-round table and the medians."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=6, help="rounds with fedavg node")

@@ -1,25 +1,21 @@
 """Start Flower's SuperLink or SuperNode in this interpreter: ``python -m fedavg._launch``.
 
-``supernode`` first shortens the SuperNode's fixed sleeps (see :mod:`fedavg.runtime`).
+``supernode`` first shortens the SuperNode's fixed sleeps (see
+:func:`fedavg.flower_compat.run_supernode`).
 """
 
 import sys
 
 
 def main() -> None:
+    """Run ``python -m fedavg._launch ROLE ARGS...`` as ``flower-ROLE ARGS...``."""
     role, sys.argv = sys.argv[1], [f"flower-{sys.argv[1]}", *sys.argv[2:]]
+    from fedavg import flower_compat
+
     if role == "superlink":
-        from flwr.superlink.cli import flower_superlink
-
-        flower_superlink()
+        flower_compat.run_superlink()
     elif role == "supernode":
-        from fedavg import runtime
-
-        runtime.patch_supernode()
-        runtime.patch_pull_backoff()
-        from flwr.supernode.cli import flower_supernode
-
-        flower_supernode()
+        flower_compat.run_supernode()
     else:
         raise SystemExit(f"unknown role {role!r}")
 

@@ -72,7 +72,7 @@ def node_arrays(dataset: str, partition_id: int, num_partitions: int,
     if partition_id >= 0:
         if not 0 <= partition_id < num_partitions:
             raise UserError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
-        from fedavg.simulation import prepare
+        from fedavg.run import prepare
 
         try:
             prepared = prepare(config.replace(num_nodes=num_partitions))

@@ -17,7 +17,9 @@ import numpy as np
 import psutil
 import pytest
 
-from fedavg.deploy import free_port
+from fedavg.deployment import free_port
+
+pytestmark = pytest.mark.e2e  # real SuperLink / SuperNode processes
 
 
 def tagged_processes(tag: str) -> list[str]:
@@ -45,6 +47,7 @@ class Cluster:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, name: str, *args) -> subprocess.Popen:
+        """Start `fedavg ARGS` in the background, its output in NAME.log."""
         log = open(self.tmp / f"{name}.log", "w")
         env = {**os.environ, "COLUMNS": "200", "FEDAVG_TEST_TAG": self.tag,
                "PYTHONUNBUFFERED": "1"}
@@ -55,15 +58,19 @@ class Cluster:
         return proc
 
     def coordinator(self, *args):
+        """Start `fedavg coordinator` on this cluster's address."""
         return self.start("coordinator", "coordinator", "--address", self.address, *args)
 
     def node(self, name, *args):
+        """Start `fedavg node` against this cluster's coordinator."""
         return self.start(name, "node", "--coordinator", self.address, *args)
 
     def log(self, name: str) -> str:
+        """Everything the command NAME printed so far."""
         return (self.tmp / f"{name}.log").read_text()
 
     def wait(self, proc, timeout=240) -> int:
+        """Exit code of ``proc``; fail with its log if it runs past ``timeout`` s."""
         try:
             return proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -71,6 +78,7 @@ class Cluster:
                                  f"{self.log(proc.name)[-3000:]}") from None
 
     def close(self):
+        """Stop every command, then fail if any process of the cluster is left."""
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
@@ -88,6 +96,7 @@ class Cluster:
 
 @pytest.fixture
 def cluster(tmp_path):
+    """Yield a Cluster; close it (and check for leaks) after the test."""
     c = Cluster(tmp_path)
     yield c
     c.close()
@@ -95,6 +104,7 @@ def cluster(tmp_path):
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
+    """Make a `fedavg certs` folder with two node keys, shared by the module."""
     folder = tmp_path_factory.mktemp("certs")
     subprocess.run([sys.executable, "-m", "fedavg.cli", "certs", str(folder), "--nodes", "2"],
                    check=True, capture_output=True)
@@ -102,10 +112,12 @@ def certs(tmp_path_factory):
 
 
 def rounds_of(out):
+    """Read the rounds of ``metrics.jsonl`` in run folder ``out``."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_coordinator_and_three_nodes_over_tls(cluster, certs, tmp_path):
+    """Three --once nodes over TLS: every round merges all three; the model is saved."""
     out = tmp_path / "run"
     coord = cluster.coordinator("--rounds", "3", "--min-nodes", "3", "--certs", certs,
                                 "--output", out)
@@ -134,6 +146,7 @@ def test_coordinator_and_three_nodes_over_tls(cluster, certs, tmp_path):
 
 
 def test_node_killed_in_round_two_run_still_finishes(cluster, tmp_path):
+    """A node SIGKILLed mid-run: its round and the rest finish with the other two."""
     out = tmp_path / "run"
     coord = cluster.coordinator("--rounds", "4", "--min-nodes", "3", "--insecure",
                                 "--local-epochs", "20", "--output", out)
@@ -158,6 +171,7 @@ def test_node_killed_in_round_two_run_still_finishes(cluster, tmp_path):
 
 
 def test_node_training_error_reported_within_seconds(cluster, tmp_path):
+    """A node's training error reaches the coordinator at once, with the node's message."""
     # a node whose data does not fit the model (10 features; the model takes 8x8 images)
     bad = tmp_path / "bad.csv"
     rng = np.random.default_rng(0)
@@ -186,6 +200,7 @@ def test_node_training_error_reported_within_seconds(cluster, tmp_path):
 
 
 def test_wrong_certificate_and_unknown_key_are_refused(cluster, certs, tmp_path):
+    """Wrong CA, unknown key, no key: exit 2 with the reason; a known key runs."""
     other = tmp_path / "other"
     subprocess.run([sys.executable, "-m", "fedavg.cli", "certs", str(other), "--nodes", "1"],
                    check=True, capture_output=True)
@@ -214,6 +229,7 @@ def test_wrong_certificate_and_unknown_key_are_refused(cluster, certs, tmp_path)
 
 
 def test_too_few_nodes_fails_after_wait_timeout(cluster, tmp_path):
+    """Too few nodes: exit 1 after --wait-timeout with one clear line."""
     out = tmp_path / "run"
     coord = cluster.coordinator("--rounds", "1", "--min-nodes", "2", "--insecure",
                                 "--wait-timeout", "3", "--output", out)
@@ -225,6 +241,7 @@ def test_too_few_nodes_fails_after_wait_timeout(cluster, tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signals_stop_every_flower_process(cluster, tmp_path, sig):
+    """Ctrl-C / SIGTERM stop coordinator and node with exit 130 and no process left."""
     out = tmp_path / "run"
     coord = cluster.coordinator("--rounds", "50", "--min-nodes", "1", "--insecure",
                                 "--local-epochs", "5", "--output", out)
@@ -248,6 +265,7 @@ def test_signals_stop_every_flower_process(cluster, tmp_path, sig):
 
 
 def test_a_serving_node_joins_the_next_coordinator_run(cluster, tmp_path):
+    """A node without --once serves a second coordinator started on the same port."""
     first = cluster.coordinator("--rounds", "1", "--min-nodes", "1", "--insecure",
                                 "--output", tmp_path / "run1")
     node = cluster.node("node", "--insecure")
@@ -267,6 +285,7 @@ def test_a_serving_node_joins_the_next_coordinator_run(cluster, tmp_path):
 
 
 def test_node_gives_up_clearly_when_the_coordinator_is_gone(cluster, tmp_path):
+    """No coordinator, or one killed mid-run: the node exits 1 saying so."""
     # nobody listens: --max-wait-time ends the retries with one clear line
     lonely = cluster.node("lonely", "--insecure", "--max-wait-time", "4")
     assert cluster.wait(lonely, 60) == 1
@@ -288,3 +307,7 @@ def test_node_gives_up_clearly_when_the_coordinator_is_gone(cluster, tmp_path):
     assert "lost the coordinator" in cluster.log("node")
     assert "Traceback" not in cluster.log("node")
     assert (out / "model.safetensors").exists()  # finished rounds are kept
+    # as the next coordinator would: remove the killed one's private folder
+    from fedavg.deployment.processes import PrivateDir
+
+    PrivateDir("fedavg-coordinator-").cleanup()

@@ -1,23 +1,25 @@
 """Deployment pieces without a network: certificates, keys, GPU plans, Flower internals."""
 
+import ast
 import os
 import subprocess
 import sys
-import tomllib
+from pathlib import Path
 
 import pytest
+from conftest import run_cli
 from cryptography import x509
 
 from fedavg.config import RunConfig
 from fedavg.errors import UserError
-from conftest import run_cli
 
 
 def test_certs_make_a_ca_a_server_certificate_and_node_keys(tmp_path):
+    """`fedavg certs`: a CA, a coordinator certificate it signed for the hosts, node keys."""
     from cryptography.hazmat.primitives.asymmetric import ec
 
     from fedavg.certs import make_certs
-    from fedavg.deploy import load_auth_keys
+    from fedavg.deployment import load_auth_keys
 
     folder = tmp_path / "certs"
     make_certs(folder, hosts=["10.1.2.3", "coord.example"], nodes=2)
@@ -39,7 +41,8 @@ def test_certs_make_a_ca_a_server_certificate_and_node_keys(tmp_path):
 
 
 def test_auth_key_errors_are_one_line(tmp_path):
-    from fedavg.deploy import load_auth_keys
+    """Missing, malformed or empty --auth-keys files fail with a message naming the file."""
+    from fedavg.deployment import load_auth_keys
 
     with pytest.raises(UserError, match="does not exist"):
         load_auth_keys(tmp_path / "missing.pub")
@@ -54,7 +57,8 @@ def test_auth_key_errors_are_one_line(tmp_path):
 
 
 def test_gpu_plan_one_node_per_gpu():
-    from fedavg.deploy import plan_gpu_nodes
+    """--gpus gives one node per GPU, partition ids counting up; bad lists are refused."""
+    from fedavg.deployment import plan_gpu_nodes
 
     assert plan_gpu_nodes("0,1,2,3", None, None, 4) == [
         ("cuda:0", None), ("cuda:1", None), ("cuda:2", None), ("cuda:3", None)]
@@ -70,7 +74,8 @@ def test_gpu_plan_one_node_per_gpu():
 
 
 def test_address_parsing():
-    from fedavg.deploy import split_address
+    """host:port, IPv6 in brackets; anything else is refused."""
+    from fedavg.deployment import split_address
 
     assert split_address("127.0.0.1:9092") == ("127.0.0.1", 9092)
     assert split_address("[::1]:9092") == ("::1", 9092)
@@ -81,7 +86,8 @@ def test_address_parsing():
 
 
 def test_node_refusals_are_recognised():
-    from fedavg.deploy import node_refusal
+    """SuperNode lines that mean "refused" get a reason; ordinary lines do not."""
+    from fedavg.deployment import node_refusal
 
     assert "TLS certificate" in node_refusal(
         "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: unable to get local issuer")
@@ -93,17 +99,38 @@ def test_node_refusals_are_recognised():
         assert node_refusal(harmless) is None
 
 
+def test_supernode_lines_are_read():
+    """Each SuperNode line the node acts on is recognised, and ordinary lines are not."""
+    from fedavg.flower_compat import parse_supernode_line
+
+    line = parse_supernode_line("INFO :      Connection attempt failed, retrying in 0.40 seconds")
+    assert line.attempt_failed and line.retry_in_s == 0.4 and not line.reconnected
+    assert parse_supernode_line("INFO : SuperNode ID: 4031403").node_id == "4031403"
+    line = parse_supernode_line("ERROR : Exit Code: 203")
+    assert line.exit_code == 203 and line.refusal is None
+    line = parse_supernode_line("ERROR : [code: 2004] Failed to activate SuperNode.")
+    assert line.key_refused and "refused this node's key" in line.refusal
+    line = parse_supernode_line("WARNING : Giving up reconnection after 4.01 seconds and 5 tries.")
+    assert line.gave_up and line.notable and line.message.startswith("Giving up")
+    assert parse_supernode_line("httpx: Server disconnected without sending a response.").dropped
+    quiet = parse_supernode_line("INFO : Uvicorn running on http://127.0.0.1:40372")
+    assert not (quiet.notable or quiet.attempt_failed or quiet.node_id or quiet.refusal)
+
+
 def test_flower_internals_are_the_ones_we_patch():
     """Fails loudly when a flwr upgrade moves what the warm workers rely on."""
-    from fedavg import runtime
+    from fedavg import flower_compat
 
-    runtime.check_flower_internals()
+    flower_compat.check_flower_internals()
+    flower_compat.check_ray_internals()
     code = (
-        "from fedavg import runtime\n"
-        "runtime.patch_supernode(); runtime.patch_pull_backoff()\n"
+        "from fedavg import flower_compat\n"
+        "flower_compat.patch_supernode(); flower_compat.patch_pull_backoff()\n"
+        "flower_compat.disable_ray_auto_connect()\n"
         "from flwr.supernode import start_client_internal as sci, fleet_http_connection as f\n"
         "from flwr.supercore import heartbeat\n"
         "from flwr.supercore.inflatable import inflatable_utils as iu\n"
+        "from ray._private import auto_init_hook\n"
         "import time\n"
         "t = time.monotonic(); sci.time.sleep(3); idle = time.monotonic() - t\n"
         "t = time.monotonic(); sci.time.sleep(0.5); wait = time.monotonic() - t\n"
@@ -111,6 +138,7 @@ def test_flower_internals_are_the_ones_we_patch():
         "assert sci.time.monotonic is time.monotonic\n"
         "assert f.HEARTBEAT_DEFAULT_INTERVAL == heartbeat.HEARTBEAT_DEFAULT_INTERVAL == 10\n"
         "assert iu.pull_objects.__kwdefaults__['initial_backoff'] == 0.05\n"
+        "assert auto_init_hook.enable_auto_connect is False\n"
         "print('ok')\n"
     )
     # in a fresh interpreter: the patches are process-wide
@@ -118,10 +146,80 @@ def test_flower_internals_are_the_ones_we_patch():
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
 
 
+#: Imports only the fedavg.flower_compat package may make (public flwr.app, flwr.serverapp,
+#: flwr.clientapp, flwr.simulation, flwr.common.logger are fine anywhere).
+PRIVATE = ("flwr.cli", "flwr.proto", "flwr.supercore", "flwr.supernode", "flwr.superlink",
+           "flwr.common.serde", "flwr.common.constant", "ray._private")
+
+
+def private_imports(path: Path) -> list[str]:
+    """``file:line module`` for each import of a private Flower / Ray module in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Call) and node.args \
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str) \
+                and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+                    "import_module", "__import__"):
+            names = [node.args[0].value]
+        else:
+            continue
+        found += [f"{path.name}:{node.lineno} {name}" for name in names
+                  if any(name == p or name.startswith(p + ".") for p in PRIVATE)]
+    return found
+
+
+def test_only_flower_compat_imports_flower_internals():
+    """No fedavg module outside fedavg/flower_compat/ imports private Flower or Ray modules."""
+    package = Path(__file__).resolve().parents[1] / "fedavg"
+    compat = package / "flower_compat"
+    assert private_imports(compat / "tasks.py"), "the check itself finds nothing: it is broken"
+    offenders = [hit for path in sorted(package.rglob("*.py")) if compat not in path.parents
+                 for hit in private_imports(path)]
+    assert not offenders, f"private Flower / Ray imports outside fedavg/flower_compat/: {offenders}"
+
+
+def test_private_folders_go_even_when_their_process_was_killed():
+    """A role's private folder goes with cleanup, with stop_all, and after a SIGKILL."""
+    import signal
+    import tempfile
+    import uuid
+
+    from fedavg.deployment.processes import PrivateDir, stop_all
+
+    prefix = f"fedavg-test-{uuid.uuid4().hex[:8]}-"
+    code = ("import sys, time\nfrom fedavg.deployment.processes import PrivateDir\n"
+            f"d = PrivateDir({prefix!r}); print(d.name, flush=True); time.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        killed = Path(child.stdout.readline().strip())
+        assert killed.is_dir()
+        live = PrivateDir(prefix)  # the child still holds its lock: its folder stays
+        assert killed.is_dir() and Path(live.name).is_dir()
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        later = PrivateDir(prefix)  # the killed one's lock is free now: removed
+        assert not killed.exists() and Path(live.name).is_dir()
+        live.cleanup()
+        stop_all()  # what the CLI's signal handlers call
+        assert not Path(live.name).exists() and not Path(later.name).exists()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        child.stdout.close()
+    assert not list(Path(tempfile.gettempdir()).glob(f"{prefix}*"))
+
+
 def test_fab_carries_the_run_config(tmp_path):
+    """The submitted FAB names our ClientApp and carries the whole run config."""
+    import tomllib
     from flwr.cli.build import build_fab_from_disk
 
-    from fedavg.deploy import write_app
+    from fedavg.deployment import write_app
 
     config = RunConfig().replace(rounds=7, alpha=0.3, partitioner="dirichlet", lr=0.02,
                                  save_node_models=True)
@@ -137,7 +235,7 @@ def test_node_partition_matches_simulate(tmp_path):
     import numpy as np
 
     from fedavg.apps import node_arrays
-    from fedavg.simulation import prepare
+    from fedavg.run import prepare
 
     config = RunConfig().replace(partitioner="dirichlet", alpha=0.5, num_nodes=3, seed=4)
     import json
@@ -176,6 +274,7 @@ def test_node_partition_matches_simulate(tmp_path):
     (["node", "--insecure", "--max-wait-time", "-1"], "--max-wait-time must be > 0"),
 ])
 def test_deployment_user_errors_are_one_line(args, words):
+    """Bad coordinator / node / certs options: exit 2 with one line, no traceback."""
     res = run_cli(*args, check=False, timeout=120)
     assert res.returncode == 2, (res.stdout, res.stderr)
     assert words in res.stderr
@@ -183,11 +282,12 @@ def test_deployment_user_errors_are_one_line(args, words):
 
 
 def test_bad_keys_certificates_and_ports_are_one_line(tmp_path):
+    """Wrong keys, bad certificates and a busy port: exit 2, one line, nothing written."""
     import shutil
     import socket
 
     from fedavg.certs import make_certs
-    from fedavg.deploy import free_port
+    from fedavg.deployment import free_port
 
     good = tmp_path / "good"
     make_certs(good, nodes=1)

@@ -1,0 +1,374 @@
+"""The node role: ``fedavg node``.
+
+A node starts a Flower SuperNode (``--isolation process``) and runs every ClientApp task of
+every run in this one long-lived process (:func:`fedavg.flower_compat.run_client_task`):
+torch is imported and the data loaded once, not once per round. It watches the SuperNode's
+output to tell the user what happens (refused, unreachable, connected), reconnects when its
+coordinator restarts, and gives up clearly when it is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from rich.markup import escape
+
+from fedavg import flower_compat
+from fedavg.deployment.processes import (
+    FlowerProcess,
+    PrivateDir,
+    flower_env,
+    free_port,
+    secret_file,
+    split_address,
+)
+from fedavg.deployment.tls import CA_CERT, check_node_key, resolve_certs
+from fedavg.errors import RunError, UserError
+
+log = logging.getLogger("fedavg")
+
+#: A ``--once`` node gives up on a run whose coordinator stays unreachable this long (s).
+LOST_AFTER_S = 30.0
+
+
+def serve_node(
+    coordinator: str,
+    *,
+    dataset: str = "digits",
+    partition_id: int | None = None,
+    num_partitions: int | None = None,
+    device: str = "auto",
+    certs: Path | None = None,
+    insecure: bool = False,
+    auth_key: Path | None = None,
+    once: bool = False,
+    max_wait_time: float | None = None,
+    console=None,
+) -> int:
+    """Run one node: a Flower SuperNode plus a warm process that trains every task.
+
+    Parameters
+    ----------
+    coordinator : str
+        ``host:port`` of ``fedavg coordinator``.
+    dataset : str
+        The node's data: ``digits``, a local path or a hub id.
+    partition_id, num_partitions : int, optional
+        Train on partition ``partition_id`` of ``num_partitions`` of ``dataset`` (split as
+        ``fedavg simulate`` would with the run's partitioner); default: all of it.
+    device : str
+        ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+    certs : path, optional
+        Folder holding the coordinator's CA certificate ``ca.crt``.
+    insecure : bool
+        No TLS (only when asked for; warns).
+    auth_key : path, optional
+        This node's private key (from ``fedavg certs --nodes``) for SuperNode authentication.
+    once : bool
+        Exit after the first run ends; by default the node serves runs until stopped.
+    max_wait_time : float, optional
+        Give up after this many seconds without reaching the coordinator (default: retry
+        for ever, with backoff).
+    console : rich.console.Console, optional
+        Where to print progress.
+
+    Returns
+    -------
+    int
+        Number of training tasks run.
+
+    Raises
+    ------
+    UserError
+        Bad options, missing data or certificates, or the coordinator refused the node.
+    RunError
+        The SuperNode stopped for another reason.
+    """
+    from fedavg.display import reporter
+    from fedavg.run import quiet_logs
+
+    host, port = split_address(coordinator, "--coordinator")
+    certs = _check_node_options(dataset, partition_id, num_partitions, device, certs, insecure,
+                                auth_key, max_wait_time)
+    flower_compat.check_flower_internals()
+    flower_compat.patch_pull_backoff()
+    quiet_logs(False)
+    say = reporter(console, certs is None)
+    tmp = PrivateDir("fedavg-node-")
+    node = None
+    try:
+        node = _Node(f"{host}:{port}", _node_config(dataset, device, partition_id, num_partitions),
+                     certs, auth_key, once, max_wait_time, say, Path(tmp.name))
+        say(f"node: data [bold]{dataset}[/]"
+            + (f" partition {partition_id}/{num_partitions}" if partition_id is not None else "")
+            + f", device {device}; connecting to {host}:{port}"
+            + (" (TLS)" if certs else " (NO TLS)"))
+        return node.serve()
+    finally:
+        if node is not None:
+            node.close()
+        tmp.cleanup()
+
+
+def _check_node_options(dataset: str, partition_id: int | None, num_partitions: int | None,
+                        device: str, certs: Path | None, insecure: bool, auth_key: Path | None,
+                        max_wait_time: float | None) -> Path | None:
+    """Check the options of :func:`serve_node`; return the certificate folder to use."""
+    from fedavg.data import looks_like_path
+    from fedavg.train import resolve_device
+
+    if (partition_id is None) != (num_partitions is None):
+        raise UserError("give --partition-id and --num-partitions together")
+    if num_partitions is not None and num_partitions < 1:
+        raise UserError(f"--num-partitions must be at least 1, got {num_partitions}")
+    if partition_id is not None and not 0 <= partition_id < num_partitions:
+        raise UserError(f"--partition-id must be in 0..{num_partitions - 1}, got {partition_id}")
+    if looks_like_path(dataset) and not Path(dataset).expanduser().exists():
+        raise UserError(f"--dataset {dataset} does not exist")
+    resolve_device(device)
+    certs = resolve_certs(certs, insecure, "node")
+    if auth_key is not None:
+        if certs is None:
+            raise UserError("--auth-key needs TLS: pass --certs, not --insecure")
+        check_node_key(auth_key)
+    if max_wait_time is not None and max_wait_time <= 0:
+        raise UserError(f"--max-wait-time must be > 0 seconds, got {max_wait_time:g}")
+    return certs
+
+
+def _node_config(dataset: str, device: str, partition_id: int | None,
+                 num_partitions: int | None) -> list[str]:
+    """List the SuperNode's ``--node-config`` items (read by :mod:`fedavg.apps`)."""
+    from fedavg.data import looks_like_path
+
+    config = [f'dataset="{Path(dataset).expanduser().resolve()}"'
+              if looks_like_path(dataset) else f'dataset="{dataset}"', f'device="{device}"']
+    if partition_id is not None:
+        config += [f"partition-id={partition_id}", f"num-partitions={num_partitions}"]
+    return config
+
+
+class _Node:
+    """One node's SuperNode and task loop; :meth:`serve` is the loop, the rest its steps.
+
+    The SuperNode's output is read in another thread (:meth:`on_line`), which only sets the
+    flags that the loop acts on.
+    """
+
+    def __init__(self, superlink: str, node_config: list[str], certs: Path | None,
+                 auth_key: Path | None, once: bool, max_wait_time: float | None,
+                 say: Callable[[str], None], home: Path) -> None:
+        from fedavg.apps import FINISHED_RUNS, client_app
+
+        self.superlink, self.node_config = superlink, node_config
+        self.certs, self.auth_key = certs, auth_key
+        self.once, self.max_wait_time = once, max_wait_time
+        self.say, self.home = say, home
+        self.app, self.finished_runs = client_app, FINISHED_RUNS
+        self.secret_path, self.secret = secret_file(home)
+        self.proc: FlowerProcess | None = None
+        self.endpoint: flower_compat.Endpoint | None = None
+        self.source: flower_compat.TaskSource | None = None
+        self.runs: set[int] = set()
+        self.tasks = self.key_retries = 0
+        self.quiet = self.hinted = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.connected = False
+        self.refused: tuple[str, str, bool] | None = None  # reason, line, key refused
+        self.exit: int | None = None
+        self.unreachable_since: float | None = None
+
+    # ------------------------------------------------------------------ the SuperNode
+
+    def start_supernode(self) -> None:
+        """Start a SuperNode (on a free local port for its runtime API)."""
+        self._reset()
+        rport = free_port()
+        args = ["--superlink", self.superlink, "--isolation", "process",
+                "--host", "127.0.0.1", "--port", str(rport),
+                "--superexec-auth-secret-file", str(self.secret_path),
+                "--node-config", " ".join(self.node_config)]
+        if self.certs is None:
+            args.append("--insecure")
+        else:
+            args += ["--root-certificates", str((self.certs / CA_CERT).resolve())]
+        if self.auth_key is not None:
+            args += ["--auth-supernode-private-key", str(self.auth_key.resolve())]
+        if self.max_wait_time is not None:
+            args += ["--max-wait-time", str(self.max_wait_time)]
+        self.proc = FlowerProcess("supernode", args, flower_env(self.home), echo=self.on_line)
+        self.endpoint = flower_compat.Endpoint(f"127.0.0.1:{rport}", None, self.secret)
+
+    def on_line(self, line: str) -> None:
+        """Read one SuperNode output line: note what it says, tell the user what matters."""
+        ev = flower_compat.parse_supernode_line(line)
+        if ev.exit_code is not None:
+            self.exit = ev.exit_code  # Flower is shutting the SuperNode down
+        if ev.refusal:
+            if self.refused is None:
+                self.refused = (ev.refusal, line.strip()[:200], ev.key_refused)
+            return
+        if ev.attempt_failed:
+            self.unreachable_since = self.unreachable_since or time.monotonic()
+        elif ev.reconnected:
+            self.unreachable_since = None
+        if self.certs is None and ev.dropped and not self.hinted:
+            self.hinted = True
+            self.say("[yellow]node:[/] the coordinator closed the connection: if it uses TLS, "
+                     "pass --certs DIR instead of --insecure")
+        if ev.node_id is not None:
+            self.connected = True
+            self.say(f"connected to {self.superlink} as node [bold]{escape(ev.node_id)}[/]")
+        elif self.quiet:
+            return
+        elif ev.retry_in_s is not None:
+            self.say(f"[yellow]node:[/] cannot reach the coordinator at {self.superlink}; "
+                     f"retrying in {ev.retry_in_s:.1f} s")
+        elif ev.notable:
+            self.say(f"[yellow]node:[/] {escape(ev.message)}")
+
+    def _unreachable_too_long(self) -> bool:
+        since = self.unreachable_since
+        return self.once and since is not None and time.monotonic() - since > LOST_AFTER_S
+
+    def _stopped(self) -> bool:
+        return self.refused is not None or self.exit is not None or not self.proc.alive()
+
+    def handle_stop(self) -> None:
+        """Restart a SuperNode that stopped or was refused, or raise saying why.
+
+        Raises
+        ------
+        UserError
+            The coordinator refused the node.
+        RunError
+            The coordinator was lost during a ``--once`` run, stayed unreachable past
+            ``--max-wait-time``, or the SuperNode stopped for another reason.
+        """
+        proc = self.proc
+        reason, line, key_refused = self.refused or (
+            flower_compat.node_refusal(" ".join(proc.lines)), "", False)
+        was_connected = self.connected
+        proc.stop()
+        self._close_source()
+        if reason and key_refused and self.key_retries < 3:
+            # the coordinator registers node keys just after it starts listening
+            self.key_retries += 1
+            self.say(f"[yellow]node:[/] the coordinator refused this node's key; it may still "
+                     f"be starting: retrying in 3 s ({self.key_retries}/3)")
+            time.sleep(3.0)
+            self.start_supernode()
+            return
+        if reason:
+            raise UserError(f"refused by {self.superlink}: {reason} (SuperNode: {line})")
+        if was_connected and not self.once:
+            self.say(f"[yellow]node:[/] lost the coordinator at {self.superlink} (it stopped or "
+                     "restarted); reconnecting for the next run")
+            time.sleep(1.0)
+            self.start_supernode()
+            return
+        if was_connected:
+            raise RunError(f"lost the coordinator at {self.superlink} during the run")
+        if any(flower_compat.parse_supernode_line(ln).gave_up for ln in proc.lines):
+            raise RunError(f"could not reach the coordinator at {self.superlink} within "
+                           f"--max-wait-time {self.max_wait_time:g} s")
+        raise RunError(f"the SuperNode stopped: {proc.last_error()}")
+
+    # ------------------------------------------------------------------ tasks
+
+    def open_source(self) -> bool:
+        """Connect to the SuperNode's runtime API; ``False`` (after 0.1 s) while it is not up."""
+        if self.source is None:
+            try:
+                self.source = flower_compat.TaskSource(self.endpoint, flower_compat.CLIENT_TASK)
+            except Exception:  # noqa: BLE001 - runtime API not up yet
+                time.sleep(0.1)
+                return False
+        return True
+
+    def next_task(self):
+        """``(token, task)`` of a waiting task, or ``None``."""
+        try:
+            return self.source.acquire()
+        except Exception as exc:  # noqa: BLE001 - SuperNode starting or stopping
+            log.debug("acquire: %s", exc)
+            return None
+
+    def finished(self) -> bool:
+        """Note runs the coordinator announced as finished; ``True``: leave (``--once``)."""
+        done = self.runs & self.finished_runs
+        if not done:
+            return False
+        self.runs -= done
+        self.key_retries = 0
+        if self.once:
+            self.quiet = True
+            time.sleep(1.0)  # let the SuperNode deliver the last acknowledgement
+            self.say(f"run {', '.join(map(str, done))} finished; exiting (--once)")
+            return True
+        self.say(f"run {', '.join(map(str, done))} finished; waiting for the next run")
+        return False
+
+    def run_task(self, token: str, task) -> None:
+        """Run one task in a worker thread while watching the SuperNode and the coordinator.
+
+        A task whose coordinator vanished mid-transfer would wait for ever; it is abandoned
+        (the loop's checks then say what happened).
+        """
+        if int(task.run_id) not in self.runs:
+            self.runs.add(int(task.run_id))
+            self.say(f"joined run {task.run_id}")
+        result: list[str | None] = []
+        endpoint = self.endpoint
+        worker = threading.Thread(
+            target=lambda: result.append(flower_compat.run_client_task(endpoint, token, self.app)),
+            daemon=True)
+        worker.start()
+        while worker.is_alive() and self.proc.alive() and self.exit is None \
+                and not self._unreachable_too_long():
+            worker.join(0.2)
+        if worker.is_alive():
+            return
+        failure = result[0] if result else "the task stopped"
+        self.tasks += 1
+        if failure is not None:
+            self.say(f"[red]run {task.run_id}: task failed, reported to the coordinator:[/] "
+                     f"{escape(failure)}")
+
+    def serve(self) -> int:
+        """Serve runs until ``--once`` ends or an error; return the number of tasks run."""
+        self.start_supernode()
+        while True:
+            if self.runs and self._unreachable_too_long():
+                raise RunError(f"lost the coordinator at {self.superlink} during run "
+                               f"{', '.join(map(str, self.runs))} (unreachable for "
+                               f"{LOST_AFTER_S:g} s)")
+            if self._stopped():
+                self.handle_stop()
+                continue
+            if not self.open_source():
+                continue
+            got = self.next_task()
+            if got is None:
+                if self.finished():
+                    return self.tasks
+                time.sleep(0.05)
+                continue
+            self.run_task(*got)
+
+    def _close_source(self) -> None:
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+
+    def close(self) -> None:
+        """Stop the SuperNode and close the runtime API connection."""
+        self._close_source()
+        if self.proc is not None:
+            self.proc.stop()

@@ -1,0 +1,141 @@
+"""TLS certificates and node keys: which files, and checks that they are usable.
+
+``fedavg certs DIR`` writes the files named here (:mod:`fedavg.certs`); the coordinator
+needs all three TLS files, a node only the CA certificate. Node authentication uses
+Flower's SuperNode keys (OpenSSH EC keys on a NIST curve).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedavg.errors import UserError
+
+#: Files written by ``fedavg certs``.
+CA_CERT, SERVER_CERT, SERVER_KEY = "ca.crt", "coordinator.crt", "coordinator.key"
+AUTH_KEYS = "authorized-nodes.pub"
+
+
+def resolve_certs(certs: Path | None, insecure: bool, role: str) -> Path | None:
+    """Return the certificate folder to use, or ``None`` with ``insecure``.
+
+    Parameters
+    ----------
+    certs : path, optional
+        ``--certs``.
+    insecure : bool
+        ``--insecure``.
+    role : str
+        ``coordinator`` (needs certificate and key too) or ``node``.
+
+    Raises
+    ------
+    UserError
+        Neither given, both given, or files missing.
+    """
+    if insecure:
+        if certs is not None:
+            raise UserError("give either --certs or --insecure, not both")
+        return None
+    if certs is None:
+        raise UserError(f"TLS is on by default: pass --certs DIR (make one with `fedavg certs "
+                        f"DIR`), or --insecure to run the {role} without TLS")
+    need = [CA_CERT] + ([SERVER_CERT, SERVER_KEY] if role == "coordinator" else [])
+    missing = [n for n in need if not (certs / n).is_file()]
+    if missing:
+        raise UserError(f"--certs {certs} lacks {', '.join(missing)}; make them with "
+                        f"`fedavg certs {certs}`")
+    return certs
+
+
+def check_server_certs(certs: Path) -> None:
+    """Check that the coordinator's certificate and key load and belong together.
+
+    Raises
+    ------
+    UserError
+        A file is not PEM, or the key does not match the certificate.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        cert = x509.load_pem_x509_certificate((certs / SERVER_CERT).read_bytes())
+    except ValueError:
+        raise UserError(f"{certs / SERVER_CERT} is not a PEM certificate") from None
+    try:
+        key = serialization.load_pem_private_key((certs / SERVER_KEY).read_bytes(), None)
+    except (ValueError, TypeError):
+        raise UserError(f"{certs / SERVER_KEY} is not an unencrypted PEM private key") from None
+    fmt = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if key.public_key().public_bytes(*fmt) != cert.public_key().public_bytes(*fmt):
+        raise UserError(f"{certs / SERVER_KEY} is not the key of {certs / SERVER_CERT}")
+
+
+def check_node_key(path: Path) -> None:
+    """Check that ``path`` is a node private key (OpenSSH, EC on a NIST curve).
+
+    Raises
+    ------
+    UserError
+        Missing, or not such a key (e.g. a public key).
+    """
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+
+    if not path.is_file():
+        raise UserError(f"--auth-key {path} does not exist")
+    try:
+        key = load_ssh_private_key(path.read_bytes(), None)
+    except Exception:  # noqa: BLE001 - any parse failure means: not a usable key
+        key = None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise UserError(f"--auth-key {path} is not a node private key (node-<i>.key from "
+                        "`fedavg certs DIR --nodes N`)")
+
+
+def load_auth_keys(path: Path) -> list[bytes]:
+    """Public keys (OpenSSH ``ecdsa-sha2-nistp384 ...`` lines) of the nodes allowed in.
+
+    Parameters
+    ----------
+    path : path
+        A file with one key per line, or a folder of ``*.pub`` files.
+
+    Returns
+    -------
+    list of bytes
+        Each distinct key, PEM (SubjectPublicKeyInfo), in file order.
+
+    Raises
+    ------
+    UserError
+        Missing path, no key, or a line that is not a NIST-curve EC public key.
+    """
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    if not path.exists():
+        raise UserError(f"--auth-keys {path} does not exist")
+    files = sorted(path.glob("*.pub")) if path.is_dir() else [path]
+    keys: list[bytes] = []
+    for f in files:
+        for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            try:
+                key = serialization.load_ssh_public_key(line.strip().encode())
+            except Exception as exc:  # noqa: BLE001 - ValueError, UnsupportedAlgorithm ...
+                raise UserError(f"{f}:{n} is not an OpenSSH public key "
+                                f"({str(exc).splitlines()[0][:80] if str(exc) else exc!r})"
+                                ) from None
+            if not isinstance(key, ec.EllipticCurvePublicKey):
+                raise UserError(f"{f}:{n} is not an EC public key (make keys with "
+                                "`fedavg certs DIR --nodes N`)")
+            pem = key.public_bytes(serialization.Encoding.PEM,
+                                   serialization.PublicFormat.SubjectPublicKeyInfo)
+            if pem not in keys:
+                keys.append(pem)
+    if not keys:
+        raise UserError(f"--auth-keys {path} holds no public key")
+    return keys

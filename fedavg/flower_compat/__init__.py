@@ -1,0 +1,88 @@
+"""Every private Flower and Ray name fedavg uses, and every Flower output line it parses.
+
+Nothing outside this package imports ``flwr.cli``, ``flwr.proto``, ``flwr.supercore``,
+``flwr.supernode``, ``flwr.superlink``, ``flwr.common.serde``, ``flwr.common.constant`` or
+``ray._private``, or reads Flower's log lines; everything is used as ``fedavg.flower_compat.X``.
+:func:`check_flower_internals` fails loudly when the installed flwr is not
+:data:`FLOWER_VERSION` or no longer has a name or log line used here.
+
+- :mod:`~fedavg.flower_compat.checks`: that guard, and Ray's auto-connect switch;
+- :mod:`~fedavg.flower_compat.launch`: SuperLink / SuperNode entry points, SuperNode patches;
+- :mod:`~fedavg.flower_compat.control`: the SuperLink's Control API (submit a run);
+- :mod:`~fedavg.flower_compat.tasks`: warm task workers on the runtime API;
+- :mod:`~fedavg.flower_compat.logs`: what SuperLink / SuperNode output lines mean.
+"""
+
+from fedavg.flower_compat.checks import (
+    FLOWER_VERSION,
+    check_flower_internals,
+    check_ray_internals,
+    disable_ray_auto_connect,
+)
+from fedavg.flower_compat.control import (
+    CertificateRejected,
+    control_client,
+    register_node_keys,
+    start_run,
+    wait_control_ready,
+)
+from fedavg.flower_compat.launch import (
+    HEARTBEAT_S,
+    IDLE_POLL_S,
+    PULL_BACKOFF_S,
+    REPLY_WAIT_S,
+    patch_pull_backoff,
+    patch_supernode,
+    run_superlink,
+    run_supernode,
+)
+from fedavg.flower_compat.logs import (
+    SuperNodeLine,
+    error_summary,
+    is_certificate_failure,
+    most_telling_line,
+    node_refusal,
+    parse_supernode_line,
+    superlink_line_is_error,
+)
+from fedavg.flower_compat.tasks import (
+    CLIENT_TASK,
+    SERVER_TASK,
+    Endpoint,
+    TaskSource,
+    run_client_task,
+    run_server_task,
+)
+
+__all__ = [
+    "error_summary",
+    "CLIENT_TASK",
+    "FLOWER_VERSION",
+    "HEARTBEAT_S",
+    "IDLE_POLL_S",
+    "PULL_BACKOFF_S",
+    "REPLY_WAIT_S",
+    "SERVER_TASK",
+    "CertificateRejected",
+    "Endpoint",
+    "SuperNodeLine",
+    "TaskSource",
+    "check_flower_internals",
+    "check_ray_internals",
+    "control_client",
+    "disable_ray_auto_connect",
+    "is_certificate_failure",
+    "most_telling_line",
+    "node_refusal",
+    "parse_supernode_line",
+    "patch_pull_backoff",
+    "patch_supernode",
+    "register_node_keys",
+    "run_client_task",
+    "run_server_task",
+    "run_superlink",
+    "run_supernode",
+    "start_run",
+    "superlink_line_is_error",
+    "wait_control_ready",
+]

@@ -1,0 +1,117 @@
+"""The guard: the installed flwr is the one fedavg was written against, with every name used.
+
+:func:`check_flower_internals` checks the exact version, every ``from flwr... import name``
+in this package, and the Flower source lines (fixed sleeps, log messages) fedavg depends on.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from pathlib import Path
+
+FLOWER_VERSION = "1.42.0"
+
+#: Text that must still be in Flower's sources: the fixed sleeps we shorten and the log
+#: lines :func:`parse_supernode_line` and :func:`node_refusal` read.
+_SOURCES = {
+    "flwr.supernode.start_client_internal": ("time.sleep(3)", "time.sleep(0.5)",
+                                             '"SuperNode ID: %s"'),
+    "flwr.supercore.retry.http_retry": ("Connection successful after",
+                                        "Connection attempt failed, retrying in %.2f seconds",
+                                        "Giving up reconnection"),
+    "flwr.supercore.error.catalog": ("All SuperNodes must be registered",
+                                     "Failed to activate SuperNode."),
+    "flwr.supercore.exit.exit": ('f"Exit Code: {code}',),
+    "flwr.supercore.exit.exit_code": ("could not establish a connection",),
+}
+
+
+@functools.cache
+def check_flower_internals() -> None:
+    """Fail loudly when the Flower internals fedavg relies on have changed.
+
+    Raises
+    ------
+    RuntimeError
+        The installed flwr is not :data:`FLOWER_VERSION`, a private name used here is gone,
+        or Flower no longer logs a line (or sleeps a time) that fedavg depends on.
+    """
+    import flwr
+
+    if flwr.__version__ != FLOWER_VERSION:
+        raise RuntimeError(f"fedavg's warm workers are written for flwr {FLOWER_VERSION}, "
+                           f"found {flwr.__version__}; install flwr=={FLOWER_VERSION}")
+    for module, name in _private_names():
+        if not hasattr(_module(module), name):  # a submodule is an attribute once imported
+            _module(f"{module}.{name}")
+    for module, needles in _SOURCES.items():
+        src = inspect.getsource(_module(module))
+        for needle in needles:
+            if needle not in src:
+                raise RuntimeError(f"{module} no longer has {needle}")
+    from flwr.supercore import heartbeat
+    from flwr.supercore.inflatable import inflatable_utils as iu
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+    from flwr.superlink.grid import HttpGrid
+    from flwr.supernode import fleet_http_connection as fhc
+
+    for mod in (fhc, heartbeat):
+        if not isinstance(getattr(mod, "HEARTBEAT_DEFAULT_INTERVAL", None), (int, float)):
+            raise RuntimeError(f"{mod.__name__}.HEARTBEAT_DEFAULT_INTERVAL is gone")
+    for fn in (iu.pull_objects, iu.pull_and_inflate_object_from_tree):
+        if "initial_backoff" not in inspect.signature(fn).parameters:
+            raise RuntimeError(f"{fn.__qualname__} has no initial_backoff any more")
+    if not isinstance(getattr(HttpGrid, "_runtime_client", None), property):
+        raise RuntimeError("flwr.superlink.grid.HttpGrid._runtime_client is gone")
+    invoker = make_simple_http_retry_invoker()
+    if not all(hasattr(invoker, a) for a in ("max_tries", "max_time")):
+        raise RuntimeError("Flower's HTTP retry invoker has no max_tries / max_time any more")
+
+
+def _private_names() -> list[tuple[str, str]]:
+    """List ``(module, name)`` of every ``from flwr.<module> import name`` in this package."""
+    import ast
+
+    found = []
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module \
+                    and node.module.startswith("flwr."):
+                found += [(node.module, alias.name) for alias in node.names]
+    return sorted(set(found))
+
+
+def _module(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise RuntimeError(f"{name} is gone (flwr {FLOWER_VERSION} has it)") from None
+
+
+def check_ray_internals() -> None:
+    """Fail loudly when Ray's auto-connect switch (``ray._private.auto_init_hook``) moved.
+
+    Raises
+    ------
+    RuntimeError
+        ``ray._private.auto_init_hook.enable_auto_connect`` is gone.
+    """
+    mod = _module("ray._private.auto_init_hook")
+    if not isinstance(getattr(mod, "enable_auto_connect", None), bool):
+        raise RuntimeError("ray._private.auto_init_hook.enable_auto_connect is gone")
+
+
+def disable_ray_auto_connect() -> None:
+    """Make a Ray call after ``ray.shutdown()`` fail instead of starting a new Ray instance.
+
+    Raises
+    ------
+    RuntimeError
+        See :func:`check_ray_internals`.
+    """
+    check_ray_internals()
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False

@@ -1,0 +1,85 @@
+"""The SuperLink's and SuperNode's entry points, and the patches a SuperNode runs with.
+
+The SuperNode polls the SuperLink every 3 s and waits 0.5 s for a ClientApp's reply (both
+fixed in code), sends heartbeats every 30 s, and Flower's object pulls first retry after 1 s:
+:func:`patch_supernode` and :func:`patch_pull_backoff` shorten these in this process.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fedavg.flower_compat.checks import check_flower_internals
+
+#: What the SuperNode's loop sleeps (seconds) when patched by :func:`patch_supernode`.
+IDLE_POLL_S = 0.2
+REPLY_WAIT_S = 0.02
+#: First retry (seconds) of Flower's object pulls, instead of 1 s.
+PULL_BACKOFF_S = 0.05
+#: Seconds between a SuperNode's heartbeats (Flower: 30). The SuperLink counts a node as
+#: gone after two missed beats, so a crashed machine leaves its round within ~20 s.
+HEARTBEAT_S = 10
+
+
+def run_superlink() -> None:
+    """Run ``flower-superlink`` with the arguments in ``sys.argv``."""
+    from flwr.superlink.cli import flower_superlink
+
+    flower_superlink()
+
+
+def run_supernode() -> None:
+    """Run ``flower-supernode`` (``sys.argv``), patched by :func:`patch_supernode`."""
+    patch_supernode()
+    patch_pull_backoff()
+    from flwr.supernode.cli import flower_supernode
+
+    flower_supernode()
+
+
+class _FastTime:
+    """Stand-in for the ``time`` module inside the SuperNode loop: shorter fixed sleeps."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def sleep(self, seconds: float) -> None:
+        if seconds == 3:  # idle poll of the SuperLink
+            seconds = IDLE_POLL_S
+        elif seconds == 0.5:  # wait for the ClientApp's reply
+            seconds = REPLY_WAIT_S
+        self._real.sleep(seconds)
+
+
+def patch_supernode() -> None:
+    """Shorten this (SuperNode) process's fixed idle poll (3 s) and reply wait (0.5 s).
+
+    Heartbeats are also sent every :data:`HEARTBEAT_S` seconds.
+    """
+    from flwr.supercore import heartbeat
+    from flwr.supernode import fleet_http_connection as fhc
+    from flwr.supernode import start_client_internal as sci
+
+    check_flower_internals()
+    if not isinstance(sci.time, _FastTime):
+        sci.time = _FastTime(time)
+    fhc.HEARTBEAT_DEFAULT_INTERVAL = HEARTBEAT_S  # announced to the SuperLink
+    heartbeat.HEARTBEAT_DEFAULT_INTERVAL = HEARTBEAT_S  # and kept by the sender
+
+
+def patch_pull_backoff() -> None:
+    """Start Flower's object-pull retries at :data:`PULL_BACKOFF_S` instead of 1 s."""
+    from flwr.supercore.inflatable import inflatable_utils as iu
+
+    for fn in (iu.pull_objects, iu.pull_and_inflate_object_from_tree):
+        names = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
+        defaults = list(fn.__defaults__ or ())
+        first = len(names) - len(defaults)
+        if "initial_backoff" in names[first:]:
+            defaults[names.index("initial_backoff") - first] = PULL_BACKOFF_S
+            fn.__defaults__ = tuple(defaults)
+        elif fn.__kwdefaults__ and "initial_backoff" in fn.__kwdefaults__:
+            fn.__kwdefaults__ = {**fn.__kwdefaults__, "initial_backoff": PULL_BACKOFF_S}

@@ -1,0 +1,132 @@
+"""What the SuperLink's and SuperNode's output lines mean (as of :data:`FLOWER_VERSION`).
+
+Every Flower log line fedavg reacts to is recognised here, and nowhere else.
+:func:`~fedavg.flower_compat.check_flower_internals` checks that Flower still writes them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+_REFUSED = (
+    (re.compile(r"CERTIFICATE_VERIFY_FAILED|certificate verify failed|unknown ca|"
+                r"hostname mismatch|IP address mismatch", re.I),
+     "the coordinator's TLS certificate is not signed by --certs/ca.crt or does not name "
+     "this address; use the ca.crt of the coordinator's `fedavg certs` folder"),
+    (re.compile(r"SuperNodes must be registered", re.I),
+     "the coordinator only accepts known nodes: pass --auth-key with a node key listed in "
+     "its --auth-keys"),
+    (re.compile(r"Failed to activate SuperNode|PERMISSION_DENIED|UNAUTHENTICATED|"
+                r"Public key not recognized", re.I),
+     "the coordinator refused this node's key: add its public key to the coordinator's "
+     "--auth-keys, or pass the right --auth-key"),
+)
+_RETRY = re.compile(r"Connection attempt failed, retrying in ([\d.]+)")
+_NOTABLE = re.compile(r"Connection successful|Giving up|could not establish|Errno")
+
+
+def node_refusal(line: str) -> str | None:
+    """Say clearly why the coordinator refused the node, if a SuperNode output line says so."""
+    for pattern, reason in _REFUSED:
+        if pattern.search(line):
+            return reason
+    return None
+
+
+def is_certificate_failure(text: str) -> bool:
+    """Whether an error text says that TLS verification of a certificate failed."""
+    return "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text
+
+
+def superlink_line_is_error(line: str) -> bool:
+    """Whether a SuperLink output line is an error worth showing to the user."""
+    return bool(re.search(r"ERROR|address already in use|Errno", line)) \
+        and "ClientDisconnect" not in line
+
+
+def most_telling_line(lines: Iterable[str]) -> str | None:
+    """Pick the latest error among a Flower process's output lines, else the last line."""
+    lines = list(lines)
+    for line in reversed(lines):
+        if "ERROR" in line or "Error" in line or "error" in line:
+            return line.split(":", 1)[-1].strip() if line.startswith(("ERROR", "WARNING")) \
+                else line.strip()
+    return lines[-1].strip() if lines else None
+
+
+@dataclass(frozen=True)
+class SuperNodeLine:
+    """What one line of SuperNode output says, as far as ``fedavg node`` cares.
+
+    ``refusal``: why the coordinator refused the node (:func:`node_refusal`); ``key_refused``:
+    it refused the node's key (possibly not yet registered); ``exit_code``: Flower is shutting
+    the SuperNode down; ``attempt_failed`` / ``retry_in_s``: a connection attempt failed (and
+    is retried after so many seconds); ``reconnected``: one succeeded after failures;
+    ``node_id``: the SuperLink registered the node; ``dropped``: the server closed the
+    connection unanswered (TLS against plain HTTP?); ``gave_up``: the SuperNode stopped
+    retrying (``--max-wait-time``); ``notable``: worth showing as :attr:`message`.
+    """
+
+    text: str
+    refusal: str | None = None
+    key_refused: bool = False
+    exit_code: int | None = None
+    attempt_failed: bool = False
+    retry_in_s: float | None = None
+    reconnected: bool = False
+    node_id: str | None = None
+    dropped: bool = False
+    gave_up: bool = False
+    notable: bool = False
+
+    @property
+    def message(self) -> str:
+        """The line without its log prefix."""
+        return self.text.split(":", 1)[-1].strip()
+
+
+def parse_supernode_line(line: str) -> SuperNodeLine:
+    """Read one (ANSI-free) line of SuperNode output."""
+    exit_code = re.search(r"Exit Code: (\d+)", line)
+    retry = _RETRY.search(line)
+    return SuperNodeLine(
+        text=line,
+        refusal=node_refusal(line),
+        key_refused="Failed to activate" in line,
+        exit_code=int(exit_code.group(1)) if exit_code else None,
+        attempt_failed="Connection attempt failed" in line,
+        retry_in_s=float(retry.group(1)) if retry else None,
+        reconnected="Connection successful" in line,
+        node_id=line.rsplit(":", 1)[-1].strip() if "SuperNode ID" in line else None,
+        dropped="disconnected without sending a response" in line,
+        gave_up="Giving up" in line,
+        notable=bool(_NOTABLE.search(line)),
+    )
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_FLOWER_REASON = re.compile(r"^<class '([\w.]+)'>:<'(.*)'>$", re.S)
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (\S.*)$")
+
+
+def error_summary(reason: str) -> str:
+    """One line from a node's error report: the original exception type and message.
+
+    Flower wraps a node's exception (in simulation, inside Ray's) with tracebacks, as
+    ``<class 'X'>:<'message'>`` or a traceback text; this keeps
+    the innermost ``SomeError: message`` line, e.g. ``FloatingPointError: training diverged``.
+    """
+    text = _ANSI.sub("", reason or "")
+    flower = _FLOWER_REASON.match(text.strip())  # a ClientApp's exception, as Flower wraps it
+    if flower:
+        return f"{flower.group(1).rsplit('.', 1)[-1]}: {' '.join(flower.group(2).split())}"[:300]
+    for line in text.splitlines():
+        m = _EXC_LINE.match(line.strip())
+        if m and not m.group(1).startswith(("flwr.", "ray.")):
+            return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}"[:300]
+    if "Message:" in text:
+        return text.rsplit("Message:", 1)[1].strip().strip("'>").strip()[:300]
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "unknown error")
+    return first[:300]
