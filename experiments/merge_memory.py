@@ -64,6 +64,7 @@ print(json.dumps({"method": method, "state_dict_bytes": size, "baseline": baseli
 
 
 def measure(method: str, copies: int) -> dict:
+    """Return the report of ``method`` merging ``copies`` state dicts in a fresh process."""
     # A fixed mmap threshold makes freed tensors go back to the OS at once, so resident
     # memory follows what each method holds rather than the allocator's caching.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -73,6 +74,7 @@ def measure(method: str, copies: int) -> dict:
 
 
 def main() -> None:
+    """Measure both methods and print their peak memory above baseline."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--copies", type=int, default=50)
     args = parser.parse_args()
@@ -82,7 +84,8 @@ def main() -> None:
     print(f"{'method':<28} {'peak above baseline':>20} {'x one state dict':>18}")
     for r in rows:
         extra = max(r["peak"] - r["baseline"], 0)
-        name = "fedavg (streaming, ours)" if r["method"] == "ours" else "Flower aggregate_arrayrecords"
+        name = ("fedavg (streaming, ours)" if r["method"] == "ours"
+                else "Flower aggregate_arrayrecords")
         print(f"{name:<28} {extra / 2**20:>16.1f} MiB {extra / size:>17.2f}x")
     ours, flower = rows
     agree = all(abs(ours["checksum"][k] - v) <= 1e-5 * max(abs(v), 1.0)

@@ -22,6 +22,7 @@ import fedavg
 
 
 def main() -> None:
+    """Run FedAvg on IID and Dirichlet partitions, print the table and write the results."""
     root = Path(__file__).resolve().parents[1]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(root.parent / "shared" / "data" / "mnist"))

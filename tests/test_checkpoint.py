@@ -7,8 +7,8 @@ import torch
 
 from fedavg import checkpoint
 from fedavg.errors import UserError
-from fedavg.models import build_model
 from fedavg.inference import load_model
+from fedavg.models import build_model
 
 META = {
     "model": {"name": "cnn-cifar", "input_shape": [3, 32, 32], "num_classes": 4, "args": {}},

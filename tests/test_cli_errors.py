@@ -118,7 +118,7 @@ def invoke(tmp_path, monkeypatch):
 
 @pytest.fixture
 def model_dir(tmp_path):
-    """A valid saved model (an MLP for 8x8 digits)."""
+    """Return a valid saved model (an MLP for 8x8 digits)."""
     return checkpoint.save(tmp_path / "model", build_model("mlp", (1, 8, 8), 10).state_dict(),
                            MODEL_META)
 

@@ -9,9 +9,10 @@ import time
 
 import numpy as np
 import pytest
+from conftest import engine_processes, run_cli
 from PIL import Image
 
-from conftest import engine_processes, run_cli
+pytestmark = pytest.mark.e2e
 
 ROUND_KEYS = {"round", "accuracy", "loss", "train_loss", "num_nodes", "wall_s"}
 

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 from fedavg import checkpoint
 from fedavg.cli import app
 from fedavg.data import load
-from fedavg.models import build_model
 from fedavg.inference import evaluate_model, load_model
+from fedavg.models import build_model
 
 runner = CliRunner()
 
