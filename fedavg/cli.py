@@ -23,8 +23,10 @@ from fedavg.cli_options import with_settings
 from fedavg.config import RunConfig
 from fedavg.errors import RunError, UserError
 
-console = Console()
-err_console = Console(stderr=True)
+# soft_wrap: long lines are never broken up, so they read whole in a terminal of any width
+# and in a log file; tables fold their cells instead of cutting them.
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 @contextlib.contextmanager
@@ -175,14 +177,19 @@ def predict(
     with _guard():
         if output is not None and output.suffix.lower() not in (".csv", ".json"):
             raise UserError(f"--output must end in .csv or .json (got {output.name})")
-        rows = run(model_dir, inputs, split=split, device=device)
+        rows = run(model_dir, inputs, split=split, device=device,
+                   on_note=lambda note: err_console.print(f"[yellow]note:[/] {note}",
+                                                          highlight=False))
         if output is not None:
             write_predictions(rows, output)
             console.print(f"{len(rows)} prediction(s) written to {output}")
             return
     from rich.table import Table
 
-    table = Table("input", "prediction", "confidence")
+    table = Table()
+    table.add_column("input", overflow="fold")
+    table.add_column("prediction", overflow="fold")
+    table.add_column("confidence", justify="right")
     for row in rows[:50]:
         table.add_row(row["input"], row["prediction"], f"{row['confidence']:.3f}")
     console.print(table)
@@ -196,10 +203,14 @@ def list_strategies() -> None:
 
     import strategies
 
-    table = Table("name", "description", "options", "paper")
+    table = Table(show_lines=True)
+    table.add_column("name", no_wrap=True)
+    table.add_column("method, options (default) and paper", overflow="fold")
     for name, cls in strategies.available().items():
-        options = ", ".join(f"{o.flag} {o.default}" for o in cls.options) or "-"
-        table.add_row(name, cls.description, options, cls.paper)
+        options = "".join(f"\n  {o.flag} {o.default}: {o.help}"
+                          + (f" ({' | '.join(o.choices)})" if o.choices else "")
+                          for o in cls.options)
+        table.add_row(name, f"{cls.description}{options}\n[dim]{cls.paper}[/]")
     console.print(table)
 
 
@@ -209,7 +220,9 @@ def models() -> None:
 
     from fedavg.models import available_models
 
-    table = Table("name", "description")
+    table = Table()
+    for column in ("name", "description"):
+        table.add_column(column, overflow="fold")
     for name, desc in available_models().items():
         table.add_row(name, desc)
     table.add_row("auto", "mlp for tabular or < 16x16 inputs, cnn for grey, cnn-cifar for colour")
@@ -332,20 +345,57 @@ def certs(
         written = make_certs(folder, hosts=host or [], nodes=nodes, overwrite=overwrite)
     for path in written:
         console.print(f"wrote {path}")
-    console.print(soft_wrap=True, *[f"coordinator: --certs {folder}; nodes: copy {folder}/ca.crt"
-                  + (f" (and node-<i>.key) and pass --certs DIR --auth-key node-<i>.key; "
-                     f"coordinator: --auth-keys {folder}/authorized-nodes.pub" if nodes else "")])
+    nodes_hint = (f" (and node-<i>.key) and pass --certs DIR --auth-key node-<i>.key; "
+                  f"coordinator: --auth-keys {folder}/authorized-nodes.pub" if nodes else "")
+    console.print(f"coordinator: --certs {folder}; nodes: copy {folder}/ca.crt{nodes_hint}")
+    repo = _git_work_tree(folder)
+    if repo is not None:
+        err_console.print(f"[yellow]note:[/] {folder} is inside the git work tree {repo}: keep "
+                          "its private keys (*.key) out of version control (list the folder "
+                          "in .gitignore) and readable only by you", highlight=False)
+
+
+def _git_work_tree(folder: Path) -> Path | None:
+    """Return the git work tree holding ``folder``, if any (no git command is run)."""
+    for parent in [folder.resolve(), *folder.resolve().parents]:
+        if (parent / ".git").exists():
+            return parent
+    return None
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        import importlib.metadata
+
+        from fedavg import __version__
+
+        versions = []
+        for dist in ("flwr", "torch"):
+            try:
+                versions.append(f"{dist} {importlib.metadata.version(dist)}")
+            except importlib.metadata.PackageNotFoundError:
+                versions.append(f"{dist} not installed")
+        console.print(f"fedavg {__version__} ({', '.join(versions)})")
+        raise typer.Exit()
+
+
+def _root(
+    version: Annotated[Optional[bool], typer.Option(
+        "--version", callback=_show_version, is_eager=True,
+        help="Print the version (and Flower's and PyTorch's) and exit")] = None,
+) -> None:
+    """Train many, then merge: federated averaging on Flower's engines."""
 
 
 def build_app() -> typer.Typer:
     """Build the ``fedavg`` typer app, with options generated from the registered strategies."""
     app = typer.Typer(
         name="fedavg",
-        help="Train many, then merge: federated averaging on Flower's engines.",
         no_args_is_help=True,
         add_completion=False,
         pretty_exceptions_enable=False,
     )
+    app.callback()(_root)
     app.command(name="simulate")(with_settings(simulate))
     app.command(name="merge")(with_settings(merge, config=False))
     app.command(name="evaluate")(evaluate)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -112,7 +113,7 @@ def evaluate_model(
     device: str = "auto",
     batch_size: int = 512,
 ) -> dict[str, Any]:
-    """Accuracy and loss of a saved model on a dataset split.
+    """Compute the accuracy and loss of a saved model on a dataset split.
 
     Parameters
     ----------
@@ -128,7 +129,7 @@ def evaluate_model(
     -------
     dict
         ``accuracy`` (fraction), ``loss`` (mean cross-entropy, nats), ``num_examples``,
-        ``split``, ``dataset``.
+        ``split``, ``dataset`` (a local path made absolute).
 
     Raises
     ------
@@ -155,6 +156,8 @@ def evaluate_model(
                    meta["classes"])
     res = _evaluate(model, part.x, part.y, meta["input"], batch_size=batch_size,
                     device=resolve_device(device))
+    if source not in BUILTIN and Path(source).expanduser().exists():
+        source = str(Path(source).expanduser().resolve())  # one form in text and JSON
     return {**res, "split": split, "dataset": source}
 
 
@@ -201,8 +204,14 @@ def predict(
     split: str = "test",
     device: str = "auto",
     batch_size: int = 512,
+    on_note: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Predict classes for images, folders of images or datasets with a saved model.
+
+    Images are resized to the model's input size and converted to its channels; when that
+    changes them a lot (more than :data:`RESIZE_NOTE_FACTOR` in height or width, or colour
+    to grey and back) one summary line per kind of change goes to ``on_note`` (default: a
+    ``UserWarning``), since such predictions are often wrong.
 
     Parameters
     ----------
@@ -213,6 +222,12 @@ def predict(
         names or hub ids (their ``split`` is used).
     split : str
         Split of dataset inputs.
+    device : str
+        ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+    batch_size : int
+        Samples per forward pass.
+    on_note : callable, optional
+        Receives each note about changed inputs (one line each).
 
     Returns
     -------
@@ -237,6 +252,11 @@ def predict(
         if len(shape) != 3:
             raise UserError("this model takes feature vectors, not images: pass a dataset")
         mode = "L" if shape[0] == 1 else "RGB"
+        for note in input_notes(images, shape):
+            if on_note is None:
+                warnings.warn(note, UserWarning, stacklevel=2)
+            else:
+                on_note(note)
         x = decode_images([str(p) for p in images], "the inputs", size=shape[1:], mode=mode)
         if meta["input"].get("dtype") != "uint8":
             x = x.astype(np.float32) / 255.0
@@ -263,6 +283,47 @@ def predict(
                          "class_index": k, "confidence": round(float(conf[j]), 6)})
         offset += len(x)
     return rows
+
+
+#: An image resized by more than this factor (height or width, up or down) gets a note.
+RESIZE_NOTE_FACTOR = 2.0
+
+
+def input_notes(images: Sequence[str | Path], shape: tuple[int, ...]) -> list[str]:
+    """Say which images change a lot on the way into a model taking ``(C, H, W)`` inputs.
+
+    Reads only the image headers. One line per kind of change (resized by more than
+    :data:`RESIZE_NOTE_FACTOR`, colour made grey, grey made colour), naming how many
+    images and one example; no line when nothing changes much.
+    """
+    from PIL import Image
+
+    grey_model, (height, width) = shape[0] == 1, shape[1:]
+    resized, to_grey, to_colour = [], [], []
+    for path in images:
+        try:
+            with Image.open(path) as img:
+                w, h, img_mode = img.width, img.height, img.mode
+        except Exception:  # noqa: BLE001 - decode_images reports unreadable files
+            continue
+        factor = max(h / height, height / h, w / width, width / w)
+        if factor > RESIZE_NOTE_FACTOR:
+            resized.append(f"{Path(path).name} is {w}x{h}")
+        is_grey = img_mode in ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F")
+        if grey_model and not is_grey and img_mode != "P":
+            to_grey.append(f"{Path(path).name} is {img_mode}")
+        elif not grey_model and is_grey:
+            to_colour.append(f"{Path(path).name} is {img_mode}")
+    kind = f"{'grey' if grey_model else 'colour'} {width}x{height}"
+    notes = []
+    for found, change in ((resized, f"resized by more than {RESIZE_NOTE_FACTOR:g}x to the "
+                                    f"model's {kind} inputs"),
+                          (to_grey, "converted from colour to grey"),
+                          (to_colour, "converted from grey to colour")):
+        if found:
+            notes.append(f"{len(found)} of {len(images)} image(s) {change} (e.g. {found[0]}); "
+                         "predictions may be unreliable: use images like the training data")
+    return notes
 
 
 def write_predictions(rows: list[dict[str, Any]], path: str | Path) -> Path:

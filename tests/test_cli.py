@@ -1,0 +1,140 @@
+"""What a new user reads: the version, help texts, tables at any width, notes on inputs."""
+
+import json
+
+import click
+import numpy as np
+import pytest
+from PIL import Image
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from fedavg import checkpoint
+from fedavg.cli import app
+from fedavg.inference import input_notes
+from fedavg.models import build_model
+
+runner = CliRunner()
+META = {
+    "model": {"name": "mlp", "input_shape": [1, 8, 8], "num_classes": 10, "args": {}},
+    "classes": [str(i) for i in range(10)],
+    "input": {"shape": [1, 8, 8], "dtype": "uint8", "scale": 1 / 255, "mean": [0.3],
+              "std": [0.4]},
+    "dataset": {"source": "digits", "seed": 0, "test_fraction": 0.2,
+                "columns": {"image": None, "label": None}},
+}
+
+
+def test_version():
+    import flwr
+
+    import fedavg
+
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0
+    assert res.output.strip().startswith(f"fedavg {fedavg.__version__}")
+    assert f"flwr {flwr.__version__}" in res.output
+
+
+@pytest.mark.parametrize("command", ["simulate", "coordinator", "node", "merge", "evaluate",
+                                     "predict", "certs"])
+def test_every_option_has_a_help_text(command):
+    cmd = get_command(app).commands[command]
+    missing = [p.name for p in cmd.params if isinstance(p, click.Option) and not p.help]
+    assert not missing, f"{command}: options without help: {missing}"
+    assert cmd.help, f"{command} has no description"
+
+
+def test_coordinator_takes_the_training_options_of_simulate():
+    options = {c: {p.name for p in get_command(app).commands[c].params}
+               for c in ("simulate", "coordinator")}
+    shared = options["simulate"] - {"num_nodes", "cpus_per_node", "gpus_per_node", "verbose"}
+    assert shared <= options["coordinator"], shared - options["coordinator"]
+    assert {"mu", "server_lr", "local_epochs", "alpha"} <= options["coordinator"]
+
+
+@pytest.mark.parametrize("width", [60, 80, 200])
+def test_strategies_table_reads_whole_at_any_width(width):
+    import strategies
+
+    res = runner.invoke(app, ["strategies"], env={"COLUMNS": str(width)})
+    assert res.exit_code == 0
+    assert "…" not in res.output  # nothing cut off
+    flat = " ".join(res.output.replace("│", " ").split())
+    for name, cls in strategies.available().items():
+        assert name in flat
+        for opt in cls.options:
+            assert opt.flag in flat.replace(" ", "") or opt.flag in flat, (name, opt.flag)
+
+
+def test_long_lines_are_not_broken_in_a_log_file(tmp_path):
+    from fedavg import cli
+
+    assert cli.console.soft_wrap and cli.err_console.soft_wrap
+
+
+def _image(path, size, mode="L"):
+    shape = (size, size) if mode == "L" else (size, size, 3)
+    Image.fromarray((np.random.default_rng(0).random(shape) * 255).astype("uint8"),
+                    mode).save(path)
+    return path
+
+
+def test_resize_and_channel_notes(tmp_path):
+    shape = (1, 8, 8)
+    same = _image(tmp_path / "same.png", 8)
+    small_change = _image(tmp_path / "twelve.png", 12)  # 1.5x: no note
+    big = _image(tmp_path / "mnist.png", 28)
+    colour = _image(tmp_path / "colour.png", 8, "RGB")
+    assert input_notes([same, small_change], shape) == []
+    notes = input_notes([same, big, colour], shape)
+    assert len(notes) == 2
+    assert "1 of 3 image(s) resized by more than 2x" in notes[0]
+    assert "mnist.png is 28x28" in notes[0]
+    assert "converted from colour to grey" in notes[1] and "colour.png" in notes[1]
+    grey_for_colour = input_notes([same], (3, 8, 8))
+    assert len(grey_for_colour) == 1 and "grey to colour" in grey_for_colour[0]
+
+
+def test_predict_prints_the_note_once(tmp_path):
+    model = checkpoint.save(tmp_path / "model", build_model("mlp", (1, 8, 8), 10).state_dict(),
+                            META)
+    images = [_image(tmp_path / f"big{i}.png", 28) for i in range(3)]
+    narrow = runner.invoke(app, ["predict", str(model), *map(str, images)],
+                           env={"COLUMNS": "60"})
+    assert narrow.exit_code == 0 and "…" not in narrow.stdout  # long paths fold, not cut
+    res = runner.invoke(app, ["predict", str(model), *map(str, images)],
+                        env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    assert res.stderr.count("note:") == 1
+    assert "3 of 3 image(s) resized" in res.stderr
+    for path in images:
+        assert path.name in res.stdout
+
+
+def test_evaluate_names_the_dataset_alike_in_text_and_json(tmp_path, monkeypatch):
+    from fedavg.data import load
+
+    data = load("digits", seed=0)
+    for i in range(40):  # an image folder: one subfolder per class
+        label = str(data.train.y[i])
+        (tmp_path / "ds" / label).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(data.train.x[i, 0]).save(tmp_path / "ds" / label / f"{i}.png")
+    model = checkpoint.save(tmp_path / "m", build_model("mlp", (1, 8, 8), 10).state_dict(),
+                            META)
+    monkeypatch.chdir(tmp_path)
+    text = runner.invoke(app, ["evaluate", str(model), "--dataset", "ds"])
+    as_json = runner.invoke(app, ["evaluate", str(model), "--dataset", "ds", "--json"])
+    assert text.exit_code == 0 and as_json.exit_code == 0, text.output + as_json.output
+    shown = json.loads(as_json.stdout)["dataset"]
+    assert shown == str((tmp_path / "ds").resolve())
+    assert text.stdout.startswith(shown + " [test]")
+
+
+def test_certs_in_a_git_work_tree_warn_about_private_keys(tmp_path, tmp_path_factory):
+    (tmp_path / ".git").mkdir()
+    res = runner.invoke(app, ["certs", str(tmp_path / "certs")])
+    assert res.exit_code == 0, res.output
+    assert "inside the git work tree" in res.stderr and "out of version control" in res.stderr
+    outside = runner.invoke(app, ["certs", str(tmp_path_factory.mktemp("plain") / "c")])
+    assert outside.exit_code == 0 and "git work tree" not in outside.stderr
