@@ -115,6 +115,7 @@ def merge(
         help="Unlabeled dataset for distill")] = None,
     seed: Annotated[int, typer.Option(help="Seed of any random choice")] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
+    overwrite: Annotated[bool, typer.Option(help="Replace a previous model in --output")] = False,
     **options: Any,
 ) -> None:
     """Merge saved models offline (e.g. `--save-node-models` output) into one model."""
@@ -127,7 +128,7 @@ def merge(
         config = RunConfig().replace(strategy=strategy, validation=validation,
                                      distill_data=distill_data, seed=seed, device=device,
                                      rounds=1, **options)
-        res = merge_models(paths, output, config, dataset=dataset)
+        res = merge_models(paths, output, config, dataset=dataset, overwrite=overwrite)
     acc = f": test accuracy [bold]{res['accuracy']:.4f}[/]" if "accuracy" in res else ""
     console.print(f"merged {res['num_models']} models with {res['strategy']} into "
                   f"[bold]{output}[/]{acc}")
@@ -412,10 +413,28 @@ app = build_app()
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Run the console script: a usage mistake is one line and exit code 2."""
+    import click
+
     # The CLI shows node failures and progress itself; keep library warnings off stderr.
     logging.getLogger("fedavg").addHandler(logging.NullHandler())
-    app()
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(prog_name="fedavg", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as exc:
+        exc.show()  # the help text
+        code = exc.exit_code
+    except click.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "fedavg"
+        if where == "fedavg" and len(sys.argv) > 1 and sys.argv[1] in command.commands:
+            where = f"fedavg {sys.argv[1]}"
+        err_console.print(f"[bold red]error:[/] {exc.format_message()} (see `{where} --help`)",
+                          highlight=False)
+        code = exc.exit_code
+    except click.Abort:
+        err_console.print("aborted")
+        code = 1
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -145,6 +145,9 @@ class MergeConfig:
     options: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
 
 
+#: Seeds are below 2**31: nodes derive their own seeds from the run's without overflow.
+MAX_SEED = 2**31
+
 SECTIONS = {"data": DataConfig, "train": TrainConfig, "merge": MergeConfig}
 
 
@@ -278,12 +281,14 @@ def _check_data(c: RunConfig) -> str | None:
                 f"{', '.join(partitioner_names())}")
     if not d.alpha > 0:
         return f"--alpha must be > 0 (got {d.alpha}); try 0.5 for label skew"
+    if not math.isfinite(d.alpha):
+        return f"--alpha must be finite (got {d.alpha}); try 0.5 for label skew"
     if d.classes_per_node < 1:
         return f"--classes-per-node must be >= 1 (got {d.classes_per_node})"
     if d.partitioner == "natural" and not d.partition_by:
         return "--partitioner natural needs --partition-by COLUMN"
-    if d.seed < 0:
-        return f"--seed must be >= 0 (got {d.seed})"
+    if not 0 <= d.seed < MAX_SEED:
+        return f"--seed must be >= 0 and < {MAX_SEED} (got {d.seed})"
     if not 0 < d.test_fraction < 1:
         return f"test fraction must be in (0, 1) (got {d.test_fraction})"
     return None
@@ -295,12 +300,12 @@ def _check_train(c: RunConfig) -> str | None:
         return f"--local-epochs must be >= 1 (got {t.local_epochs})"
     if t.batch_size < 1:
         return f"--batch-size must be >= 1 (got {t.batch_size})"
-    if not t.lr > 0:
-        return f"--lr must be > 0 (got {t.lr})"
+    if not 0 < t.lr < math.inf:
+        return f"--lr must be > 0 and finite (got {t.lr})"
     if not 0 <= t.momentum < 1:
         return f"--momentum must be in [0, 1) (got {t.momentum})"
-    if t.weight_decay < 0:
-        return f"--weight-decay must be >= 0 (got {t.weight_decay})"
+    if not 0 <= t.weight_decay < math.inf:
+        return f"--weight-decay must be >= 0 and finite (got {t.weight_decay})"
     return None
 
 
@@ -338,19 +343,39 @@ def _check_strategy(c: RunConfig) -> str | None:
 
 
 def _convert(key: str, value: Any, f: dataclasses.Field, hint: Any) -> Any:
+    """``value`` as the field's type: strict (no silent truncation, no empty names)."""
     kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+    optional = type(None) in typing.get_args(hint)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        if optional:
+            return None
+        raise UserError(f"setting {key!r} needs a value (default: {f.default!r})")
     try:
-        if value is None or value == "":
-            return None if type(None) in typing.get_args(hint) else f.default
         if kind is bool:
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError(value)
-                return value.lower() in ("true", "1", "yes")
-            return bool(value)
+            return _to_bool(value)
+        if kind is int:
+            return _to_int(value)
+        if kind is float and isinstance(value, bool):
+            raise ValueError(value)
         return kind(value)
     except (TypeError, ValueError):
         raise UserError(f"setting {key!r} expects {kind.__name__}, got {value!r}") from None
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(value)
+        return value.lower() in ("true", "1", "yes")
+    if value not in (True, False, 0, 1):
+        raise ValueError(value)
+    return bool(value)
+
+
+def _to_int(value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(value)
+    return int(value)
 
 
 def _convert_option(option, value: Any) -> Any:

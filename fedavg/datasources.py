@@ -110,7 +110,8 @@ def _quiet_hub_logs() -> None:
     """Keep the hub's retry chatter and pyarrow's warnings off the user's terminal."""
     import datasets
 
-    datasets.logging.set_verbosity_error()
+    # CRITICAL: its error lines repeat what our one-line error says
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         from huggingface_hub.utils import logging as hub_logging
 

@@ -242,47 +242,47 @@ def predict(
     """
     model = load_model(directory, device="cpu")
     meta = model.fedavg_meta
-    shape = tuple(meta["input"]["shape"])
     dev = resolve_device(device)
-    names: list[str] = []
-    batches: list[np.ndarray] = []
     items = _collect(inputs)
-    images = [p for kind, p in items if kind == "image"]
-    if images:
-        if len(shape) != 3:
-            raise UserError("this model takes feature vectors, not images: pass a dataset")
-        mode = "L" if shape[0] == 1 else "RGB"
-        for note in input_notes(images, shape):
-            if on_note is None:
-                warnings.warn(note, UserWarning, stacklevel=2)
-            else:
-                on_note(note)
-        x = decode_images([str(p) for p in images], "the inputs", size=shape[1:], mode=mode)
-        if meta["input"].get("dtype") != "uint8":
-            x = x.astype(np.float32) / 255.0
-        batches.append(x)
-        names.extend(str(p) for p in images)
-    for kind, source in items:
-        if kind != "dataset":
-            continue
-        data = load(source)
-        if split not in data.splits:
-            raise UserError(f"{source} has no split {split!r}; splits: {', '.join(data.splits)}")
-        part = conform(data.splits[split], source, meta["input"]["shape"])
-        batches.append(part.x)
-        names.extend(f"{source}#{split}[{i}]" for i in range(len(part)))
+    batches = [_image_batch([p for kind, p in items if kind == "image"], meta,
+                            on_note or (lambda n: warnings.warn(n, UserWarning, stacklevel=3)))]
+    batches += [_dataset_batch(source, split, meta) for kind, source in items
+                if kind == "dataset"]
     rows = []
     classes = meta["classes"]
-    offset = 0
-    for x in batches:
+    for x, names in (b for b in batches if b is not None):
         proba = predict_proba(model, x, meta["input"], batch_size=batch_size, device=dev)
         conf, idx = proba.max(dim=1)
-        for j in range(len(x)):
+        for j, name in enumerate(names):
             k = int(idx[j])
-            rows.append({"input": names[offset + j], "prediction": classes[k],
+            rows.append({"input": name, "prediction": classes[k],
                          "class_index": k, "confidence": round(float(conf[j]), 6)})
-        offset += len(x)
     return rows
+
+
+def _image_batch(images: list[Path], meta: dict[str, Any], on_note: Callable[[str], None]):
+    """Decode image files for the model of ``meta``: ``(x, names)``, or ``None``."""
+    if not images:
+        return None
+    shape = tuple(meta["input"]["shape"])
+    if len(shape) != 3:
+        raise UserError("this model takes feature vectors, not images: pass a dataset")
+    for note in input_notes(images, shape):
+        on_note(note)
+    mode = "L" if shape[0] == 1 else "RGB"
+    x = decode_images([str(p) for p in images], "the inputs", size=shape[1:], mode=mode)
+    if meta["input"].get("dtype") != "uint8":
+        x = x.astype(np.float32) / 255.0
+    return x, [str(p) for p in images]
+
+
+def _dataset_batch(source: str, split: str, meta: dict[str, Any]):
+    """Load the ``split`` of a dataset, checked against the model's inputs: ``(x, names)``."""
+    data = load(source)
+    if split not in data.splits:
+        raise UserError(f"{source} has no split {split!r}; splits: {', '.join(data.splits)}")
+    part = conform(data.splits[split], source, meta["input"]["shape"])
+    return part.x, [f"{source}#{split}[{i}]" for i in range(len(part))]
 
 
 #: An image resized by more than this factor (height or width, up or down) gets a note.

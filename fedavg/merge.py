@@ -10,6 +10,7 @@ from fedavg import checkpoint
 from fedavg.config import RunConfig
 from fedavg.data import Split, conform, holdout, load
 from fedavg.errors import UserError
+from fedavg.run import make_output
 
 
 def model_dirs(paths: Sequence[str | Path]) -> list[Path]:
@@ -54,6 +55,7 @@ def merge_models(
     config: RunConfig | None = None,
     *,
     dataset: str | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Merge saved single models (e.g. a run's ``nodes/*``) into one artifact in ``output``.
 
@@ -69,6 +71,8 @@ def merge_models(
         name the held-out and unlabeled datasets for data-driven strategies.
     dataset : str, optional
         Evaluate the merged model on this dataset's test split.
+    overwrite : bool
+        Allow ``output`` to hold a previous run or merge, whose files are replaced.
 
     Returns
     -------
@@ -80,12 +84,14 @@ def merge_models(
     ------
     UserError
         Missing or damaged models, models of different architectures or classes, a
-        strategy that needs data it was not given.
+        strategy that needs data it was not given, an output folder that holds a run
+        (without ``overwrite``), is one of the inputs or cannot be written.
     """
     t0 = time.monotonic()
-    config = (config or RunConfig()).replace(rounds=1)  # one merge, whatever the method
+    config = (config or RunConfig()).replace(rounds=1).validate()  # one merge, any method
     strategy = config.build_strategy()
     dirs = model_dirs(models)
+    out = _check_output(output, dirs, overwrite)
     loaded = [checkpoint.load(d) for d in dirs]
     first = _check_alike(dirs, [meta for _, meta in loaded])
     validation, distill_x = _merge_data(config, strategy, first)
@@ -93,7 +99,7 @@ def merge_models(
     meta = {k: v for k, v in first.items() if k not in ("format", "kind", "node", "metrics",
                                                         "member_weights", "members")}
     meta.update({"strategy": config.merge.strategy, "merged_from": [str(d) for d in dirs]})
-    out = Path(output)
+    make_output(out)  # created only now: a refused merge leaves no folder
     checkpoint.save_merged(out, merged, meta)
     result: dict[str, Any] = {"num_models": len(dirs), "strategy": config.merge.strategy}
     if dataset:
@@ -107,6 +113,22 @@ def merge_models(
     checkpoint.write_json(out / "summary.json", {**result, "merge_info": merged.info,
                                                  "models": [str(d) for d in dirs]})
     return result
+
+
+def _check_output(output: str | Path, dirs: list[Path], overwrite: bool) -> Path:
+    """Return the output folder, refusing one that holds a run or an input (not created)."""
+    from fedavg.run import check_output
+
+    out = Path(output)
+    if not str(output).strip():
+        raise UserError("--output needs a folder name")
+    resolved = out.expanduser().resolve()
+    for d in dirs:
+        if resolved == d.resolve() or d.resolve().is_relative_to(resolved):
+            raise UserError(f"--output {out} holds the models being merged ({d}); choose "
+                            "another folder")
+    check_output(out, overwrite)
+    return out
 
 
 def _check_alike(dirs: list[Path], metas: list[dict[str, Any]]) -> dict[str, Any]:

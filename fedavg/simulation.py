@@ -61,7 +61,9 @@ def _backend_config(device: str, cpus_per_node: float, gpus_per_node: float | No
         gpus_per_node = 1.0 if gpus else 0.0
     if cpus_per_node <= 0 or cpus_per_node > cores:
         raise UserError(f"--cpus-per-node must be in (0, {cores}] on this machine")
-    if gpus_per_node < 0 or (gpus_per_node > 0 and not gpus):
+    if not gpus_per_node >= 0:
+        raise UserError(f"--gpus-per-node must be >= 0 (got {gpus_per_node:g})")
+    if gpus_per_node > 0 and not gpus:
         raise UserError("--gpus-per-node > 0 needs a CUDA device; use --device cpu")
     return {
         "client_resources": {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node},
@@ -119,7 +121,10 @@ def simulate(
         A round in which no node produced a usable model; finished rounds stay saved.
     """
     started = time.monotonic()
-    config = config or RunConfig()
+    config = RunConfig() if config is None else config
+    if not isinstance(config, RunConfig):
+        raise TypeError(f"config must be a RunConfig, got {type(config).__name__}; pass "
+                        "settings as keywords: simulate(dataset=..., num_nodes=...)")
     if overrides:
         config = config.replace(**overrides)
     config.validate()

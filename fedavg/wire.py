@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, fields
 from typing import Any
@@ -87,12 +88,13 @@ class TrainSettings:
 
     @classmethod
     def from_record(cls, record) -> TrainSettings:
-        """Decode a round's ConfigRecord.
+        """Decode and check a round's ConfigRecord.
 
         Raises
         ------
         ValueError
-            A missing entry, naming it.
+            A missing entry, one of the wrong type or bad JSON, or a value out of range,
+            naming the entry (the node replies with this error; nothing is trained).
         """
         hints = typing.get_type_hints(cls)
         values = {}
@@ -102,7 +104,45 @@ class TrainSettings:
                 if f.default is dataclasses.MISSING:
                     raise ValueError(f"the round's config has no {key!r}")
                 continue
-            raw = record[key]
-            values[f.name] = (json.loads(str(raw)) if f.name in cls._JSON
-                              else hints[f.name](raw))
-        return cls(**values)
+            values[f.name] = _decode(key, record[key], hints[f.name], f.name in cls._JSON)
+        settings = cls(**values)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        """Check the values a node trains with.
+
+        Raises
+        ------
+        ValueError
+            The first value out of range, naming its entry.
+        """
+        problems = [
+            ("model", isinstance(self.model, dict) and "name" in self.model, "a model spec"),
+            ("input", isinstance(self.input, dict), "an input spec"),
+            ("classes", isinstance(self.classes, list) and bool(self.classes),
+             "a list of class names"),
+            ("local-epochs", self.local_epochs >= 1, ">= 1"),
+            ("batch-size", self.batch_size >= 1, ">= 1"),
+            ("lr", 0 < self.lr < math.inf, "a finite number > 0"),
+            ("momentum", 0 <= self.momentum < 1, "in [0, 1)"),
+            ("weight-decay", 0 <= self.weight_decay < math.inf, "a finite number >= 0"),
+            ("proximal-mu", 0 <= self.proximal_mu < math.inf, "a finite number >= 0"),
+        ]
+        for key, ok, need in problems:
+            if not ok:
+                raise ValueError(f"the round's {key!r} must be {need} (got "
+                                 f"{getattr(self, key.replace('-', '_'))!r})")
+
+
+def _decode(key: str, raw: Any, kind: Any, is_json: bool) -> Any:
+    try:
+        if is_json:
+            return json.loads(str(raw))
+        if isinstance(raw, bool) or (kind is int and isinstance(raw, float)
+                                     and not raw.is_integer()):
+            raise ValueError(raw)
+        return kind(raw)
+    except (TypeError, ValueError):  # json.JSONDecodeError is a ValueError
+        what = "JSON" if is_json else kind.__name__
+        raise ValueError(f"the round's {key!r} is not {what}: {str(raw)[:60]!r}") from None

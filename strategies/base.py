@@ -7,6 +7,7 @@ one state dict, whatever the number of nodes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -143,20 +144,25 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
     def convert(self, value: Any) -> Any:
-        """``value`` as this option's type.
+        """Return ``value`` as this option's type.
 
         Raises
         ------
         ValueError
-            Not convertible, or not one of ``choices``.
+            Not convertible (``1.5`` for an int, a bool for a number), not finite, or not
+            one of ``choices``.
         """
+        wrong = ValueError(f"{self.flag} expects {self.type.__name__}, got {value!r}")
+        if isinstance(value, bool) or (isinstance(value, str) and not value.strip()):
+            raise wrong
         try:
             out = self.type(value)
         except (TypeError, ValueError):
-            raise ValueError(f"{self.flag} expects {self.type.__name__}, got {value!r}") from None
-        if isinstance(value, bool) or (self.type is int and isinstance(value, float)
-                                       and value != out):
-            raise ValueError(f"{self.flag} expects {self.type.__name__}, got {value!r}")
+            raise wrong from None
+        if self.type is int and isinstance(value, float) and value != out:
+            raise wrong
+        if self.type is float and not math.isfinite(out):
+            raise ValueError(f"{self.flag} must be a finite number (got {value!r})")
         if self.choices and out not in self.choices:
             raise ValueError(f"{self.flag} must be one of {', '.join(self.choices)} "
                              f"(got {value!r})")

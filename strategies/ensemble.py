@@ -143,10 +143,12 @@ class Distill(_Collect):
 
     def check(self) -> None:
         """Check that steps and batch size are >= 1, learning rate and temperature > 0."""
-        if self.distill_steps < 1 or self.distill_batch_size < 1 or not self.distill_lr > 0 \
-                or not self.distill_temperature > 0:
-            raise ValueError("distillation needs --distill-steps >= 1, --distill-batch-size "
-                             ">= 1, --distill-lr > 0 and --distill-temperature > 0")
+        for flag, value, ok in (("--distill-steps", self.distill_steps, ">= 1"),
+                                ("--distill-batch-size", self.distill_batch_size, ">= 1"),
+                                ("--distill-lr", self.distill_lr, "> 0"),
+                                ("--distill-temperature", self.distill_temperature, "> 0")):
+            if not (value >= 1 if ok == ">= 1" else value > 0):
+                raise ValueError(f"{flag} must be {ok} (got {value})")
 
     def combine(self) -> Merged:
         """Return one network distilled from the weighted ensemble of the collected models.

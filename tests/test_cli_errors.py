@@ -157,6 +157,19 @@ def test_subprocess_errors(tmp_path, case):
     assert expected in line
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["simulate", "--strategy", "fedavgm", "--server-lr", "abc"],
+     "Invalid value for '--server-lr': 'abc' is not a valid float"),
+    (["simulate", "--mu"], "Option '--mu' requires an argument"),
+    (["simulate", "--no-such-option", "1"], "No such option"),
+])
+def test_subprocess_usage_mistakes_are_one_line(tmp_path, args, expected):
+    res = run_cli(args, tmp_path)
+    assert res.returncode == 2, res.stderr
+    line = assert_one_error_line(res.stderr)
+    assert expected in line and "fedavg simulate --help" in line
+
+
 def test_subprocess_corrupt_model(tmp_path):
     folder = tmp_path / "broken"
     folder.mkdir()
@@ -191,6 +204,16 @@ def test_subprocess_missing_image_in_subfolder(tmp_path, model_dir):
     (["--lr", "0"], "--lr must be > 0"),
     (["--momentum", "1"], "--momentum must be in [0, 1)"),
     (["--device", "quantum"], "unknown device 'quantum'"),
+    (["--seed", "99999999999999999999999"], "--seed must be >= 0 and < 2147483648"),
+    (["--strategy", ""], "setting 'strategy' needs a value"),
+    (["--model", " "], "setting 'model' needs a value"),
+    (["--strategy", "fedavgm", "--server-lr", "inf"], "--server-lr must be a finite number"),
+    (["--strategy", "fedprox", "--mu", "nan"], "--mu must be a finite number"),
+    (["--weight-decay", "nan"], "--weight-decay must be >= 0 and finite"),
+    (["--lr", "inf"], "--lr must be > 0 and finite"),
+    (["--alpha", "inf", "--partitioner", "dirichlet"], "--alpha must be finite"),
+    (["--strategy", "distill", "--rounds", "1", "--distill-lr", "0"], "--distill-lr must be > 0"),
+    (["--gpus-per-node", "-1"], "--gpus-per-node must be >= 0"),
 ])
 def test_simulate_bad_options(invoke, args, expected):
     code, stderr = invoke("simulate", *args)

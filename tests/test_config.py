@@ -76,3 +76,17 @@ def test_strategy_option_values_are_checked_when_built():
     cfg = RunConfig().replace(strategy="trimmed-mean", beta=0.7).validate()
     with pytest.raises(UserError, match="--beta must be in"):
         cfg.build_strategy()
+
+
+@pytest.mark.parametrize("flat, message", [
+    ({"num-nodes": 1.5}, "expects int"),
+    ({"num-nodes": True}, "expects int"),
+    ({"lr": True}, "expects float"),
+    ({"save-node-models": 2}, "expects bool"),
+    ({"dataset": ""}, "needs a value"),
+    ({"num-malicious": 1.5}, "expects int"),
+])
+def test_from_flat_never_truncates_or_guesses(flat, message):
+    with pytest.raises(UserError, match=message):
+        RunConfig.from_flat(flat)
+    assert RunConfig.from_flat({"num-nodes": 3.0, "image-column": ""}).merge.num_nodes == 3

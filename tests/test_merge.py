@@ -75,6 +75,27 @@ def test_merge_user_errors(tmp_path, node_models, args, message):
     assert not (tmp_path / "x" / "model.safetensors").exists()
 
 
+def test_merge_never_writes_over_a_run_or_its_inputs(tmp_path, node_models):
+    folder, dirs = node_models
+    before = (dirs[0] / "model.safetensors").read_bytes()
+    for target, message in ((dirs[0], "holds the models being merged"),
+                            (folder, "holds the models being merged")):
+        res = runner.invoke(app, ["merge", str(folder), "--output", str(target)])
+        assert res.exit_code == 2 and message in res.output, res.output
+    assert (dirs[0] / "model.safetensors").read_bytes() == before
+    out = tmp_path / "merged"
+    assert runner.invoke(app, ["merge", str(folder), "--output", str(out)]).exit_code == 0
+    again = runner.invoke(app, ["merge", str(folder), "--output", str(out)])
+    assert again.exit_code == 2 and "already holds a run" in again.output
+    assert runner.invoke(app, ["merge", str(folder), "--output", str(out),
+                               "--overwrite"]).exit_code == 0
+    (tmp_path / "a-file").write_text("x")
+    for bad in (tmp_path / "a-file", tmp_path / "a-file" / "sub"):
+        res = runner.invoke(app, ["merge", str(folder), "--output", str(bad)])
+        assert res.exit_code == 2, res.output
+        assert isinstance(res.exception, SystemExit) and "Traceback" not in res.output
+
+
 def test_merge_refuses_mixed_architectures(tmp_path, node_models):
     folder, _ = node_models
     other = tmp_path / "nodes" / "node-9"

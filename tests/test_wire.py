@@ -49,3 +49,20 @@ def test_for_run_takes_the_strategy_node_settings():
     assert (got.proximal_mu, got.lr, got.local_epochs, got.seed) == (0.3, 0.02, 2, 5)
     plain = TrainSettings.for_run(RunConfig(), meta, strategies.get("fedavg"))
     assert plain.proximal_mu == 0.0
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("local-epochs", 0, "'local-epochs' must be >= 1"),
+    ("batch-size", -5, "'batch-size' must be >= 1"),
+    ("lr", float("inf"), "'lr' must be a finite number > 0"),
+    ("momentum", 5.0, "'momentum' must be in [0, 1)"),
+    ("local-epochs", 1.7, "'local-epochs' is not int"),
+    ("lr", "fast", "'lr' is not float"),
+    ("model", "{bad json", "'model' is not JSON"),
+    ("classes", "5", "'classes' must be a list of class names"),
+])
+def test_a_malformed_round_config_is_refused_naming_the_entry(key, value, message):
+    record = _settings().to_record()
+    record[key] = value
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)")):
+        TrainSettings.from_record(record)
