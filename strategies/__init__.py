@@ -3,14 +3,16 @@
 >>> import strategies
 >>> merge = strategies.get("fedavg")
 >>> merged = merge.merge([sd_a, sd_b], weights=[100, 300])   # doctest: +SKIP
+
+Other installed packages add strategies through the ``fedavg.strategies`` entry-point group
+(see :func:`strategies.base.load_plugins`).
 """
 
-# Importing a strategy module registers it.
-from strategies import ensemble as _ensemble  # noqa: E402,F401
-from strategies import fedavg as _fedavg  # noqa: E402,F401
-from strategies import fedopt as _fedopt  # noqa: E402,F401
-from strategies import robust as _robust  # noqa: E402,F401
-from strategies import soup as _soup  # noqa: E402,F401
+from strategies import ensemble as _ensemble  # noqa: F401  (importing a module registers it)
+from strategies import fedavg as _fedavg  # noqa: F401
+from strategies import fedopt as _fedopt  # noqa: F401
+from strategies import robust as _robust  # noqa: F401
+from strategies import soup as _soup  # noqa: F401
 from strategies.base import (
     MergeContext,
     Merged,
@@ -23,11 +25,17 @@ from strategies.base import (
     all_options,
     available,
     get,
+    load_plugins,
     register,
     strategy_class,
 )
 
+#: Entry-point group through which other installed packages add strategies.
+ENTRY_POINT_GROUP = "fedavg.strategies"
+load_plugins(ENTRY_POINT_GROUP)
+
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "MergeContext",
     "MergeError",
     "Merged",
@@ -39,6 +47,7 @@ __all__ = [
     "all_options",
     "available",
     "get",
+    "load_plugins",
     "register",
     "strategy_class",
 ]

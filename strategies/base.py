@@ -330,6 +330,37 @@ def get(name: str, **options: Any) -> Strategy:
     return strategy_class(name)(**options)
 
 
+def load_plugins(group: str) -> list[str]:
+    """Import the strategy modules other installed packages declare as entry points.
+
+    A package adds strategies with, in its ``pyproject.toml``::
+
+        [project.entry-points."fedavg.strategies"]
+        scaled = "my_package.scaled"      # a module whose @register classes are added
+
+    Returns
+    -------
+    list of str
+        The entry points loaded.
+
+    Raises
+    ------
+    ImportError
+        An entry point's module cannot be imported, naming the entry point.
+    """
+    from importlib.metadata import entry_points
+
+    loaded = []
+    for ep in entry_points(group=group):
+        try:
+            ep.load()
+        except Exception as exc:
+            raise ImportError(f"strategy plugin {ep.name!r} ({ep.value}) failed to load: "
+                              f"{exc}") from exc
+        loaded.append(ep.name)
+    return loaded
+
+
 def all_options() -> dict[str, list[tuple[str, Option]]]:
     """Return every declared option by name, with the strategies declaring it.
 

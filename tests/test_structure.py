@@ -116,3 +116,40 @@ def test_no_function_over_80_lines_and_no_oversized_module():
                 long_modules.append(f"{rel} ({lines} lines)")
     assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
     assert not long_modules, f"modules over {MAX_MODULE_LINES} lines: {long_modules}"
+
+
+PLUGIN = '''
+from strategies.base import Option, register
+from strategies.fedavg import FedAvg
+
+
+@register
+class Halved(FedAvg):
+    name = "plugin-halved"
+    description = "FedAvg, then halved (a plugin)"
+    paper = "none"
+    options = (Option("plugin_factor", float, 0.5, "Factor after averaging"),)
+'''
+
+
+def test_an_installed_package_adds_a_strategy_through_its_entry_point(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "my_plugin.py").write_text(PLUGIN)
+    info = tmp_path / "my_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[fedavg.strategies]\nhalved = my_plugin\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "COLUMNS": "200"}
+    listed = subprocess.run([sys.executable, "-m", "fedavg.cli", "strategies"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert "plugin-halved" in listed.stdout and "--plugin-factor" in listed.stdout
+    refused = subprocess.run([sys.executable, "-m", "fedavg.cli", "simulate", "--strategy",
+                              "fedavg", "--plugin-factor", "2"], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2
+    assert "strategy fedavg does not take --plugin-factor" in refused.stderr
