@@ -28,6 +28,8 @@ from fedavg import keys
 
 #: Run ids the coordinator has announced as finished (``fedavg node --once`` exits on one).
 FINISHED_RUNS: set[int] = set()
+#: Run ids the coordinator has announced as failed, with the one-line reason.
+FAILED_RUNS: dict[int, str] = {}
 
 client_app = ClientApp()
 
@@ -107,7 +109,9 @@ def _train(message: Message, context: Context) -> Message:
 @client_app.query()
 def _query(message: Message, context: Context) -> Message:
     cfg = message.content.config_records.get(keys.CONFIG, ConfigRecord())
-    if cfg.get("run-finished"):
+    if cfg.get(keys.RUN_FAILED):
+        FAILED_RUNS[message.metadata.run_id] = str(cfg[keys.RUN_FAILED])
+    elif cfg.get(keys.RUN_FINISHED):
         FINISHED_RUNS.add(message.metadata.run_id)
     return Message(RecordDict(), reply_to=message)
 

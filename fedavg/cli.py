@@ -246,6 +246,8 @@ def coordinator(
     output: Annotated[Optional[Path], typer.Option(
         help="Run folder (default runs/<timestamp>)")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace a previous run in --output")] = False,
+    verbose: Annotated[bool, typer.Option(
+        help="Show Flower's logs and every SuperLink line")] = False,
     **settings: Any,
 ) -> None:
     """Coordinate training across machines: start a Flower SuperLink and run the rounds."""
@@ -268,7 +270,7 @@ def coordinator(
         coordinate(config, console=console, address=address, certs=certs, insecure=insecure,
                    auth_keys=auth_keys, min_nodes=min_nodes,
                    min_nodes_per_round=min_nodes_per_round, wait_timeout=wait_timeout,
-                   output=output, overwrite=overwrite)
+                   output=output, overwrite=overwrite, verbose=verbose)
 
 
 def _setup_logging() -> None:

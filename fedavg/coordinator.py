@@ -82,15 +82,18 @@ class Deployment:
             time.sleep(0.2)
 
 
-def announce_end(grid: Grid, wait_s: float = 5.0) -> None:
+def announce_end(grid: Grid, wait_s: float = 5.0, failure: str | None = None) -> None:
     """Tell every connected node the run is over (a ``query`` message).
 
-    Nodes started with ``--once`` exit on it. Waits at most ``wait_s`` seconds for the
-    acknowledgements.
+    The message's config record holds ``run-finished: True``, or ``run-failed: <failure>``
+    when the run failed (:data:`fedavg.keys.RUN_FAILED`). Nodes started with ``--once`` exit
+    on it. Waits at most ``wait_s`` seconds for the acknowledgements.
     """
+    entry = {keys.RUN_FINISHED: True} if failure is None else {keys.RUN_FAILED: failure}
+
     def tell() -> None:
         try:
-            record = RecordDict({keys.CONFIG: ConfigRecord({keys.RUN_FINISHED: True})})
+            record = RecordDict({keys.CONFIG: ConfigRecord(entry)})
             messages = [Message(record, dst_node_id=node, message_type="query")
                         for node in grid.get_node_ids()]
             pending = set(grid.push_messages(messages))
@@ -106,6 +109,16 @@ def announce_end(grid: Grid, wait_s: float = 5.0) -> None:
     thread = threading.Thread(target=tell, daemon=True)
     thread.start()
     thread.join(wait_s)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """One line saying why a run failed, for the nodes (at most 300 characters)."""
+    from fedavg.errors import RunError, UserError
+
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    if not isinstance(exc, (RunError, UserError)):
+        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return (text or "unknown error")[:300]
 
 
 class ServerRun:
@@ -243,7 +256,8 @@ def make_server_app(config: RunConfig, prepared: Prepared, output: Path, state: 
                     deployment: Deployment | None = None) -> ServerApp:
     """Build the coordinator ServerApp for one run (see :class:`ServerRun`).
 
-    An exception in the run is kept in ``state.error`` (engines may wrap it) and re-raised.
+    An exception in the run is kept in ``state.error`` (engines may wrap it) and re-raised;
+    with a ``deployment``, the connected nodes are first told that the run failed and why.
     """
     app = ServerApp()
     run = ServerRun(config, prepared, output, state, progress, deployment)
@@ -254,6 +268,9 @@ def make_server_app(config: RunConfig, prepared: Prepared, output: Path, state: 
             run(grid)
         except BaseException as exc:
             state.error = exc
+            if deployment is not None and isinstance(exc, Exception):
+                # tell the nodes why, before the SuperLink goes
+                announce_end(grid, failure=failure_reason(exc))
             raise
 
     return app

@@ -34,3 +34,7 @@ SERVER_ROUND = "server-round"
 
 RUN_FINISHED = "run-finished"
 """Config key of the coordinator's end-of-run ``query`` message to every node."""
+
+RUN_FAILED = "run-failed"
+"""Config key of the coordinator's end-of-run ``query`` message when the run failed: the
+one-line reason (sent instead of :data:`RUN_FINISHED`)."""

@@ -50,7 +50,7 @@ def test_coordinator_takes_the_training_options_of_simulate():
                for c in ("simulate", "coordinator")}
     shared = options["simulate"] - {"num_nodes", "cpus_per_node", "gpus_per_node", "verbose"}
     assert shared <= options["coordinator"], shared - options["coordinator"]
-    assert {"mu", "server_lr", "local_epochs", "alpha"} <= options["coordinator"]
+    assert {"mu", "server_lr", "local_epochs", "alpha", "verbose"} <= options["coordinator"]
 
 
 @pytest.mark.parametrize("width", [60, 80, 200])

@@ -77,6 +77,14 @@ class Cluster:
             raise AssertionError(f"{proc.name} still running after {timeout} s:\n"
                                  f"{self.log(proc.name)[-3000:]}") from None
 
+    def wait_for(self, name: str, pattern: str, timeout=120) -> str:
+        """Wait until the log of NAME matches ``pattern`` (a regex); return the log."""
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, text := self.log(name)):
+            assert time.monotonic() < deadline, f"no {pattern!r} in {name}:\n{text[-3000:]}"
+            time.sleep(0.2)
+        return text
+
     def close(self):
         """Stop every command, then fail if any process of the cluster is left."""
         for p in self.procs:
@@ -114,6 +122,16 @@ def certs(tmp_path_factory):
 def rounds_of(out):
     """Read the rounds of ``metrics.jsonl`` in run folder ``out``."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def misfit_data(folder):
+    """Write a CSV that does not fit the digits model (10 features; it takes 8x8 images)."""
+    bad = folder / "bad.csv"
+    rng = np.random.default_rng(0)
+    rows = [",".join([f"f{i}" for i in range(10)] + ["label"])]
+    rows += [",".join(f"{v:.3f}" for v in rng.random(10)) + f",{i % 3}" for i in range(60)]
+    bad.write_text("\n".join(rows) + "\n")
+    return bad
 
 
 def test_coordinator_and_three_nodes_over_tls(cluster, certs, tmp_path):
@@ -172,12 +190,7 @@ def test_node_killed_in_round_two_run_still_finishes(cluster, tmp_path):
 
 def test_node_training_error_reported_within_seconds(cluster, tmp_path):
     """A node's training error reaches the coordinator at once, with the node's message."""
-    # a node whose data does not fit the model (10 features; the model takes 8x8 images)
-    bad = tmp_path / "bad.csv"
-    rng = np.random.default_rng(0)
-    rows = ["," .join([f"f{i}" for i in range(10)] + ["label"])]
-    rows += [",".join(f"{v:.3f}" for v in rng.random(10)) + f",{i % 3}" for i in range(60)]
-    bad.write_text("\n".join(rows) + "\n")
+    bad = misfit_data(tmp_path)
     out = tmp_path / "run"
     coord = cluster.coordinator("--rounds", "2", "--min-nodes", "2", "--min-nodes-per-round",
                                 "1", "--insecure", "--output", out)
@@ -197,6 +210,47 @@ def test_node_training_error_reported_within_seconds(cluster, tmp_path):
     assert cluster.wait(coord) == 0, text
     assert cluster.wait(good, 60) == 0
     assert "task failed, reported to the coordinator" in cluster.log("bad")
+
+
+def test_a_failed_run_is_told_to_its_nodes(cluster, tmp_path):
+    """A run that fails: its --once nodes exit 1 at once, saying why."""
+    out = tmp_path / "run"
+    coord = cluster.coordinator("--rounds", "2", "--min-nodes", "2", "--min-nodes-per-round",
+                                "2", "--insecure", "--output", out)
+    good = cluster.node("good", "--insecure", "--once")
+    bad = cluster.node("bad", "--insecure", "--dataset", misfit_data(tmp_path), "--once")
+    reason = "round 1: only 1 usable model(s), fewer than --min-nodes-per-round 2"
+    assert cluster.wait(coord) == 1, cluster.log("coordinator")
+    assert reason in cluster.log("coordinator")
+    ended = time.monotonic()
+    for node in (good, bad):
+        assert cluster.wait(node, 20) == 1, cluster.log(node.name)
+        text = cluster.log(node.name)
+        assert f"run failed: {reason}" in text and "lost the coordinator" not in text, text
+    assert time.monotonic() - ended < 15  # told, not left to find the coordinator gone (30 s)
+
+
+def test_two_nodes_with_one_key(cluster, certs, tmp_path):
+    """A second node with a key already connected: exit 2 with one line; the run goes on."""
+    coord = cluster.coordinator("--rounds", "1", "--min-nodes", "2", "--certs", certs,
+                                "--auth-keys", certs / "authorized-nodes.pub",
+                                "--output", tmp_path / "run", "--wait-timeout", "120")
+    first = cluster.node("first", "--certs", certs, "--auth-key", certs / "node-0.key", "--once")
+    cluster.wait_for("first", "connected to")
+    again = cluster.node("again", "--certs", certs, "--auth-key", certs / "node-0.key")
+    assert cluster.wait(again, 60) == 2, cluster.log("again")
+    text = cluster.log("again")
+    assert f"error: a node with this key is already connected to {cluster.address}: give each " \
+        "node its own key (node-<i>.key from `fedavg certs --nodes N`)" in text, text
+    assert "PUBLIC KEY" not in text and "retrying" not in text and "Traceback" not in text
+    second = cluster.node("second", "--certs", certs, "--auth-key", certs / "node-1.key",
+                          "--once")
+    assert cluster.wait(coord) == 0, cluster.log("coordinator")
+    for node in (first, second):
+        assert cluster.wait(node, 60) == 0, cluster.log(node.name)
+    text = cluster.log("coordinator")
+    assert re.search(r"refused a node whose key is already in use by connected node \d+: give "
+                     r"each node its own key", text) and "PUBLIC KEY" not in text, text
 
 
 def test_wrong_certificate_and_unknown_key_are_refused(cluster, certs, tmp_path):
@@ -224,7 +278,10 @@ def test_wrong_certificate_and_unknown_key_are_refused(cluster, certs, tmp_path)
     ok = cluster.node("ok", "--certs", certs, "--auth-key", certs / "node-1.key", "--once")
     assert cluster.wait(coord) == 0, cluster.log("coordinator")
     assert cluster.wait(ok, 60) == 0
-    assert "node authentication" in cluster.log("coordinator")
+    text = cluster.log("coordinator")
+    assert "node authentication" in text and "PUBLIC KEY" not in text, text
+    assert "refused a node whose key is not in --auth-keys" in text
+    assert "refused a node without a key" in text
     assert len(rounds_of(out)) == 1
 
 
@@ -270,15 +327,20 @@ def test_a_serving_node_joins_the_next_coordinator_run(cluster, tmp_path):
                                 "--output", tmp_path / "run1")
     node = cluster.node("node", "--insecure")
     assert cluster.wait(first, 120) == 0, cluster.log("coordinator")
+    time.sleep(6)  # the node retries the gone coordinator meanwhile (0.1, 1.5, 2.6 s ...)
     # a new coordinator (a new SuperLink, which does not know the node) on the same port
     second = cluster.start("coordinator2", "coordinator", "--address", cluster.address,
                            "--rounds", "2", "--min-nodes", "1", "--insecure",
                            "--output", tmp_path / "run2", "--wait-timeout", "120")
     assert cluster.wait(second, 180) == 0, cluster.log("coordinator2") + cluster.log("node")
     assert len(rounds_of(tmp_path / "run2")) == 2
-    text = cluster.log("node")
-    assert "finished; waiting for the next run" in text
+    text = cluster.wait_for("node", r"(?s)(waiting for the next run.*){2}", 30)
     assert text.count("joined run") == 2
+    # the end of the first run is said once; then nothing until the node is back
+    waiting = re.search(r"run \d+ finished; waiting for the next run\n", text)
+    assert waiting, text
+    between = text[waiting.end():text.index("joined run", waiting.end())]
+    assert re.fullmatch(r"connected to \S+ as node \d+\n", between), text
     assert node.poll() is None
     node.send_signal(signal.SIGTERM)
     assert cluster.wait(node, 30) == 130

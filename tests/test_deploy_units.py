@@ -321,3 +321,142 @@ def test_bad_keys_certificates_and_ports_are_one_line(tmp_path):
             assert words in res.stderr, (args, res.stderr)
             assert "Traceback" not in res.stderr
     assert not (tmp_path / "never").exists()  # a coordinator that could not start wrote nothing
+
+
+def test_superlink_refusals_are_one_line():
+    """The SuperLink's refusal lines (a whole PEM key each) become one readable line."""
+    from fedavg.flower_compat import superlink_node_refusal
+
+    head = "ERROR :     [/v1/fleet/activate-node][ApiError:{}] Attempted to register SuperNode " \
+           "with public key: b'-----BEGIN PUBLIC KEY-----\\nMHYwEAYHKoZIzj0CAQYFK4EEACIDYgAE\\n" \
+           "-----END PUBLIC KEY-----\\n'"
+    in_use = superlink_node_refusal(head.format(2004) + ", exception: SuperNode with node ID "
+                                    "123 could not be activated.")
+    assert in_use == ("refused a node whose key is already in use by connected node 123: give "
+                      "each node its own key (node-<i>.key from `fedavg certs --nodes N`)")
+    unknown = superlink_node_refusal(head.format(2004) + ", exception: No SuperNode found with "
+                                     "the given public key.")
+    assert unknown == "refused a node whose key is not in --auth-keys"
+    assert "without a key" in superlink_node_refusal(
+        head.format(2001).replace("activate-node", "register-node"))
+    assert superlink_node_refusal(head.format(2003) + ", exception: Heartbeat interval 0.0 is "
+                                  "out of bounds [10, 1800].") == ""  # a node's key check
+    assert superlink_node_refusal("ERROR : [Errno 98] address already in use") is None
+
+
+def _node(tmp_path, once):
+    """Make a node (no SuperNode started) whose messages go to a list."""
+    from fedavg.deployment.node import _Node
+
+    said = []
+    node = _Node("127.0.0.1:9", [], None, None, once, None, said.append, tmp_path)
+    node.finished_runs, node.failed_runs = set(), {}
+    return node, said
+
+
+RETRY = "WARNING :   Connection attempt failed, retrying in 0.08 seconds"
+
+
+def test_a_serving_node_waits_quietly_after_a_run(tmp_path):
+    """Unreachable before a run: said; after a run ended: said once, then quiet until back."""
+    node, said = _node(tmp_path, once=False)
+    node.on_line(RETRY)
+    assert said == ["[yellow]node:[/] cannot reach the coordinator at 127.0.0.1:9; "
+                    "retrying in 0.1 s"]
+    said.clear()
+    node.runs, node.finished_runs = {7, 8}, {7}
+    node.failed_runs[8] = "round 1: no usable model from any node (node 3: UserError: shape)"
+    assert node.finished() is False and not node.runs
+    assert said == ["run 7 finished; waiting for the next run",
+                    "run 8 failed: round 1: no usable model from any node (node 3: UserError: "
+                    "shape); waiting for the next run"]
+    said.clear()  # then quiet until the node is connected again
+    for line in (RETRY, "INFO : Connection successful after 3.45 seconds and 4 tries.",
+                 "ERROR : The SuperNode could not establish a connection to the SuperLink."):
+        node.on_line(line)
+    assert said == []
+    node.on_line("INFO :      SuperNode ID: 42")
+    node.on_line(RETRY)
+    assert said[0] == "connected to 127.0.0.1:9 as node [bold]42[/]"
+    assert "cannot reach the coordinator" in said[1]
+
+
+def test_a_once_node_exits_with_the_reason_of_a_failed_run(tmp_path, monkeypatch):
+    """--once: a finished run ends the node; a failed one raises RunError with the reason."""
+    from fedavg.deployment import node as node_module
+    from fedavg.errors import RunError
+
+    monkeypatch.setattr(node_module.time, "sleep", lambda s: None)
+    node, said = _node(tmp_path, once=True)
+    node.runs, node.finished_runs = {7}, {7}
+    assert node.finished() is True and said == ["run 7 finished; exiting (--once)"]
+    node.runs, node.failed_runs = {8}, {8: "round 1: only 0 usable model(s)"}
+    with pytest.raises(RunError, match=r"^round 1: only 0 usable model\(s\)$"):
+        node.finished()
+
+
+def test_a_key_already_connected_is_said_in_one_line(tmp_path, monkeypatch):
+    """Flower refuses an unknown key and one in use alike; the node asks which it was."""
+    import types
+
+    from fedavg import flower_compat
+
+    node, said = _node(tmp_path, once=False)
+    node.certs, node.auth_key = tmp_path, tmp_path / "node-0.key"
+    for registered, words in ((True, "a node with this key is already connected to 127.0.0."
+                                     "1:9: give each node its own key (node-<i>.key from "
+                                     "`fedavg certs --nodes N`)"),
+                              (False, "refused by 127.0.0.1:9: the coordinator refused this "
+                                      "node's key")):
+        monkeypatch.setattr(flower_compat, "node_key_registered", lambda *a, r=registered: r)
+        node._reset()
+        node.key_retries = 3  # no more "may still be starting" retries
+        node.proc = types.SimpleNamespace(lines=[], stop=lambda: None, alive=lambda: False)
+        node.on_line("ERROR : [code: 2004] Failed to activate SuperNode.")
+        node.on_line("ERROR : The SuperNode could not establish a connection to the SuperLink.")
+        assert said == []  # the refusal is said once, by handle_stop
+        with pytest.raises(UserError) as err:
+            node.handle_stop()
+        assert str(err.value).startswith(words), str(err.value)
+
+
+def test_a_failed_run_tells_the_nodes_why(tmp_path, monkeypatch, task_identity):
+    """The coordinator's failure reaches each node's ClientApp as run-failed + the reason."""
+    import types
+
+    from flwr.app import Context, RecordDict
+
+    from fedavg import apps, coordinator
+    from fedavg.errors import RunError
+    from fedavg.run import RunState
+
+    class Grid:  # each message goes to a node's ClientApp, which acknowledges it
+        get_node_ids = staticmethod(lambda: [5])
+        push_messages = staticmethod(lambda msgs: [apps._query(m, None) and "m0" for m in msgs])
+        pull_messages = staticmethod(lambda ids: [types.SimpleNamespace(
+            metadata=types.SimpleNamespace(reply_to_message_id=i)) for i in ids])
+
+    def fail(self, grid):
+        raise RunError("round 1: only 0 usable model(s)\nmore text")
+
+    monkeypatch.setattr(coordinator.ServerRun, "__call__", fail)
+    state = RunState()
+    app = coordinator.make_server_app(RunConfig(), None, tmp_path, state,
+                                      deployment=coordinator.Deployment(1, 1.0, 1))
+    with pytest.raises(RunError):
+        app(Grid(), Context(1, 0, {}, RecordDict(), {}))
+    assert isinstance(state.error, RunError) and 1 not in apps.FINISHED_RUNS
+    assert apps.FAILED_RUNS.pop(1) == "round 1: only 0 usable model(s)"
+    assert coordinator.failure_reason(ValueError("bad\nvalue")) == "ValueError: bad"
+
+
+def test_verbose_coordinator_shows_every_superlink_line():
+    from fedavg.deployment.coordinator import _superlink_echo
+
+    quiet, loud = [], []
+    for said, verbose in ((quiet, False), (loud, True)):
+        echo = _superlink_echo(said.append, verbose)
+        echo("INFO :      Starting Flower SuperLink")
+        echo("ERROR :     something broke")
+    assert len(quiet) == 1 and "something broke" in quiet[0]
+    assert len(loud) == 2 and "Starting Flower SuperLink" in loud[0]

@@ -63,6 +63,7 @@ class _Options:
     min_nodes: int
     per_round: int
     wait_timeout: float
+    verbose: bool = False
 
     @property
     def local(self) -> str:
@@ -92,6 +93,7 @@ def coordinate(
     min_nodes_per_round: int | None = None,
     wait_timeout: float = 300.0,
     overwrite: bool = False,
+    verbose: bool = False,
     console=None,
 ) -> RunResult:
     """Run the coordinator of one run across machines and save the merged model.
@@ -120,6 +122,8 @@ def coordinate(
         Seconds to wait for nodes before failing with a clear error.
     overwrite : bool
         Allow ``output`` to hold a previous run.
+    verbose : bool
+        Show Flower's own logs and every SuperLink output line.
     console : rich.console.Console, optional
         Where to print progress.
 
@@ -148,8 +152,9 @@ def coordinate(
     flower_compat.patch_pull_backoff()
     prepared = prepare(opts.config)
     check_port_free(opts.host, opts.port)
-    quiet_logs(False)
+    quiet_logs(verbose)
     state = RunState()
+    opts.verbose = verbose
     out, run_id = _run(opts, prepared, state, output, console)
     return finish(state, prepared, opts.config, out, started, num_nodes=min_nodes,
                   run_id=run_id, console=console)
@@ -172,7 +177,7 @@ def _run(opts: _Options, prepared, state, output: Path | None, console) -> tuple
         home = Path(tmp.name)
         secret_path, secret = secret_file(home)
         link = FlowerProcess("superlink", _superlink_args(opts, secret_path), flower_env(home),
-                             echo=_superlink_echo(say))
+                             echo=_superlink_echo(say, opts.verbose))
         out, run_id = _submit(link, opts, home, output, say)
         show_plan(console, prepared, opts.config, table=False)
         say(f"run {run_id}: model [bold]{prepared.spec.name}[/], strategy "
@@ -233,10 +238,26 @@ def _superlink_args(opts: _Options, secret_path: Path) -> list[str]:
     return args
 
 
-def _superlink_echo(say: Callable[[str], None]) -> Callable[[str], None]:
+def _superlink_echo(say: Callable[[str], None], verbose: bool = False,
+                    repeat_after_s: float = 60.0) -> Callable[[str], None]:
+    """Show the SuperLink's errors, or every line if ``verbose``.
+
+    A refused node is said in one line, at most once a minute.
+    """
+    shown: dict[str, float] = {}
+
     def echo(line: str) -> None:
-        if flower_compat.superlink_line_is_error(line):
-            say(f"[red]superlink:[/] {escape(line[:160])}")
+        refusal = flower_compat.superlink_node_refusal(line)
+        if refusal is None:
+            if flower_compat.superlink_line_is_error(line):
+                say(f"[red]superlink:[/] {escape(line[:160])}")
+            elif verbose:
+                say(f"[dim]superlink:[/] {escape(line)}")
+            return
+        now = time.monotonic()
+        if refusal and now - shown.get(refusal, -repeat_after_s) >= repeat_after_s:
+            shown[refusal] = now
+            say(f"[yellow]coordinator:[/] {escape(refusal)}")
 
     return echo
 

@@ -4,7 +4,8 @@ A node starts a Flower SuperNode (``--isolation process``) and runs every Client
 every run in this one long-lived process (:func:`fedavg.flower_compat.run_client_task`):
 torch is imported and the data loaded once, not once per round. It watches the SuperNode's
 output to tell the user what happens (refused, unreachable, connected), reconnects when its
-coordinator restarts, and gives up clearly when it is gone.
+coordinator restarts, and gives up clearly when it is gone. A run's end (finished or failed,
+as the coordinator announces it) is said once; waiting for the next run is quiet.
 """
 
 from __future__ import annotations
@@ -162,13 +163,13 @@ class _Node:
     def __init__(self, superlink: str, node_config: list[str], certs: Path | None,
                  auth_key: Path | None, once: bool, max_wait_time: float | None,
                  say: Callable[[str], None], home: Path) -> None:
-        from fedavg.apps import FINISHED_RUNS, client_app
+        from fedavg.apps import FAILED_RUNS, FINISHED_RUNS, client_app
 
         self.superlink, self.node_config = superlink, node_config
         self.certs, self.auth_key = certs, auth_key
         self.once, self.max_wait_time = once, max_wait_time
         self.say, self.home = say, home
-        self.app, self.finished_runs = client_app, FINISHED_RUNS
+        self.app, self.finished_runs, self.failed_runs = client_app, FINISHED_RUNS, FAILED_RUNS
         self.secret_path, self.secret = secret_file(home)
         self.proc: FlowerProcess | None = None
         self.endpoint: flower_compat.Endpoint | None = None
@@ -176,6 +177,7 @@ class _Node:
         self.runs: set[int] = set()
         self.tasks = self.key_retries = 0
         self.quiet = self.hinted = False
+        self.waiting = False  # a run ended: quiet about the coordinator until it is back
         self._reset()
 
     def _reset(self) -> None:
@@ -223,9 +225,9 @@ class _Node:
             self.say("[yellow]node:[/] the coordinator closed the connection: if it uses TLS, "
                      "pass --certs DIR instead of --insecure")
         if ev.node_id is not None:
-            self.connected = True
+            self.connected, self.waiting = True, False
             self.say(f"connected to {self.superlink} as node [bold]{escape(ev.node_id)}[/]")
-        elif self.quiet:
+        elif self.quiet or self.waiting or self.refused is not None:
             return
         elif ev.retry_in_s is not None:
             self.say(f"[yellow]node:[/] cannot reach the coordinator at {self.superlink}; "
@@ -257,6 +259,9 @@ class _Node:
         was_connected = self.connected
         proc.stop()
         self._close_source()
+        if reason and key_refused and self._key_in_use():
+            raise UserError(f"a node with this key is already connected to {self.superlink}: "
+                            f"{flower_compat.KEY_HINT}")
         if reason and key_refused and self.key_retries < 3:
             # the coordinator registers node keys just after it starts listening
             self.key_retries += 1
@@ -268,8 +273,9 @@ class _Node:
         if reason:
             raise UserError(f"refused by {self.superlink}: {reason} (SuperNode: {line})")
         if was_connected and not self.once:
-            self.say(f"[yellow]node:[/] lost the coordinator at {self.superlink} (it stopped or "
-                     "restarted); reconnecting for the next run")
+            if not self.waiting:  # else the end of the run was said already
+                self.say(f"[yellow]node:[/] lost the coordinator at {self.superlink} (it stopped "
+                         "or restarted); reconnecting for the next run")
             time.sleep(1.0)
             self.start_supernode()
             return
@@ -279,6 +285,12 @@ class _Node:
             raise RunError(f"could not reach the coordinator at {self.superlink} within "
                            f"--max-wait-time {self.max_wait_time:g} s")
         raise RunError(f"the SuperNode stopped: {proc.last_error()}")
+
+    def _key_in_use(self) -> bool:
+        """Whether the coordinator knows this node's key: then it refused it as in use."""
+        return self.auth_key is not None and flower_compat.node_key_registered(
+            self.superlink, None if self.certs is None else self.certs / CA_CERT,
+            self.auth_key) is True
 
     # ------------------------------------------------------------------ tasks
 
@@ -301,8 +313,15 @@ class _Node:
             return None
 
     def finished(self) -> bool:
-        """Note runs the coordinator announced as finished; ``True``: leave (``--once``)."""
-        done = self.runs & self.finished_runs
+        """Note runs the coordinator announced as over; ``True``: leave (``--once``).
+
+        Raises
+        ------
+        RunError
+            A ``--once`` node's run failed (the coordinator's reason).
+        """
+        failed = {run: self.failed_runs[run] for run in self.runs if run in self.failed_runs}
+        done = (self.runs & self.finished_runs) | set(failed)
         if not done:
             return False
         self.runs -= done
@@ -310,9 +329,14 @@ class _Node:
         if self.once:
             self.quiet = True
             time.sleep(1.0)  # let the SuperNode deliver the last acknowledgement
+            if failed:
+                raise RunError(next(iter(failed.values())))
             self.say(f"run {', '.join(map(str, done))} finished; exiting (--once)")
             return True
-        self.say(f"run {', '.join(map(str, done))} finished; waiting for the next run")
+        self.waiting = True
+        for run in sorted(done):
+            end = f"failed: {escape(failed[run])}" if run in failed else "finished"
+            self.say(f"run {run} {end}; waiting for the next run")
         return False
 
     def run_task(self, token: str, task) -> None:

@@ -9,6 +9,7 @@ Nothing outside this package imports ``flwr.cli``, ``flwr.proto``, ``flwr.superc
 - :mod:`~fedavg.flower_compat.checks`: that guard, and Ray's auto-connect switch;
 - :mod:`~fedavg.flower_compat.launch`: SuperLink / SuperNode entry points, SuperNode patches;
 - :mod:`~fedavg.flower_compat.control`: the SuperLink's Control API (submit a run);
+- :mod:`~fedavg.flower_compat.fleet`: the Fleet API as a node sees it (is its key known?);
 - :mod:`~fedavg.flower_compat.tasks`: warm task workers on the runtime API;
 - :mod:`~fedavg.flower_compat.logs`: what SuperLink / SuperNode output lines mean.
 """
@@ -26,6 +27,7 @@ from fedavg.flower_compat.control import (
     start_run,
     wait_control_ready,
 )
+from fedavg.flower_compat.fleet import node_key_registered
 from fedavg.flower_compat.launch import (
     HEARTBEAT_S,
     IDLE_POLL_S,
@@ -37,6 +39,7 @@ from fedavg.flower_compat.launch import (
     run_supernode,
 )
 from fedavg.flower_compat.logs import (
+    KEY_HINT,
     SuperNodeLine,
     error_summary,
     is_certificate_failure,
@@ -44,6 +47,7 @@ from fedavg.flower_compat.logs import (
     node_refusal,
     parse_supernode_line,
     superlink_line_is_error,
+    superlink_node_refusal,
 )
 from fedavg.flower_compat.tasks import (
     CLIENT_TASK,
@@ -60,6 +64,7 @@ __all__ = [
     "FLOWER_VERSION",
     "HEARTBEAT_S",
     "IDLE_POLL_S",
+    "KEY_HINT",
     "PULL_BACKOFF_S",
     "REPLY_WAIT_S",
     "SERVER_TASK",
@@ -73,6 +78,7 @@ __all__ = [
     "disable_ray_auto_connect",
     "is_certificate_failure",
     "most_telling_line",
+    "node_key_registered",
     "node_refusal",
     "parse_supernode_line",
     "patch_pull_backoff",
@@ -84,5 +90,6 @@ __all__ = [
     "run_supernode",
     "start_run",
     "superlink_line_is_error",
+    "superlink_node_refusal",
     "wait_control_ready",
 ]

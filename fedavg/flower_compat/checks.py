@@ -14,7 +14,8 @@ from pathlib import Path
 FLOWER_VERSION = "1.42.0"
 
 #: Text that must still be in Flower's sources: the fixed sleeps we shorten and the log
-#: lines :func:`parse_supernode_line` and :func:`node_refusal` read.
+#: lines :func:`parse_supernode_line`, :func:`node_refusal` and
+#: :func:`superlink_node_refusal` read.
 _SOURCES = {
     "flwr.supernode.start_client_internal": ("time.sleep(3)", "time.sleep(0.5)",
                                              '"SuperNode ID: %s"'),
@@ -25,6 +26,20 @@ _SOURCES = {
                                      "Failed to activate SuperNode."),
     "flwr.supercore.exit.exit": ('f"Exit Code: {code}',),
     "flwr.supercore.exit.exit_code": ("could not establish a connection",),
+    "flwr.supercore.error.http": ("[ApiError:{err.code}] {err.message}",),
+    "flwr.superlink.servicer.fleet.fleet_handlers": (
+        "Attempted to register SuperNode with public key: {request.public_key!r}",
+        "{error_context}, exception: {exc}", "could not be activated.",
+        "No SuperNode found with the given public key.", "Heartbeat interval {interval}"),
+}
+#: Text that must come in this order in a Flower function: on activation the SuperLink looks
+#: up the node's key before it checks the heartbeat interval (:func:`node_key_registered`).
+_IN_ORDER = {
+    ("flwr.superlink.servicer.fleet.fleet_handlers", "activate_node"): (
+        "state.get_node_id_by_public_key(request.public_key)",
+        "No SuperNode found with the given public key.",
+        "_validate_heartbeat_interval(request.heartbeat_interval)",
+        "state.activate_node(node_id, request.heartbeat_interval)"),
 }
 
 
@@ -51,6 +66,7 @@ def check_flower_internals() -> None:
         for needle in needles:
             if needle not in src:
                 raise RuntimeError(f"{module} no longer has {needle}")
+    _check_key_check()
     from flwr.supercore import heartbeat
     from flwr.supercore.inflatable import inflatable_utils as iu
     from flwr.supercore.retry import make_simple_http_retry_invoker
@@ -68,6 +84,27 @@ def check_flower_internals() -> None:
     invoker = make_simple_http_retry_invoker()
     if not all(hasattr(invoker, a) for a in ("max_tries", "max_time")):
         raise RuntimeError("Flower's HTTP retry invoker has no max_tries / max_time any more")
+
+
+def _check_key_check() -> None:
+    """Check what :func:`~fedavg.flower_compat.node_key_registered` relies on."""
+    from flwr.supercore.error import ApiErrorCode
+    from flwr.superlink.servicer.fleet import fleet_handlers
+
+    for (module, function), needles in _IN_ORDER.items():
+        src, at = inspect.getsource(getattr(_module(module), function)), 0
+        for needle in needles:
+            at = src.find(needle, at)
+            if at < 0:
+                raise RuntimeError(f"{module}.{function} no longer has {needle} (in this order: "
+                                   f"{'; '.join(needles)})")
+    if not fleet_handlers.HEARTBEAT_MIN_INTERVAL > 0:
+        raise RuntimeError("Flower accepts a heartbeat interval of 0 s now")
+    codes = {"FLEET_SUPERNODE_REGISTRATION_DISABLED": 2001, "FLEET_INVALID_HEARTBEAT_INTERVAL":
+             2003, "FLEET_NODE_ACTIVATION_FAILED": 2004}
+    for name, code in codes.items():
+        if getattr(ApiErrorCode, name, None) != code:
+            raise RuntimeError(f"flwr.supercore.error.ApiErrorCode.{name} is not {code} any more")
 
 
 def _private_names() -> list[tuple[str, str]]:

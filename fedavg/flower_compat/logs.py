@@ -23,6 +23,14 @@ _REFUSED = (
      "the coordinator refused this node's key: add its public key to the coordinator's "
      "--auth-keys, or pass the right --auth-key"),
 )
+#: What to do about a node's key: one hint for both sides.
+KEY_HINT = "give each node its own key (node-<i>.key from `fedavg certs --nodes N`)"
+_SUPERLINK_REFUSAL = re.compile(
+    r"\[ApiError:(\d+)\] Attempted to register SuperNode with public key: b'[^']*'"
+    r"(?:, exception: (.*))?$")
+#: Flower's ``ApiErrorCode.FLEET_SUPERNODE_REGISTRATION_DISABLED`` (checked by
+#: :func:`~fedavg.flower_compat.check_flower_internals`).
+_REGISTRATION_DISABLED = 2001
 _RETRY = re.compile(r"Connection attempt failed, retrying in ([\d.]+)")
 _NOTABLE = re.compile(r"Connection successful|Giving up|could not establish|Errno")
 
@@ -44,6 +52,35 @@ def superlink_line_is_error(line: str) -> bool:
     """Whether a SuperLink output line is an error worth showing to the user."""
     return bool(re.search(r"ERROR|address already in use|Errno", line)) \
         and "ClientDisconnect" not in line
+
+
+def superlink_node_refusal(line: str) -> str | None:
+    """Say in one line why the SuperLink refused a SuperNode, if its output ``line`` says so.
+
+    Flower logs the node's whole public key (PEM) with the reason; this keeps the reason.
+
+    Returns
+    -------
+    str or None
+        The message; ``""`` for a line not worth showing (a node checking whether its key is
+        registered, :func:`~fedavg.flower_compat.node_key_registered`); ``None``: not such
+        a line.
+    """
+    m = _SUPERLINK_REFUSAL.search(line)
+    if m is None:
+        return None
+    why = m.group(2) or ""
+    node = re.search(r"SuperNode with node ID (\d+) could not be activated", why)
+    if node:
+        return f"refused a node whose key is already in use by connected node {node.group(1)}: "\
+               + KEY_HINT
+    if "No SuperNode found with the given public key" in why:
+        return "refused a node whose key is not in --auth-keys"
+    if "Heartbeat interval" in why:
+        return ""
+    if m.group(1) == str(_REGISTRATION_DISABLED):  # a node without a key
+        return "refused a node without a key: start each node with --auth-key"
+    return f"refused a node: {why or 'Flower error ' + m.group(1)}"[:200]
 
 
 def most_telling_line(lines: Iterable[str]) -> str | None:
