@@ -254,7 +254,7 @@ def test_two_nodes_with_one_key(cluster, certs, tmp_path):
 
 
 def test_wrong_certificate_and_unknown_key_are_refused(cluster, certs, tmp_path):
-    """Wrong CA, unknown key, no key: exit 2 with the reason; a known key runs."""
+    """Wrong CA, unknown key, no key, no TLS: exit 2 with the reason; a known key runs."""
     other = tmp_path / "other"
     subprocess.run([sys.executable, "-m", "fedavg.cli", "certs", str(other), "--nodes", "1"],
                    check=True, capture_output=True)
@@ -269,8 +269,10 @@ def test_wrong_certificate_and_unknown_key_are_refused(cluster, certs, tmp_path)
     wrong_ca = cluster.node("wrong_ca", "--certs", other, "--auth-key", certs / "node-0.key")
     unknown = cluster.node("unknown", "--certs", certs, "--auth-key", other / "node-0.key")
     no_key = cluster.node("no_key", "--certs", certs)
+    plain = cluster.node("plain", "--insecure")
     for proc, words in ((wrong_ca, "TLS certificate"), (unknown, "refused this node's key"),
-                        (no_key, "only accepts known nodes")):
+                        (no_key, "only accepts known nodes"),
+                        (plain, "uses TLS: pass --certs DIR")):
         assert cluster.wait(proc, 60) == 2, cluster.log(proc.name)
         text = cluster.log(proc.name)
         assert words in text and "Traceback" not in text, text

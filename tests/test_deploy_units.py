@@ -460,3 +460,42 @@ def test_verbose_coordinator_shows_every_superlink_line():
         echo("ERROR :     something broke")
     assert len(quiet) == 1 and "something broke" in quiet[0]
     assert len(loud) == 2 and "Starting Flower SuperLink" in loud[0]
+
+
+def test_a_tls_mismatch_is_told_apart_from_an_absent_coordinator(tmp_path):
+    import socket
+    import ssl
+    import threading
+
+    from fedavg.certs import make_certs
+    from fedavg.deployment.processes import free_port
+    from fedavg.deployment.tls import speaks_tls, tls_mismatch
+
+    make_certs(tmp_path / "c")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(tmp_path / "c" / "coordinator.crt", tmp_path / "c" / "coordinator.key")
+
+    def serve(sock, tls):
+        conn, _ = sock.accept()
+        try:
+            if tls:
+                context.wrap_socket(conn, server_side=True).close()
+            else:
+                conn.recv(1024)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    for tls in (True, False):
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen()
+            port = server.getsockname()[1]
+            thread = threading.Thread(target=serve, args=(server, tls), daemon=True)
+            thread.start()
+            assert speaks_tls("127.0.0.1", port) is tls
+            thread.join(5)
+    assert speaks_tls("127.0.0.1", free_port()) is None  # nobody there: keep retrying
+    assert tls_mismatch("127.0.0.1", free_port(), insecure=True) is None

@@ -27,7 +27,7 @@ from fedavg.deployment.processes import (
     secret_file,
     split_address,
 )
-from fedavg.deployment.tls import CA_CERT, check_node_key, resolve_certs
+from fedavg.deployment.tls import CA_CERT, check_node_key, resolve_certs, tls_mismatch
 from fedavg.errors import RunError, UserError
 
 log = logging.getLogger("fedavg")
@@ -177,6 +177,7 @@ class _Node:
         self.runs: set[int] = set()
         self.tasks = self.key_retries = 0
         self.quiet = self.hinted = False
+        self.tls_checked = -1e9
         self.waiting = False  # a run ended: quiet about the coordinator until it is back
         self._reset()
 
@@ -218,6 +219,7 @@ class _Node:
             return
         if ev.attempt_failed:
             self.unreachable_since = self.unreachable_since or time.monotonic()
+            self._check_tls()
         elif ev.reconnected:
             self.unreachable_since = None
         if self.certs is None and ev.dropped and not self.hinted:
@@ -234,6 +236,20 @@ class _Node:
                      f"retrying in {ev.retry_in_s:.1f} s")
         elif ev.notable:
             self.say(f"[yellow]node:[/] {escape(ev.message)}")
+
+    def _check_tls(self, every_s: float = 5.0) -> None:
+        """Refuse at once when the node's TLS choice differs from the coordinator's.
+
+        Checked on a failed connection attempt, at most every ``every_s`` seconds: without
+        it the SuperNode would retry for ever.
+        """
+        if time.monotonic() - self.tls_checked < every_s or self.refused is not None:
+            return
+        self.tls_checked = time.monotonic()
+        host, port = split_address(self.superlink, "--coordinator")
+        mismatch = tls_mismatch(host, port, insecure=self.certs is None)
+        if mismatch:
+            self.refused = (mismatch, "", False)
 
     def _unreachable_too_long(self) -> bool:
         since = self.unreachable_since
@@ -271,7 +287,8 @@ class _Node:
             self.start_supernode()
             return
         if reason:
-            raise UserError(f"refused by {self.superlink}: {reason} (SuperNode: {line})")
+            raise UserError(f"refused by {self.superlink}: {reason}"
+                            + (f" (SuperNode: {line})" if line else ""))
         if was_connected and not self.once:
             if not self.waiting:  # else the end of the run was said already
                 self.say(f"[yellow]node:[/] lost the coordinator at {self.superlink} (it stopped "
@@ -281,6 +298,10 @@ class _Node:
             return
         if was_connected:
             raise RunError(f"lost the coordinator at {self.superlink} during the run")
+        self.tls_checked = -1e9
+        self._check_tls()
+        if self.refused is not None:
+            raise UserError(f"refused by {self.superlink}: {self.refused[0]}")
         if any(flower_compat.parse_supernode_line(ln).gave_up for ln in proc.lines):
             raise RunError(f"could not reach the coordinator at {self.superlink} within "
                            f"--max-wait-time {self.max_wait_time:g} s")

@@ -139,3 +139,44 @@ def load_auth_keys(path: Path) -> list[bytes]:
     if not keys:
         raise UserError(f"--auth-keys {path} holds no public key")
     return keys
+
+
+def speaks_tls(host: str, port: int, timeout_s: float = 3.0) -> bool | None:
+    """Whether the server at ``host:port`` answers a TLS handshake.
+
+    Only the handshake is tried (no certificate check, nothing sent after it), to tell a
+    node run with the wrong ``--insecure`` / ``--certs`` choice what to change.
+
+    Returns
+    -------
+    bool or None
+        ``True``: it speaks TLS; ``False``: it answers, but not TLS; ``None``: unreachable.
+    """
+    import socket
+    import ssl
+
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            try:
+                with context.wrap_socket(sock, server_hostname=host):
+                    return True
+            except (ssl.SSLError, ConnectionResetError, socket.timeout):
+                return False
+    except OSError:
+        return None
+
+
+def tls_mismatch(host: str, port: int, insecure: bool) -> str | None:
+    """Say what to change when the node's TLS choice differs from the coordinator's."""
+    tls = speaks_tls(host, port)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if insecure and tls is True:
+        return (f"the coordinator at {address} uses TLS: pass --certs DIR (holding its "
+                "ca.crt) instead of --insecure")
+    if not insecure and tls is False:
+        return (f"the coordinator at {address} does not use TLS: pass --insecure on the "
+                "node, or start the coordinator with --certs")
+    return None
