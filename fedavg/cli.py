@@ -7,71 +7,19 @@ command passes them on as ``RunConfig().replace(**settings)``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 
 from fedavg.cli_options import with_settings
+from fedavg.cli_support import console, err_console, guard, interrupted, on_signal, run_app
 from fedavg.config import RunConfig
-from fedavg.errors import RunError, UserError
-
-# soft_wrap: long lines are never broken up, so they read whole in a terminal of any width
-# and in a log file; tables fold their cells instead of cutting them.
-console = Console(soft_wrap=True)
-err_console = Console(stderr=True, soft_wrap=True)
-
-
-@contextlib.contextmanager
-def _guard():
-    """Turn user mistakes into one line on stderr and exit code 2 (1 for failed runs)."""
-    try:
-        yield
-    except UserError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
-    except RunError as exc:
-        err_console.print(f"[bold red]run failed:[/] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
-
-
-def _on_signal(message, cleanup=None):
-    """Install the Ctrl-C / SIGTERM handler: say ``message``, clean up, exit 130.
-
-    ``message`` is a string or a function returning one, called at signal time;
-    ``cleanup`` defaults to stopping our Flower processes. Finished rounds are kept.
-    """
-    stopping = []
-
-    def _stop(signum, frame):
-        if stopping:  # a second signal while stopping: the first one finishes the job
-            return
-        stopping.append(signum)
-        err_console.print(message() if callable(message) else message, soft_wrap=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if cleanup is not None:
-            cleanup()
-        else:
-            from fedavg.deployment import stop_all
-
-            stop_all()
-        os._exit(130)
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
-
-
-def _interrupted(output: Path | None) -> str:
-    done = output is not None and (output / "metrics.jsonl").exists()
-    return "interrupted" + (f": finished rounds are kept in {output}" if done else "")
+from fedavg.errors import UserError
 
 
 def simulate(
@@ -81,20 +29,22 @@ def simulate(
         help="GPUs each node reserves (default 1 with CUDA)")] = None,
     output: Annotated[Optional[Path], typer.Option(
         help="Run folder (default runs/<timestamp>)")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace a previous run in --output")] = False,
-    verbose: Annotated[bool, typer.Option(help="Show Flower's and Ray's logs")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace a previous run in --output")] = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", help="Show Flower's and Ray's logs")] = False,
     **settings: Any,
 ) -> None:
     """Train N nodes on one machine (Flower simulation engine) and save the merged model."""
     from fedavg.simulation import abort_active_runs
     from fedavg.simulation import simulate as run
 
-    with _guard():
+    with guard():
         config = RunConfig().replace(**settings)
     # Stop Ray at once on a signal. (Raising KeyboardInterrupt instead can deadlock inside
     # Flower's worker pool.)
-    _on_signal(lambda: _interrupted(output), abort_active_runs)
-    with _guard():
+    on_signal(lambda: interrupted(output), abort_active_runs)
+    with guard():
         run(config, output=output, console=console, verbose=verbose,
             cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, overwrite=overwrite)
 
@@ -106,7 +56,8 @@ def merge(
         "--models", help="Same as the arguments; repeatable")] = None,
     strategy: Annotated[str, typer.Option(
         help="Merge strategy (see `fedavg strategies`)")] = "average",
-    output: Annotated[Path, typer.Option(help="Folder for the merged model")] = Path("runs/merged"),
+    output: Annotated[Optional[Path], typer.Option(
+        help="Folder for the merged model (default runs/merged-<timestamp>)")] = None,
     dataset: Annotated[Optional[str], typer.Option(
         help="Report accuracy on this dataset's test split")] = None,
     validation: Annotated[Optional[str], typer.Option(
@@ -115,20 +66,30 @@ def merge(
         help="Unlabeled dataset for distill")] = None,
     seed: Annotated[int, typer.Option(help="Seed of any random choice")] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
-    overwrite: Annotated[bool, typer.Option(help="Replace a previous model in --output")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace a previous model in --output")] = False,
     **options: Any,
 ) -> None:
     """Merge saved models offline (e.g. `--save-node-models` output) into one model."""
     from fedavg.merge import merge_models
 
     paths = list(models or []) + list(models_opt or [])
-    with _guard():
+    with guard():
         if not paths:
             raise UserError("pass the model folders to merge (or a run's nodes/ folder)")
         config = RunConfig().replace(strategy=strategy, validation=validation,
                                      distill_data=distill_data, seed=seed, device=device,
                                      rounds=1, **options)
-        res = merge_models(paths, output, config, dataset=dataset, overwrite=overwrite)
+        from fedavg.run import default_output, remove_if_empty
+
+        chosen = output is None
+        output = default_output("merged-") if chosen else output
+        try:
+            res = merge_models(paths, output, config, dataset=dataset, overwrite=overwrite)
+        except BaseException:
+            if chosen:
+                remove_if_empty(output)
+            raise
     acc = f": test accuracy [bold]{res['accuracy']:.4f}[/]" if "accuracy" in res else ""
     console.print(f"merged {res['num_models']} models with {res['strategy']} into "
                   f"[bold]{output}[/]{acc}")
@@ -147,7 +108,7 @@ def evaluate(
     """Accuracy and loss of a saved model on a dataset split."""
     from fedavg.inference import evaluate_model
 
-    with _guard():
+    with guard():
         res = evaluate_model(model_dir, dataset, split=split, image_column=image_column,
                              label_column=label_column, device=device)
     if as_json:
@@ -175,7 +136,7 @@ def predict(
     from fedavg.inference import predict as run
     from fedavg.inference import write_predictions
 
-    with _guard():
+    with guard():
         if output is not None and output.suffix.lower() not in (".csv", ".json"):
             raise UserError(f"--output must end in .csv or .json (got {output.name})")
         rows = run(model_dir, inputs, split=split, device=device,
@@ -234,7 +195,8 @@ def coordinator(
     address: Annotated[str, typer.Option(
         help="host:port to listen on; 0.0.0.0:PORT for other machines")] = "127.0.0.1:9092",
     certs: Annotated[Optional[Path], typer.Option(help="Folder from `fedavg certs` (TLS)")] = None,
-    insecure: Annotated[bool, typer.Option(help="No TLS (traffic unencrypted)")] = False,
+    insecure: Annotated[bool, typer.Option(
+        "--insecure", help="No TLS (traffic unencrypted)")] = False,
     auth_keys: Annotated[Optional[Path], typer.Option(
         help="Node public keys allowed in (file, one per line, or folder of *.pub)")] = None,
     min_nodes: Annotated[int, typer.Option(help="Nodes to wait for before round 1")] = 2,
@@ -245,8 +207,9 @@ def coordinator(
         help="Seconds to wait for --min-nodes nodes")] = 300.0,
     output: Annotated[Optional[Path], typer.Option(
         help="Run folder (default runs/<timestamp>)")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace a previous run in --output")] = False,
-    verbose: Annotated[bool, typer.Option(
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace a previous run in --output")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose",
         help="Show Flower's logs and every SuperLink line")] = False,
     **settings: Any,
 ) -> None:
@@ -254,7 +217,7 @@ def coordinator(
     from fedavg.deployment import coordinate
 
     _setup_logging()
-    with _guard():
+    with guard():
         config = RunConfig().replace(**settings)
 
     def interrupted() -> str:
@@ -265,8 +228,8 @@ def coordinator(
             return f"interrupted: finished rounds are kept in {out}"
         return "interrupted before the first round finished"
 
-    _on_signal(interrupted)
-    with _guard():
+    on_signal(interrupted)
+    with guard():
         coordinate(config, console=console, address=address, certs=certs, insecure=insecure,
                    auth_keys=auth_keys, min_nodes=min_nodes,
                    min_nodes_per_round=min_nodes_per_round, wait_timeout=wait_timeout,
@@ -293,10 +256,11 @@ def node(
              "--partition-id)")] = None,
     certs: Annotated[Optional[Path], typer.Option(
         help="Folder holding the coordinator's ca.crt (TLS)")] = None,
-    insecure: Annotated[bool, typer.Option(help="No TLS (traffic unencrypted)")] = False,
+    insecure: Annotated[bool, typer.Option(
+        "--insecure", help="No TLS (traffic unencrypted)")] = False,
     auth_key: Annotated[Optional[Path], typer.Option(
         help="This node's private key (node-<i>.key from `fedavg certs --nodes`)")] = None,
-    once: Annotated[bool, typer.Option(
+    once: Annotated[bool, typer.Option("--once",
         help="Exit after one run (default: serve runs until stopped)")] = False,
     max_wait_time: Annotated[Optional[float], typer.Option(
         help="Give up after this many seconds without reaching the coordinator (default: keep "
@@ -306,10 +270,10 @@ def node(
     from fedavg.deployment import serve_gpu_nodes, serve_node
 
     _setup_logging()
-    _on_signal("node stopped")
+    on_signal("node stopped")
     code = 0
     try:
-        with _guard():
+        with guard():
             if gpus is not None:
                 code = serve_gpu_nodes(gpus, coordinator=coordinator, dataset=dataset,
                                        partition_id=partition_id,
@@ -339,12 +303,13 @@ def certs(
         help="Host name or IP nodes use to reach the coordinator; repeatable")] = None,
     nodes: Annotated[int, typer.Option(
         help="Node key pairs to make (for --auth-keys / --auth-key)")] = 0,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing CA in FOLDER")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an existing CA in FOLDER")] = False,
 ) -> None:
     """Make a CA, the coordinator's TLS certificate and node keys (quick start)."""
     from fedavg.certs import make_certs
 
-    with _guard():
+    with guard():
         written = make_certs(folder, hosts=host or [], nodes=nodes, overwrite=overwrite)
     for path in written:
         console.print(f"wrote {path}")
@@ -352,10 +317,21 @@ def certs(
                   f"coordinator: --auth-keys {folder}/authorized-nodes.pub" if nodes else "")
     console.print(f"coordinator: --certs {folder}; nodes: copy {folder}/ca.crt{nodes_hint}")
     repo = _git_work_tree(folder)
-    if repo is not None:
+    if repo is not None and not _git_ignores(repo, folder):
         err_console.print(f"[yellow]note:[/] {folder} is inside the git work tree {repo}: keep "
                           "its private keys (*.key) out of version control (list the folder "
                           "in .gitignore) and readable only by you", highlight=False)
+
+
+def _git_ignores(repo: Path, folder: Path) -> bool:
+    """Whether git (if installed) ignores ``folder`` in ``repo``."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "-C", str(repo), "check-ignore", "-q", str(folder.resolve())],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def _git_work_tree(folder: Path) -> Path | None:
@@ -415,28 +391,8 @@ app = build_app()
 
 
 def main() -> None:
-    """Run the console script: a usage mistake is one line and exit code 2."""
-    import click
-
-    # The CLI shows node failures and progress itself; keep library warnings off stderr.
-    logging.getLogger("fedavg").addHandler(logging.NullHandler())
-    command = typer.main.get_command(app)
-    try:
-        code = command.main(prog_name="fedavg", standalone_mode=False)
-    except click.exceptions.NoArgsIsHelpError as exc:
-        exc.show()  # the help text
-        code = exc.exit_code
-    except click.UsageError as exc:
-        where = exc.ctx.command_path if exc.ctx is not None else "fedavg"
-        if where == "fedavg" and len(sys.argv) > 1 and sys.argv[1] in command.commands:
-            where = f"fedavg {sys.argv[1]}"
-        err_console.print(f"[bold red]error:[/] {exc.format_message()} (see `{where} --help`)",
-                          highlight=False)
-        code = exc.exit_code
-    except click.Abort:
-        err_console.print("aborted")
-        code = 1
-    sys.exit(code if isinstance(code, int) else 0)
+    """Run the console script ``fedavg``."""
+    run_app(app)
 
 
 if __name__ == "__main__":

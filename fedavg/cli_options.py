@@ -19,8 +19,10 @@ import typer
 
 
 def _option(name: str, kind: Any, default: Any, help: str) -> inspect.Parameter:
+    # a bool is a plain flag (--save-node-models), without a --no-... twin
+    names = ("--" + name.replace("_", "-"),) if kind is bool else ()
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                             annotation=Annotated[kind, typer.Option(help=help)])
+                             annotation=Annotated[kind, typer.Option(*names, help=help)])
 
 
 def _plain(hint: Any) -> Any:
@@ -49,7 +51,7 @@ def strategy_parameters() -> list[inspect.Parameter]:
     for name, declared in strategies.all_options().items():
         first = declared[0][1]
         defaults = ", ".join(f"{s} {o.default}" for s, o in declared)
-        choices = f" [{' | '.join(first.choices)}]" if first.choices else ""
+        choices = f" (one of: {', '.join(first.choices)})" if first.choices else ""
         params.append(_option(name, Optional[first.type], None,
                               f"{first.help}{choices} (default: {defaults})"))
     return params

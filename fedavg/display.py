@@ -85,9 +85,14 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
     console.print(
         f"model [bold]{prepared.spec.name}[/] on inputs {tuple(prepared.spec.input_shape)}, "
         f"{prepared.spec.num_classes} classes; strategy [bold]{config.merge.strategy}[/], "
-        f"{config.merge.rounds} rounds, {config.nodes_per_round}/{config.merge.num_nodes} "
+        f"{_plural(config.merge.rounds, 'round')}, "
+        f"{config.nodes_per_round}/{config.merge.num_nodes} "
         f"nodes per round, {config.train.local_epochs} local epoch(s)"
     )
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def rounds_table(rounds: list[dict[str, Any]]):

@@ -155,7 +155,7 @@ class RunResult:
 # --------------------------------------------------------------------------- run folder
 
 
-def default_output() -> Path:
+def default_output(prefix: str = "") -> Path:
     """Create a new ``runs/<YYYYmmdd-HHMMSS>[-N]`` folder under the current folder, return it.
 
     Raises
@@ -163,7 +163,7 @@ def default_output() -> Path:
     UserError
         No free name among 999 candidates.
     """
-    base = Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path("runs") / (prefix + _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     for n in range(1, 1000):
         candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
         try:
@@ -188,6 +188,14 @@ def make_output(output: str | Path | None) -> Path:
     except OSError as exc:
         raise UserError(f"cannot create output folder {out}: {exc.strerror}") from None
     return out
+
+
+def remove_if_empty(out: Path) -> None:
+    """Remove the run folder of a run that failed before writing anything into it."""
+    try:
+        out.rmdir()  # only succeeds when empty
+    except OSError:
+        pass
 
 
 def check_output(out: Path, overwrite: bool) -> None:

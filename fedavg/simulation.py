@@ -141,7 +141,11 @@ def simulate(
 
     show_plan(console, prepared, config)
     state = run.RunState()
-    _run_on_ray(config, prepared, out, state, backend, console)
+    try:
+        _run_on_ray(config, prepared, out, state, backend, console)
+    except BaseException:
+        run.remove_if_empty(out)
+        raise
     return run.finish(state, prepared, config, out, started,
                       num_nodes=config.merge.num_nodes, console=console)
 

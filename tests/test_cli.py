@@ -132,9 +132,28 @@ def test_evaluate_names_the_dataset_alike_in_text_and_json(tmp_path, monkeypatch
 
 
 def test_certs_in_a_git_work_tree_warn_about_private_keys(tmp_path, tmp_path_factory):
-    (tmp_path / ".git").mkdir()
+    import subprocess
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     res = runner.invoke(app, ["certs", str(tmp_path / "certs")])
     assert res.exit_code == 0, res.output
     assert "inside the git work tree" in res.stderr and "out of version control" in res.stderr
+    (tmp_path / ".gitignore").write_text("keys/\n")
+    ignored = runner.invoke(app, ["certs", str(tmp_path / "keys")])
+    assert ignored.exit_code == 0 and "git work tree" not in ignored.stderr
     outside = runner.invoke(app, ["certs", str(tmp_path_factory.mktemp("plain") / "c")])
     assert outside.exit_code == 0 and "git work tree" not in outside.stderr
+
+
+def test_merges_in_a_row_get_folders_of_their_own(tmp_path, monkeypatch):
+    for i in range(2):
+        torch_state = build_model("mlp", (1, 8, 8), 10).state_dict()
+        checkpoint.save(tmp_path / "nodes" / f"node-{i}", torch_state,
+                        {**META, "node": {"num_examples": 10, "partition_id": i}})
+    monkeypatch.chdir(tmp_path)
+    outputs = set()
+    for _ in range(2):
+        res = runner.invoke(app, ["merge", "nodes"], env={"COLUMNS": "300"})
+        assert res.exit_code == 0, res.output
+        outputs.add(res.output.split(" into ")[1].split()[0])
+    assert len(outputs) == 2 and all(o.startswith("runs/merged-") for o in outputs)

@@ -159,9 +159,9 @@ def test_subprocess_errors(tmp_path, case):
 
 @pytest.mark.parametrize("args, expected", [
     (["simulate", "--strategy", "fedavgm", "--server-lr", "abc"],
-     "Invalid value for '--server-lr': 'abc' is not a valid float"),
-    (["simulate", "--mu"], "Option '--mu' requires an argument"),
-    (["simulate", "--no-such-option", "1"], "No such option"),
+     "invalid value for '--server-lr': 'abc' is not a valid float"),
+    (["simulate", "--mu"], "option '--mu' requires an argument"),
+    (["simulate", "--no-such-option", "1"], "no such option"),
 ])
 def test_subprocess_usage_mistakes_are_one_line(tmp_path, args, expected):
     res = run_cli(args, tmp_path)

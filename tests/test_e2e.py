@@ -131,6 +131,7 @@ def test_failing_nodes_fail_the_run_clearly(tmp_path, no_leaks):
     assert "Traceback" not in proc.stderr
     assert "FloatingPointError: training diverged" in proc.stderr
     assert "lower --lr" in proc.stderr
+    assert not (tmp_path / "bad").exists()  # no empty run folder is left
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -155,9 +155,23 @@ def coordinate(
     quiet_logs(verbose)
     state = RunState()
     opts.verbose = verbose
-    out, run_id = _run(opts, prepared, state, output, console)
+    out, run_id = _run_keeping_nothing_empty(opts, prepared, state, output, console)
     return finish(state, prepared, opts.config, out, started, num_nodes=min_nodes,
                   run_id=run_id, console=console)
+
+
+def _run_keeping_nothing_empty(opts: _Options, prepared, state, output: Path | None,
+                               console) -> tuple[Path, int]:
+    """Run :func:`_run`; remove the run folder again if the run failed before round 1."""
+    from fedavg.run import remove_if_empty
+
+    RUN_OUTPUT.clear()
+    try:
+        return _run(opts, prepared, state, output, console)
+    except BaseException:
+        if RUN_OUTPUT:
+            remove_if_empty(RUN_OUTPUT[0])
+        raise
 
 
 def _run(opts: _Options, prepared, state, output: Path | None, console) -> tuple[Path, int]:
@@ -181,7 +195,8 @@ def _run(opts: _Options, prepared, state, output: Path | None, console) -> tuple
         out, run_id = _submit(link, opts, home, output, say)
         show_plan(console, prepared, opts.config, table=False)
         say(f"run {run_id}: model [bold]{prepared.spec.name}[/], strategy "
-            f"[bold]{opts.config.merge.strategy}[/], {opts.config.merge.rounds} rounds; waiting "
+            f"[bold]{opts.config.merge.strategy}[/], {opts.config.merge.rounds} "
+            f"round{'' if opts.config.merge.rounds == 1 else 's'}; waiting "
             f"for {opts.min_nodes} node(s) (up to {opts.wait_timeout:g} s)")
         endpoint = flower_compat.Endpoint(
             opts.connect, None if opts.ca_cert is None else opts.ca_cert.read_bytes(), secret)

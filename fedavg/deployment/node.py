@@ -287,8 +287,8 @@ class _Node:
             self.start_supernode()
             return
         if reason:
-            raise UserError(f"refused by {self.superlink}: {reason}"
-                            + (f" (SuperNode: {line})" if line else ""))
+            log.debug("refusal line: %s", line)
+            raise UserError(f"refused by {self.superlink}: {reason}")
         if was_connected and not self.once:
             if not self.waiting:  # else the end of the run was said already
                 self.say(f"[yellow]node:[/] lost the coordinator at {self.superlink} (it stopped "

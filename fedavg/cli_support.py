@@ -1,0 +1,101 @@
+"""What every ``fedavg`` command shares: the consoles, one-line errors, signals, the entry.
+
+A user mistake is one line on stderr and exit code 2 (a failed run: 1), whether it comes
+from our checks (:func:`guard`) or from typer's own parsing (:func:`run_app`); Ctrl-C and
+SIGTERM stop a command and its engine processes at once with exit code 130
+(:func:`on_signal`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from fedavg.errors import RunError, UserError
+
+# soft_wrap: long lines are never broken up, so they read whole in a terminal of any width
+# and in a log file; tables fold their cells instead of cutting them.
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def guard():
+    """Turn user mistakes into one line on stderr and exit code 2 (1 for failed runs)."""
+    try:
+        yield
+    except UserError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    except RunError as exc:
+        err_console.print(f"[bold red]run failed:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+def on_signal(message, cleanup=None):
+    """Install the Ctrl-C / SIGTERM handler: say ``message``, clean up, exit 130.
+
+    ``message`` is a string or a function returning one, called at signal time;
+    ``cleanup`` defaults to stopping our Flower processes. Finished rounds are kept.
+    """
+    stopping = []
+
+    def _stop(signum, frame):
+        if stopping:  # a second signal while stopping: the first one finishes the job
+            return
+        stopping.append(signum)
+        err_console.print(message() if callable(message) else message, soft_wrap=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if cleanup is not None:
+            cleanup()
+        else:
+            from fedavg.deployment import stop_all
+
+            stop_all()
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+
+
+def interrupted(output: Path | None) -> str:
+    """Return what to say on a signal: where the finished rounds are kept, if any."""
+    done = output is not None and (output / "metrics.jsonl").exists()
+    return "interrupted" + (f": finished rounds are kept in {output}" if done else "")
+
+
+
+
+def run_app(app: typer.Typer) -> None:
+    """Run ``app`` as the console script: a usage mistake is one line and exit code 2."""
+    import click
+
+    # The CLI shows node failures and progress itself; keep library warnings off stderr.
+    logging.getLogger("fedavg").addHandler(logging.NullHandler())
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(prog_name="fedavg", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as exc:
+        exc.show()  # the help text
+        code = exc.exit_code
+    except click.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "fedavg"
+        if where == "fedavg" and len(sys.argv) > 1 and sys.argv[1] in command.commands:
+            where = f"fedavg {sys.argv[1]}"
+        message = exc.format_message()
+        message = message[:1].lower() + message[1:]  # like our own errors
+        err_console.print(f"[bold red]error:[/] {message} (see `{where} --help`)",
+                          highlight=False)
+        code = exc.exit_code
+    except click.Abort:
+        err_console.print("aborted")
+        code = 1
+    sys.exit(code if isinstance(code, int) else 0)
