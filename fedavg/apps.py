@@ -88,22 +88,33 @@ def node_arrays(dataset: str, partition_id: int, num_partitions: int,
     return data.train.x, data.train.y.astype(np.int64), list(data.classes)
 
 
+@functools.lru_cache(maxsize=2)
+def _conformed(dataset: str, partition_id: int, num_partitions: int, run_config_json: str,
+               shape: tuple[int, ...], classes: tuple[str, ...]):
+    """Return the node's data, checked against the model's inputs and relabelled.
+
+    Labels follow the run's ``classes``; done once per run, not every round.
+    """
+    from fedavg.data import Split, conform
+
+    x, y, own_classes = node_arrays(dataset, partition_id, num_partitions, run_config_json)
+    return conform(Split(x, y), f"node data {dataset}", shape, own_classes, list(classes))
+
+
 @client_app.train()
 def _train(message: Message, context: Context) -> Message:
-    from fedavg.data import Split, conform
     from fedavg.node import run_train
+    from fedavg.wire import TrainSettings
 
     dataset = str(_node_setting(context, "dataset", "digits"))
     pid = int(_node_setting(context, keys.PARTITION_ID, -1))
     nparts = int(_node_setting(context, keys.NUM_PARTITIONS, 0))
     device = str(_node_setting(context, "device", "auto"))
     run_cfg = json.dumps(dict(context.run_config), sort_keys=True)
-    x, y, classes = node_arrays(dataset, pid, nparts, run_cfg)
-    cfg = message.content[keys.CONFIG]
-    spec = json.loads(str(cfg["model"]))
-    split = conform(Split(x, y), f"node data {dataset}", spec["input_shape"], classes,
-                    json.loads(str(cfg["classes"])))
-    return run_train(message, split.x, split.y, device, pid)
+    settings = TrainSettings.from_record(message.content[keys.CONFIG])
+    split = _conformed(dataset, pid, nparts, run_cfg, tuple(settings.model["input_shape"]),
+                       tuple(settings.classes))
+    return run_train(message, split.x, split.y, device, pid, settings)
 
 
 @client_app.query()

@@ -13,6 +13,7 @@ What the coordinator sends a node each round is :class:`fedavg.wire.TrainSetting
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import dataclass, field, fields
@@ -151,13 +152,17 @@ MAX_SEED = 2**31
 SECTIONS = {"data": DataConfig, "train": TrainConfig, "merge": MergeConfig}
 
 
+@functools.cache
+def _typed_fields(klass) -> tuple[tuple[dataclasses.Field, Any], ...]:
+    """Return the fields of a config section with their resolved types (resolved once)."""
+    hints = typing.get_type_hints(klass)
+    return tuple((f, hints[f.name]) for f in fields(klass))
+
+
 def cli_fields() -> list[tuple[dataclasses.Field, type]]:
     """Every config field shown on the command line, with its resolved type."""
-    out = []
-    for klass in SECTIONS.values():
-        hints = typing.get_type_hints(klass)
-        out += [(f, hints[f.name]) for f in fields(klass) if f.metadata.get("cli", True)]
-    return out
+    return [(f, hint) for klass in SECTIONS.values() for f, hint in _typed_fields(klass)
+            if f.metadata.get("cli", True)]
 
 
 @dataclass(frozen=True)
@@ -235,9 +240,9 @@ class RunConfig:
         """
         import strategies
 
-        known = {_kebab(f.name): (name, f, typing.get_type_hints(klass)[f.name])
-                 for name, klass in SECTIONS.items() for f in fields(klass)
-                 if f.name != "options"}
+        known = {_kebab(f.name): (name, f, hint)
+                 for name, klass in SECTIONS.items()
+                 for f, hint in _typed_fields(klass) if f.name != "options"}
         declared = {_kebab(name): decl[0][1] for name, decl in strategies.all_options().items()}
         values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
         options: dict[str, Any] = {}

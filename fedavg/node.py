@@ -61,7 +61,7 @@ def _model_for(spec_json: str) -> torch.nn.Module:
 
 
 def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
-              partition_id: int) -> Message:
+              partition_id: int, settings: TrainSettings | None = None) -> Message:
     """Train the received model on ``(x, y)`` and build the reply message.
 
     Parameters
@@ -75,6 +75,8 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
         ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
     partition_id : int
         This node's partition (``-1``: its whole dataset); seeds its batch order.
+    settings : TrainSettings, optional
+        The message's settings when the caller decoded them already.
 
     Returns
     -------
@@ -82,7 +84,7 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
         ``arrays`` (the trained state dict) and ``metrics`` (``num-examples``,
         ``train-loss``, ``partition-id``, ``train-seconds``).
     """
-    cfg = TrainSettings.from_record(message.content[keys.CONFIG])
+    cfg = settings or TrainSettings.from_record(message.content[keys.CONFIG])
     model = _model_for(json.dumps(cfg.model, sort_keys=True))
     model.load_state_dict(message.content[keys.ARRAYS].to_torch_state_dict(), strict=True)
     started = time.perf_counter()

@@ -246,8 +246,6 @@ def natural(labels: np.ndarray, num_partitions: int, *, groups: np.ndarray | Non
     return p
 
 
-PARTITIONERS = partitioner_names()
-"""Names of the built-in partitioners (:func:`partitioner_names` also sees later ones)."""
 
 
 def partition(

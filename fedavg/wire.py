@@ -9,6 +9,7 @@ sends :meth:`TrainSettings.to_record`; a node decodes it with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import typing
@@ -96,7 +97,7 @@ class TrainSettings:
             A missing entry, one of the wrong type or bad JSON, or a value out of range,
             naming the entry (the node replies with this error; nothing is trained).
         """
-        hints = typing.get_type_hints(cls)
+        hints = _field_types(cls)
         values = {}
         for f in fields(cls):
             key = _kebab(f.name)
@@ -133,6 +134,12 @@ class TrainSettings:
             if not ok:
                 raise ValueError(f"the round's {key!r} must be {need} (got "
                                  f"{getattr(self, key.replace('-', '_'))!r})")
+
+
+@functools.cache
+def _field_types(cls) -> dict[str, Any]:
+    """Return the resolved field types of ``cls`` (resolved once, not every round)."""
+    return typing.get_type_hints(cls)
 
 
 def _decode(key: str, raw: Any, kind: Any, is_json: bool) -> Any:

@@ -147,14 +147,13 @@ def coordinate(
     opts = _check_options(config, address=address, certs=certs, insecure=insecure,
                           auth_keys=auth_keys, min_nodes=min_nodes,
                           min_nodes_per_round=min_nodes_per_round, wait_timeout=wait_timeout,
-                          output=output, overwrite=overwrite)
+                          output=output, overwrite=overwrite, verbose=verbose)
     flower_compat.check_flower_internals()
     flower_compat.patch_pull_backoff()
     prepared = prepare(opts.config)
     check_port_free(opts.host, opts.port)
     quiet_logs(verbose)
     state = RunState()
-    opts.verbose = verbose
     out, run_id = _run_keeping_nothing_empty(opts, prepared, state, output, console)
     return finish(state, prepared, opts.config, out, started, num_nodes=min_nodes,
                   run_id=run_id, console=console)
@@ -210,7 +209,8 @@ def _run(opts: _Options, prepared, state, output: Path | None, console) -> tuple
 
 def _check_options(config: RunConfig, *, address: str, certs: Path | None, insecure: bool,
                    auth_keys: Path | None, min_nodes: int, min_nodes_per_round: int | None,
-                   wait_timeout: float, output: Path | None, overwrite: bool) -> _Options:
+                   wait_timeout: float, output: Path | None, overwrite: bool,
+                   verbose: bool = False) -> _Options:
     """Check every option before anything starts (see :func:`coordinate`)."""
     from fedavg.run import check_output
     from fedavg.train import resolve_device
@@ -235,7 +235,8 @@ def _check_options(config: RunConfig, *, address: str, certs: Path | None, insec
     resolve_device(config.train.device)
     if output is not None:
         check_output(Path(output), overwrite)
-    return _Options(config, host, port, certs, keys_pem, min_nodes, per_round, wait_timeout)
+    return _Options(config, host, port, certs, keys_pem, min_nodes, per_round, wait_timeout,
+                    verbose)
 
 
 def _superlink_args(opts: _Options, secret_path: Path) -> list[str]:
