@@ -16,7 +16,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from fedavg.cli_options import with_settings
+from fedavg.cli_options import given, with_settings
 from fedavg.cli_support import console, err_console, guard, interrupted, on_signal, run_app
 from fedavg.config import RunConfig
 from fedavg.errors import UserError
@@ -33,20 +33,24 @@ def simulate(
         "--overwrite", help="Replace a previous run in --output")] = False,
     verbose: Annotated[bool, typer.Option(
         "--verbose", help="Show Flower's and Ray's logs")] = False,
+    resume: Annotated[Optional[Path], typer.Option(
+        help="Go on with the interrupted run in this folder (only --rounds may change)")] = None,
     **settings: Any,
 ) -> None:
     """Train N nodes on one machine (Flower simulation engine) and save the merged model."""
+    from fedavg.run import RUN_OUTPUT
     from fedavg.simulation import abort_active_runs
     from fedavg.simulation import simulate as run
 
     with guard():
-        config = RunConfig().replace(**settings)
+        config = None if resume is not None else RunConfig().replace(**settings)
     # Stop Ray at once on a signal. (Raising KeyboardInterrupt instead can deadlock inside
     # Flower's worker pool.)
-    on_signal(lambda: interrupted(output), abort_active_runs)
+    on_signal(lambda: interrupted(RUN_OUTPUT[0] if RUN_OUTPUT else output), abort_active_runs)
     with guard():
         run(config, output=output, console=console, verbose=verbose,
-            cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, overwrite=overwrite)
+            cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, overwrite=overwrite,
+            resume=resume, **(given(settings) if resume is not None else {}))
 
 
 def merge(
@@ -211,6 +215,8 @@ def coordinator(
         "--overwrite", help="Replace a previous run in --output")] = False,
     verbose: Annotated[bool, typer.Option("--verbose",
         help="Show Flower's logs and every SuperLink line")] = False,
+    resume: Annotated[Optional[Path], typer.Option(
+        help="Go on with the interrupted run in this folder (only --rounds may change)")] = None,
     **settings: Any,
 ) -> None:
     """Coordinate training across machines: start a Flower SuperLink and run the rounds."""
@@ -218,22 +224,21 @@ def coordinator(
 
     _setup_logging()
     with guard():
-        config = RunConfig().replace(**settings)
+        if resume is not None:  # the run's own settings, with those given checked against them
+            from fedavg.resume import load
 
-    def interrupted() -> str:
-        from fedavg.deployment import RUN_OUTPUT
+            config = load(resume).run_config().replace(**given(settings))
+        else:
+            config = RunConfig().replace(**settings)
 
-        out = RUN_OUTPUT[0] if RUN_OUTPUT else None
-        if out is not None and (out / "metrics.jsonl").exists():
-            return f"interrupted: finished rounds are kept in {out}"
-        return "interrupted before the first round finished"
+    from fedavg.run import RUN_OUTPUT
 
-    on_signal(interrupted)
+    on_signal(lambda: interrupted(RUN_OUTPUT[0] if RUN_OUTPUT else None))
     with guard():
         coordinate(config, console=console, address=address, certs=certs, insecure=insecure,
                    auth_keys=auth_keys, min_nodes=min_nodes,
                    min_nodes_per_round=min_nodes_per_round, wait_timeout=wait_timeout,
-                   output=output, overwrite=overwrite, verbose=verbose)
+                   output=output, overwrite=overwrite, verbose=verbose, resume=resume)
 
 
 def _setup_logging() -> None:

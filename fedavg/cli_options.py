@@ -78,3 +78,19 @@ def with_settings(command: Callable[..., None], *, skip: tuple[str, ...] = (),
     wrapper.__signature__ = inspect.Signature(params)
     wrapper.__annotations__ = {p.name: p.annotation for p in params}
     return wrapper
+
+
+def given(settings: dict[str, Any]) -> dict[str, Any]:
+    """Return the ``settings`` the user gave on the command line (not left at their default).
+
+    A resumed run (``--resume``) takes its settings from the checkpoint; only those given
+    explicitly are compared with it.
+    """
+    import click
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return dict(settings)
+    return {k: v for k, v in settings.items()
+            if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, None)}

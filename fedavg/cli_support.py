@@ -67,9 +67,13 @@ def on_signal(message, cleanup=None):
 
 
 def interrupted(output: Path | None) -> str:
-    """Return what to say on a signal: where the finished rounds are kept, if any."""
-    done = output is not None and (output / "metrics.jsonl").exists()
-    return "interrupted" + (f": finished rounds are kept in {output}" if done else "")
+    """Return what to say on a signal: where the finished rounds are kept, and how to resume."""
+    from fedavg.resume import CHECKPOINT, resume_command
+
+    if output is None or not (output / CHECKPOINT).exists():
+        return "interrupted before the first round finished"
+    return (f"interrupted: finished rounds are kept in {output}; resume with: "
+            f"{resume_command(sys.argv[1:], output)}")
 
 
 

@@ -123,6 +123,9 @@ class MergeConfig:
         Share of train held out as unlabeled distillation data by default.
     save_node_models : bool
         Also save every node's final local model under ``nodes/<partition-id>/``.
+    max_update_norm : float or None
+        Reject a node's model whose L2 distance from the round's starting model is larger
+        (:func:`strategies.tensors.update_norm`); ``None`` accepts any finite update.
     options : mapping
         The strategy's options given explicitly (``mu``, ``server_lr`` ...); each strategy
         declares its own (``strategies.Option``) and defaults the rest.
@@ -143,6 +146,8 @@ class MergeConfig:
                                       cli=False)
     save_node_models: bool = setting(False, "Also save each node's final model in "
                                      "OUTPUT/nodes/")
+    max_update_norm: float | None = setting(None, "Reject node updates whose L2 distance "
+                                            "from the round's model exceeds this")
     options: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
 
 
@@ -324,6 +329,8 @@ def _check_merge(c: RunConfig) -> str | None:
         return f"--fraction must be in (0, 1] (got {m.fraction})"
     if not m.round_timeout > 0:
         return f"--round-timeout must be > 0 seconds (got {m.round_timeout})"
+    if m.max_update_norm is not None and not 0 < m.max_update_norm < math.inf:
+        return f"--max-update-norm must be > 0 and finite (got {m.max_update_norm})"
     for name in ("validation_fraction", "distill_fraction"):
         if not 0 < getattr(m, name) < 0.5:
             return f"--{_kebab(name)} must be in (0, 0.5)"

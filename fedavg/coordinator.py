@@ -22,7 +22,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from fedavg import checkpoint, keys
+from fedavg import checkpoint, keys, resume
 from fedavg.config import RunConfig
 from fedavg.display import Progress
 from fedavg.flower_adapter import FlowerAdapter, StreamingGrid
@@ -139,13 +139,17 @@ class ServerRun:
     deployment : Deployment, optional
         For runs across machines: wait for nodes, stop waiting for nodes that left, and
         tell the nodes when the run is over. ``None`` in simulation.
+    resume_from : fedavg.resume.Checkpoint, optional
+        Go on from this checkpoint (``--resume``): its model, strategy state, random state
+        and rounds; only the remaining rounds are run.
     """
 
     def __init__(self, config: RunConfig, prepared: Prepared, output: Path, state: RunState,
-                 progress: Progress | None = None, deployment: Deployment | None = None) -> None:
+                 progress: Progress | None = None, deployment: Deployment | None = None,
+                 resume_from: resume.Checkpoint | None = None) -> None:
         self.config, self.prepared, self.output, self.state = config, prepared, output, state
         self.progress = progress or Progress(None, config.merge.rounds)
-        self.deployment = deployment
+        self.deployment, self.resume_from = deployment, resume_from
         self.metrics_path = output / "metrics.jsonl"
         self.model: torch.nn.Module | None = None
         self.adapter: FlowerAdapter | None = None
@@ -157,15 +161,22 @@ class ServerRun:
         torch.manual_seed(seed)
         self.model = self.prepared.spec.build()
         initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        done = 0 if self.resume_from is None else self.resume_from.round
+        if self.resume_from is not None:
+            initial = self._resume(self.resume_from, initial)
+        else:
+            self.metrics_path.unlink(missing_ok=True)
         if self.deployment is not None:
-            self.deployment.wait_for_nodes(grid, self.deployment.min_nodes, "before round 1")
-        self.adapter = self._adapter(grid, initial)
-        self.metrics_path.unlink(missing_ok=True)
+            self.deployment.wait_for_nodes(grid, self.deployment.min_nodes,
+                                           f"before round {done + 1}")
+        self.adapter = self._adapter(grid, initial, done)
         settings = TrainSettings.for_run(self.config, self.prepared.meta, self.prepared.strategy)
+        if self.resume_from is not None:
+            self.resume_from.restore_random()  # the same node sampling as an unbroken run
         self.adapter.start(
             grid=StreamingGrid(grid, on_lost=self._lost if self.deployment else None),
             initial_arrays=ArrayRecord(initial),
-            num_rounds=self.config.merge.rounds,
+            num_rounds=self.config.merge.rounds - done,
             timeout=self.config.merge.round_timeout,
             train_config=settings.to_record(),
             evaluate_fn=self.round_end,
@@ -173,7 +184,25 @@ class ServerRun:
         if self.deployment is not None:
             announce_end(grid)
 
-    def _adapter(self, grid: Grid, initial: dict[str, torch.Tensor]) -> FlowerAdapter:
+    def _resume(self, ckpt: resume.Checkpoint,
+                fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Take the checkpoint's model, strategy state and rounds; return the model."""
+        import strategies
+        from fedavg.errors import UserError
+
+        where = self.output / resume.CHECKPOINT
+        try:
+            strategies.check_compatible(fresh, ckpt.model, "the checkpoint")
+            self.prepared.strategy.load_state(ckpt.strategy)
+        except strategies.MergeError as exc:
+            raise UserError(f"{where} does not fit this run: {exc}") from None
+        self.state.rounds[:] = [RoundRecord(**r) for r in ckpt.rounds]
+        self.state.failures[:] = ckpt.failures
+        resume.write_metrics(self.metrics_path, [r.as_dict() for r in self.state.rounds])
+        return ckpt.model
+
+    def _adapter(self, grid: Grid, initial: dict[str, torch.Tensor],
+                 done: int) -> FlowerAdapter:
         m, p, deployment = self.config.merge, self.prepared, self.deployment
         if deployment is None:
             per_round, before_round = self.config.nodes_per_round, None
@@ -195,6 +224,8 @@ class ServerRun:
             min_evaluate_nodes=0,
             min_available_nodes=m.num_nodes if deployment is None else per_round,
             min_replies=1 if deployment is None else per_round,
+            max_update_norm=m.max_update_norm,
+            round_offset=done,
         )
 
     def report_failure(self, server_round: int, node: int, reason: str) -> None:
@@ -219,6 +250,7 @@ class ServerRun:
         """Flower's ``evaluate_fn``: evaluate, checkpoint and record the merged model."""
         if server_round == 0:
             return None
+        server_round += self.adapter.round_offset
         merged = self.adapter.last_merged
         if merged is not None and merged.is_ensemble:
             scored = self.prepared.spec.build_ensemble(merged.members, merged.member_weights)
@@ -234,6 +266,9 @@ class ServerRun:
             "metrics": {"accuracy": record.accuracy, "loss": record.loss}})
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(record.as_dict()) + "\n")
+        resume.save(self.output, resume.capture(
+            server_round, arrays.to_torch_state_dict(), self.config, self.prepared.strategy,
+            [r.as_dict() for r in self.state.rounds], self.state.failures))
         self.progress.on_round(record)
         return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
 
@@ -252,15 +287,15 @@ class ServerRun:
 
 
 def make_server_app(config: RunConfig, prepared: Prepared, output: Path, state: RunState,
-                    progress: Progress | None = None,
-                    deployment: Deployment | None = None) -> ServerApp:
+                    progress: Progress | None = None, deployment: Deployment | None = None,
+                    resume_from: resume.Checkpoint | None = None) -> ServerApp:
     """Build the coordinator ServerApp for one run (see :class:`ServerRun`).
 
     An exception in the run is kept in ``state.error`` (engines may wrap it) and re-raised;
     with a ``deployment``, the connected nodes are first told that the run failed and why.
     """
     app = ServerApp()
-    run = ServerRun(config, prepared, output, state, progress, deployment)
+    run = ServerRun(config, prepared, output, state, progress, deployment, resume_from)
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:

@@ -122,9 +122,11 @@ class Progress:
         Where to draw.
     rounds : int
         Rounds of the run.
+    done : int
+        Rounds already done (a resumed run).
     """
 
-    def __init__(self, console, rounds: int) -> None:
+    def __init__(self, console, rounds: int, done: int = 0) -> None:
         self.rounds = rounds
         self._bar = None
         if console is None:
@@ -140,7 +142,8 @@ class Progress:
         self._bar = Bar(TextColumn("[bold]rounds"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("{task.description}"),
                         console=console, transient=True)
-        self._task = self._bar.add_task("training round 1", total=rounds)
+        self._task = self._bar.add_task(f"training round {done + 1}", total=rounds,
+                                        completed=done)
 
     def start(self) -> None:
         """Show the bar."""

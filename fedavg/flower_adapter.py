@@ -55,6 +55,10 @@ class StreamingGrid:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._grid, name)
 
+    def get_node_ids(self) -> list[int]:
+        """Return the connected node ids, sorted (Flower's grids return a set)."""
+        return sorted(self._grid.get_node_ids())
+
     def send_and_receive(self, messages: Iterable[Message], *,
                          timeout: float | None = None) -> Iterable[Message]:
         """Push now; return a generator of the replies, pulled while it is consumed."""
@@ -169,6 +173,11 @@ class FlowerAdapter(FlowerFedAvg):
         Called with the round number before its nodes are sampled (e.g. wait for nodes).
     min_replies : int
         Usable replies a round needs.
+    max_update_norm : float, optional
+        Leave out a reply whose L2 distance from the round's starting model is larger.
+    round_offset : int
+        Rounds already done (a resumed run): Flower's round ``r`` is the run's round
+        ``r + round_offset``, which the nodes are sent and every callback is given.
     **kwargs
         Flower ``FedAvg`` arguments (fractions, minimum node counts).
 
@@ -185,11 +194,14 @@ class FlowerAdapter(FlowerFedAvg):
                  on_node_model: Callable[[int, dict, dict], None] | None = None,
                  before_round: Callable[[int], None] | None = None,
                  min_replies: int = 1,
+                 max_update_norm: float | None = None,
+                 round_offset: int = 0,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.merge, self.reference, self.buffers, self.context = merge, reference, buffers, context
         self.on_failure, self.on_node_model = on_failure, on_node_model
         self.before_round, self.min_replies = before_round, min_replies
+        self.max_update_norm, self.round_offset = max_update_norm, round_offset
         self.current_round = 0
         self.last_train: dict[str, Any] = {}
         self.last_merged: strategies.Merged | None = None
@@ -198,6 +210,7 @@ class FlowerAdapter(FlowerFedAvg):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """Sample nodes and build their messages; start the round's clock."""
+        server_round += self.round_offset
         if self.before_round is not None:
             self.before_round(server_round)
         self.current_round = server_round
@@ -207,6 +220,7 @@ class FlowerAdapter(FlowerFedAvg):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         """Merge usable replies one at a time; report the others."""
+        server_round += self.round_offset
         self.merge.begin(self.reference, self.buffers, self.context)
         tally = _RoundTally()
         sent_to = getattr(replies, "destination", None) or {}
@@ -224,6 +238,7 @@ class FlowerAdapter(FlowerFedAvg):
     def _fold(self, server_round: int, node: int, msg: Message, tally: _RoundTally) -> None:
         try:
             state, weight, metrics = parse_reply(msg)
+            self._check_norm(state, node)
             self.merge.add(state, weight, node=str(node))
             if self.on_node_model is not None:
                 self.on_node_model(server_round, state, {
@@ -239,6 +254,15 @@ class FlowerAdapter(FlowerFedAvg):
             return
         tally.add(weight, metrics)
 
+    def _check_norm(self, state: dict[str, torch.Tensor], node: int) -> None:
+        if self.max_update_norm is None:
+            return
+        strategies.check_compatible(self.reference, state, str(node))
+        norm = strategies.update_norm(self.reference, state)
+        if norm > self.max_update_norm:
+            raise RunError(f"update norm {norm:.4g} exceeds --max-update-norm "
+                           f"{self.max_update_norm:g}")
+
     def _finish_round(self, server_round: int, tally: _RoundTally) -> strategies.Merged:
         if not tally.used:
             detail = "; ".join(tally.reasons[:3]) or "no replies before --round-timeout"
@@ -247,6 +271,13 @@ class FlowerAdapter(FlowerFedAvg):
             raise RunError(f"round {server_round}: only {tally.used} usable model(s), fewer "
                            f"than --min-nodes-per-round {self.min_replies}")
         try:
-            return self.merge.result()
+            merged = self.merge.result()
         except strategies.MergeError as exc:
             raise RunError(f"round {server_round}: {exc}") from None
+        for member in merged.members if merged.is_ensemble else [merged.state_dict]:
+            bad = strategies.first_non_finite(member)
+            if bad is not None:
+                raise RunError(f"round {server_round}: the merged model's {bad!r} has NaN or "
+                               f"infinite values ({self.merge.name}); lower --lr or "
+                               "--server-lr, or set --max-update-norm")
+        return merged

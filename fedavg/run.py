@@ -27,6 +27,9 @@ from fedavg.partition import partition
 
 log = logging.getLogger("fedavg")
 
+#: The run folder of the run going on in this process (for interrupt messages).
+RUN_OUTPUT: list[Path] = []
+
 #: The files a finished run folder holds; their presence means "a run is here".
 RUN_FILES = ("model.safetensors", "model.json", "metrics.jsonl", "summary.json")
 
@@ -187,6 +190,7 @@ def make_output(output: str | Path | None) -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create output folder {out}: {exc.strerror}") from None
+    RUN_OUTPUT[:] = [out]
     return out
 
 
@@ -211,6 +215,45 @@ def check_output(out: Path, overwrite: bool) -> None:
     if not overwrite and any((out / name).exists() for name in RUN_FILES):
         raise UserError(f"{out} already holds a run; choose another --output or pass "
                         "--overwrite to replace it")
+
+
+def resolve_settings(config: RunConfig | None, overrides: dict[str, Any],
+                     resume: str | Path | None, output: str | Path | None, may_change=None):
+    """Return ``(config, checkpoint, output)`` of a new run, or of one continued with ``--resume``.
+
+    Parameters
+    ----------
+    config : RunConfig, optional
+        Settings asked for; ``None``: the defaults, or the checkpoint's when resuming.
+    overrides : dict
+        Flat settings applied on top (``rounds=20``).
+    resume : path, optional
+        The interrupted run's folder (holding ``checkpoint.safetensors``); ``None`` for a
+        new run (the checkpoint returned is then ``None``).
+    output : path, optional
+        When resuming, ``resume`` itself or ``None``: a resumed run writes into its folder.
+    may_change : iterable of str, optional
+        Kebab-case settings that may differ from the checkpoint's (default
+        :data:`fedavg.resume.MAY_CHANGE`).
+
+    Raises
+    ------
+    UserError
+        No readable checkpoint, another ``output``, a setting that differs, or no round
+        left to run.
+    """
+    from fedavg import resume as resuming
+
+    if resume is None:
+        return (RunConfig() if config is None else config).replace(**overrides), None, output
+    folder = Path(resume)
+    ckpt = resuming.load(folder)
+    if output is not None and Path(output).resolve() != folder.resolve():
+        raise UserError(f"--resume {folder} goes on in that folder; drop --output {output}")
+    base = (ckpt.run_config() if config is None else config).replace(**overrides)
+    config = resuming.resumed_config(ckpt, base, str(folder),
+                                     resuming.MAY_CHANGE if may_change is None else may_change)
+    return config, ckpt, folder
 
 
 # --------------------------------------------------------------------------- prepare

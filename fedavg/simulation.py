@@ -86,6 +86,7 @@ def simulate(
     cpus_per_node: float = 1.0,
     gpus_per_node: float | None = None,
     overwrite: bool = False,
+    resume: str | Path | None = None,
     **overrides: Any,
 ) -> run.RunResult:
     """Train ``num_nodes`` nodes on Flower's simulation engine and save the merged model.
@@ -106,6 +107,10 @@ def simulate(
         machine's cores (and GPUs) allow. GPUs: 1 per node when CUDA is used, else 0.
     overwrite : bool
         Allow ``output`` to hold a previous run, whose files are replaced.
+    resume : path, optional
+        Go on with the interrupted run in this folder from its last completed round
+        (:mod:`fedavg.resume`); ``config`` defaults to its settings, of which only
+        ``rounds`` may change.
     **overrides
         Flat settings applied on top of ``config`` (``num_nodes=10``, ``alpha=0.1`` ...).
 
@@ -121,28 +126,28 @@ def simulate(
         A round in which no node produced a usable model; finished rounds stay saved.
     """
     started = time.monotonic()
-    config = RunConfig() if config is None else config
-    if not isinstance(config, RunConfig):
+    if config is not None and not isinstance(config, RunConfig):
         raise TypeError(f"config must be a RunConfig, got {type(config).__name__}; pass "
                         "settings as keywords: simulate(dataset=..., num_nodes=...)")
-    if overrides:
-        config = config.replace(**overrides)
+    config, ckpt, output = run.resolve_settings(config, overrides, resume, output)
     config.validate()
     from fedavg.train import resolve_device
 
     resolve_device(config.train.device)
     backend = _backend_config(config.train.device, cpus_per_node, gpus_per_node, verbose)
     run.quiet_logs(verbose)
-    if output is not None:
+    if output is not None and ckpt is None:
         run.check_output(Path(output), overwrite)
     prepared = run.prepare(config)
     out = run.make_output(output)
     from fedavg.display import show_plan
 
     show_plan(console, prepared, config)
+    if ckpt is not None and console is not None:
+        console.print(f"resuming {out} after round {ckpt.round} of {config.merge.rounds}")
     state = run.RunState()
     try:
-        _run_on_ray(config, prepared, out, state, backend, console)
+        _run_on_ray(config, prepared, out, state, backend, console, ckpt)
     except BaseException:
         run.remove_if_empty(out)
         raise
@@ -151,7 +156,7 @@ def simulate(
 
 
 def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run.RunState,
-                backend: dict[str, Any], console) -> None:
+                backend: dict[str, Any], console, resume_from=None) -> None:
     """Run the rounds on a Ray instance of this run's own, then stop it."""
     from fedavg.coordinator import make_server_app
     from fedavg.display import Progress
@@ -160,13 +165,15 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
     with tempfile.TemporaryDirectory(prefix="fedavg-") as tmp, _abortable(tmp) as since:
         data_path = str(Path(tmp) / "train.safetensors")
         write_node_data(data_path, prepared.data.train.x, prepared.data.train.y, prepared.parts)
-        progress = Progress(console, config.merge.rounds)
-        server = make_server_app(config, prepared, out, state, progress)
+        progress = Progress(console, config.merge.rounds,
+                            0 if resume_from is None else resume_from.round)
+        server = make_server_app(config, prepared, out, state, progress,
+                                 resume_from=resume_from)
         client = make_client_app(data_path, device=config.train.device)
         try:
             progress.start()
             _init_ray(backend, str(Path(tmp) / "ray"))
-            _run_engine(server, client, config.merge.num_nodes, backend)
+            _run_engine(server, client, config.merge.num_nodes, backend, config.data.seed)
         except Exception as exc:
             if state.error is not None:
                 raise state.error from None
@@ -210,11 +217,14 @@ def _init_ray(backend: dict[str, Any], temp_dir: str) -> None:
             signal.signal(sig, handler)
 
 
-def _run_engine(server, client, num_nodes: int, backend: dict[str, Any]) -> None:
+def _run_engine(server, client, num_nodes: int, backend: dict[str, Any], seed: int) -> None:
     from flwr.simulation import run_simulation
 
-    run_simulation(server_app=server, client_app=client, num_supernodes=num_nodes,
-                   backend_config=backend)
+    from fedavg.flower_compat import seeded_simulation_ids
+
+    with seeded_simulation_ids(seed):  # the same nodes sampled in every run of a seed
+        run_simulation(server_app=server, client_app=client, num_supernodes=num_nodes,
+                       backend_config=backend)
 
 
 _ACTIVE: list[Callable[[], None]] = []

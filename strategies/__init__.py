@@ -24,10 +24,13 @@ from strategies.base import (
     UnknownStrategyError,
     all_options,
     available,
+    check_compatible,
+    first_non_finite,
     get,
     load_plugins,
     register,
     strategy_class,
+    update_norm,
 )
 
 #: Entry-point group through which other installed packages add strategies.
@@ -46,8 +49,11 @@ __all__ = [
     "UnknownStrategyError",
     "all_options",
     "available",
+    "check_compatible",
+    "first_non_finite",
     "get",
     "load_plugins",
     "register",
     "strategy_class",
+    "update_norm",
 ]

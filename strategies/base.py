@@ -13,12 +13,16 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-StateDict = Mapping[str, torch.Tensor]
-"""A model's parameters and buffers by name (``model.state_dict()``)."""
-
-
-class MergeError(ValueError):
-    """Node models that cannot be merged (mismatched keys, shapes, non-finite values)."""
+from strategies.tensors import (  # noqa: F401  (re-exported: the strategies' toolkit)
+    MergeError,
+    StateDict,
+    check_compatible,
+    first_non_finite,
+    is_float,
+    merge_integer,
+    signature,
+    update_norm,
+)
 
 
 class UnknownStrategyError(KeyError):
@@ -247,6 +251,26 @@ class Strategy:
         """Return the merged model of everything added since ``begin``."""
         raise NotImplementedError
 
+    def state(self) -> dict[str, Any]:
+        """Return what the method carries from one round to the next (default: nothing).
+
+        A flat mapping of names to tensors or JSON values, written into the run's checkpoint
+        after every round and handed back to :meth:`load_state` on ``--resume``.
+        """
+        return {}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state` saved by a run of the same strategy.
+
+        Raises
+        ------
+        MergeError
+            Entries this method does not keep (the checkpoint is of another strategy).
+        """
+        if state:
+            raise MergeError(f"strategy {self.name} keeps no state between rounds; the "
+                             f"checkpoint holds {sorted(state)[:3]}")
+
     def merge(
         self, state_dicts: Iterable[StateDict], weights: Iterable[float],
         nodes: Iterable[str] | None = None, *, reference: StateDict | None = None,
@@ -372,58 +396,3 @@ def all_options() -> dict[str, list[tuple[str, Option]]]:
         for opt in cls.options:
             out.setdefault(opt.name, []).append((sname, opt))
     return dict(sorted(out.items()))
-
-
-def signature(state_dict: StateDict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Keys, shapes and dtypes of a state dict: all :func:`check_compatible` needs."""
-    return {k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()}
-
-
-def is_float(dtype: torch.dtype) -> bool:
-    """Whether tensors of ``dtype`` are averaged (floating point) rather than kept."""
-    return dtype.is_floating_point or dtype.is_complex
-
-
-def merge_integer(acc: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
-    """Fold an integer or boolean buffer: elementwise maximum (logical or for booleans).
-
-    Integer buffers such as BatchNorm's ``num_batches_tracked`` are counters, not weights:
-    averaging them as floats would truncate and mix dtypes.
-    """
-    if acc is None:
-        return t.clone()
-    return acc | t if t.dtype == torch.bool else torch.maximum(acc, t)
-
-
-def check_compatible(reference, state_dict: StateDict, node: str) -> None:
-    """Raise :class:`MergeError` naming the key and node when ``state_dict`` does not match.
-
-    ``reference`` is a state dict or its :func:`signature`. Checks the same keys, the same
-    shapes, the same dtypes, and finite floating values.
-    """
-    reference = {k: (v if isinstance(v, tuple) else (tuple(v.shape), v.dtype))
-                 for k, v in reference.items()}
-    ref_keys, keys = set(reference), set(state_dict)
-    if ref_keys != keys:
-        missing, extra = sorted(ref_keys - keys), sorted(keys - ref_keys)
-        detail = []
-        if missing:
-            detail.append(f"missing {missing[:3]}")
-        if extra:
-            detail.append(f"unexpected {extra[:3]}")
-        raise MergeError(f"model from node {node} has other keys: {', '.join(detail)}")
-    for key, (shape, dtype) in reference.items():
-        t = state_dict[key]
-        if not isinstance(t, torch.Tensor):
-            raise MergeError(f"model from node {node}: {key!r} is not a tensor")
-        if tuple(t.shape) != shape:
-            raise MergeError(
-                f"model from node {node}: {key!r} has shape {tuple(t.shape)}, "
-                f"expected {shape}"
-            )
-        if t.dtype != dtype:
-            raise MergeError(
-                f"model from node {node}: {key!r} has dtype {t.dtype}, expected {dtype}"
-            )
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise MergeError(f"model from node {node}: {key!r} has NaN or infinite values")

@@ -21,10 +21,11 @@ and 0.01 fell to chance in the first rounds, 0.3 oscillated (0.973) and 0.1 was 
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping
 
 import torch
 
-from strategies.base import Merged, Option, StateDict, is_float, register
+from strategies.base import Merged, MergeError, Option, StateDict, is_float, register
 from strategies.fedavg import FedAvg
 
 
@@ -63,6 +64,29 @@ class _ServerOpt(FedAvg):
             delta = avg.state_dict[key].to(torch.float64) - w
             out[key] = self.step(key, w, delta).to(avg.state_dict[key].dtype)
         return Merged(out, avg.num_models, avg.total_weight, info={"server_round": self.round})
+
+    def state(self) -> dict[str, Any]:
+        """Return the optimiser state: ``round``, ``m.<key>`` and ``v.<key>`` (float64 tensors)."""
+        return {"round": self.round, **{f"m.{k}": t for k, t in self.m.items()},
+                **{f"v.{k}": t for k, t in self.v.items()}}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state`: momentum and second moments, and the step count.
+
+        Raises
+        ------
+        MergeError
+            An entry that is not ``round``, ``m.*`` or ``v.*``, or a moment that is no tensor.
+        """
+        m, v = {}, {}
+        for name, value in state.items():
+            kind, _, key = name.partition(".")
+            if name == "round" and isinstance(value, int):
+                continue
+            if kind not in ("m", "v") or not key or not isinstance(value, torch.Tensor):
+                raise MergeError(f"strategy {self.name}: unexpected checkpoint entry {name!r}")
+            (m if kind == "m" else v)[key] = value.to(torch.float64)
+        self.m, self.v, self.round = m, v, int(state.get("round", 0))
 
     def _moments(self, key: str, delta: torch.Tensor) -> torch.Tensor:
         m = self.m.get(key, torch.zeros_like(delta))

@@ -64,6 +64,8 @@ class _Options:
     per_round: int
     wait_timeout: float
     verbose: bool = False
+    output: Path | None = None
+    resume_from: Any = None  # a fedavg.resume.Checkpoint
 
     @property
     def local(self) -> str:
@@ -94,6 +96,7 @@ def coordinate(
     wait_timeout: float = 300.0,
     overwrite: bool = False,
     verbose: bool = False,
+    resume: Path | None = None,
     console=None,
 ) -> RunResult:
     """Run the coordinator of one run across machines and save the merged model.
@@ -103,7 +106,7 @@ def coordinate(
     config : RunConfig
         Run settings (``num_nodes`` is replaced by ``min_nodes``).
     output : path, optional
-        Run folder (default ``runs/<timestamp>``); same files as ``fedavg simulate``.
+        Run folder (default ``runs/<timestamp>``); the files of ``fedavg simulate``.
     address : str
         ``host:port`` the SuperLink listens on (nodes connect here). ``0.0.0.0:PORT`` to
         accept other machines.
@@ -123,7 +126,9 @@ def coordinate(
     overwrite : bool
         Allow ``output`` to hold a previous run.
     verbose : bool
-        Show Flower's own logs and every SuperLink output line.
+        Show Flower's own logs and every SuperLink line.
+    resume : path, optional
+        Go on with the interrupted run in this folder (see :func:`fedavg.simulate`).
     console : rich.console.Console, optional
         Where to print progress.
 
@@ -147,14 +152,14 @@ def coordinate(
     opts = _check_options(config, address=address, certs=certs, insecure=insecure,
                           auth_keys=auth_keys, min_nodes=min_nodes,
                           min_nodes_per_round=min_nodes_per_round, wait_timeout=wait_timeout,
-                          output=output, overwrite=overwrite, verbose=verbose)
+                          output=output, overwrite=overwrite, verbose=verbose, resume=resume)
     flower_compat.check_flower_internals()
     flower_compat.patch_pull_backoff()
     prepared = prepare(opts.config)
     check_port_free(opts.host, opts.port)
     quiet_logs(verbose)
     state = RunState()
-    out, run_id = _run_keeping_nothing_empty(opts, prepared, state, output, console)
+    out, run_id = _run_keeping_nothing_empty(opts, prepared, state, opts.output, console)
     return finish(state, prepared, opts.config, out, started, num_nodes=min_nodes,
                   run_id=run_id, console=console)
 
@@ -210,10 +215,14 @@ def _run(opts: _Options, prepared, state, output: Path | None, console) -> tuple
 def _check_options(config: RunConfig, *, address: str, certs: Path | None, insecure: bool,
                    auth_keys: Path | None, min_nodes: int, min_nodes_per_round: int | None,
                    wait_timeout: float, output: Path | None, overwrite: bool,
-                   verbose: bool = False) -> _Options:
+                   verbose: bool = False, resume: Path | None = None) -> _Options:
     """Check every option before anything starts (see :func:`coordinate`)."""
-    from fedavg.run import check_output
+    from fedavg.resume import MAY_CHANGE
+    from fedavg.run import check_output, resolve_settings
     from fedavg.train import resolve_device
+
+    config, ckpt, output = resolve_settings(config, {}, resume, output,
+                                            may_change=MAY_CHANGE | {"num-nodes"})
 
     if min_nodes < 1:
         raise UserError(f"--min-nodes must be at least 1, got {min_nodes}")
@@ -233,10 +242,10 @@ def _check_options(config: RunConfig, *, address: str, certs: Path | None, insec
     if keys_pem is not None and certs is None:
         raise UserError("--auth-keys needs TLS: pass --certs, not --insecure")
     resolve_device(config.train.device)
-    if output is not None:
+    if output is not None and ckpt is None:
         check_output(Path(output), overwrite)
     return _Options(config, host, port, certs, keys_pem, min_nodes, per_round, wait_timeout,
-                    verbose)
+                    verbose, output, ckpt)
 
 
 def _superlink_args(opts: _Options, secret_path: Path) -> list[str]:
@@ -332,9 +341,10 @@ def _run_rounds(link: FlowerProcess, endpoint, run_id: int, opts: _Options, prep
 
     deployment = Deployment(min_nodes=opts.min_nodes, wait_timeout=opts.wait_timeout,
                             min_nodes_per_round=opts.per_round, on_nodes=on_nodes)
-    progress = Progress(console, opts.config.merge.rounds)
+    done = 0 if opts.resume_from is None else opts.resume_from.round
+    progress = Progress(console, opts.config.merge.rounds, done)
     server = make_server_app(opts.config, prepared, out, state, progress=progress,
-                             deployment=deployment)
+                             deployment=deployment, resume_from=opts.resume_from)
     token = _acquire_server_task(endpoint, run_id, link)
     try:
         progress.start()

@@ -37,6 +37,7 @@ from fedavg.flower_compat.launch import (
     patch_supernode,
     run_superlink,
     run_supernode,
+    seeded_simulation_ids,
 )
 from fedavg.flower_compat.logs import (
     KEY_HINT,
@@ -88,6 +89,7 @@ __all__ = [
     "run_server_task",
     "run_superlink",
     "run_supernode",
+    "seeded_simulation_ids",
     "start_run",
     "superlink_line_is_error",
     "superlink_node_refusal",

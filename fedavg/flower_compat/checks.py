@@ -24,6 +24,8 @@ _SOURCES = {
                                         "Giving up reconnection"),
     "flwr.supercore.error.catalog": ("All SuperNodes must be registered",
                                      "Failed to activate SuperNode."),
+    "flwr.server.superlink.linkstate.in_memory_linkstate": (
+        "node_id = generate_rand_int_from_bytes(", "return self.federation_manager.filter_nodes("),
     "flwr.supercore.exit.exit": ('f"Exit Code: {code}',),
     "flwr.supercore.exit.exit_code": ("could not establish a connection",),
     "flwr.supercore.error.http": ("[ApiError:{err.code}] {err.message}",),

@@ -7,6 +7,7 @@ fixed in code), sends heartbeats every 30 s, and Flower's object pulls first ret
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from fedavg.flower_compat.checks import check_flower_internals
@@ -83,3 +84,34 @@ def patch_pull_backoff() -> None:
             fn.__defaults__ = tuple(defaults)
         elif fn.__kwdefaults__ and "initial_backoff" in fn.__kwdefaults__:
             fn.__kwdefaults__ = {**fn.__kwdefaults__, "initial_backoff": PULL_BACKOFF_S}
+
+
+@contextlib.contextmanager
+def seeded_simulation_ids(seed: int):
+    """Within the block, the simulation engine's node (and run) ids follow from ``seed``.
+
+    Flower draws them from ``os.urandom``, and samples a round's nodes with
+    ``random.sample`` over the set of node ids: with random ids, the same seed picks
+    other partitions in every run, so a run with ``--fraction < 1`` could not be repeated
+    or resumed. The engine creates its nodes one after another, in partition order, so a
+    seeded generator gives every partition the same id in every run.
+    """
+    import random
+
+    from flwr.server.superlink.linkstate import in_memory_linkstate as state
+
+    check_flower_internals()
+    rng = random.Random(seed)
+    original = state.generate_rand_int_from_bytes
+
+    def generate(num_bytes: int, exclude: set[int] | None = None) -> int:
+        num = rng.getrandbits(8 * num_bytes)
+        while exclude and num in exclude:
+            num = rng.getrandbits(8 * num_bytes)
+        return num
+
+    state.generate_rand_int_from_bytes = generate
+    try:
+        yield
+    finally:
+        state.generate_rand_int_from_bytes = original

@@ -1,0 +1,230 @@
+"""Checkpoints for ``--resume``: everything a run needs to go on as if it had never stopped.
+
+After every round the coordinator writes ``checkpoint.safetensors`` into the run folder,
+atomically (temporary file + rename), so a run killed at any moment leaves the last
+completed round as the current checkpoint. One file holds:
+
+- ``model.<key>``: the global model after the round (what the next round starts from);
+- ``strategy.<name>``: the strategy's tensors (server optimiser moments, ...);
+- ``rng.torch``: the coordinator's torch random state;
+- the metadata entry ``state``: JSON with the round, the run's settings, the strategy's
+  other state, Python's random state (Flower samples nodes with it), the rounds' metrics
+  and the failures so far.
+
+Flower's own ``Strategy.start`` has no start round; the run goes on from the checkpoint by
+starting Flower's loop at the checkpoint's model with the remaining rounds, the round numbers
+offset (:class:`fedavg.flower_adapter.FlowerAdapter`'s ``round_offset``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from fedavg.config import RunConfig
+from fedavg.errors import UserError
+
+CHECKPOINT = "checkpoint.safetensors"
+FORMAT = "fedavg-checkpoint/1"
+
+#: Settings a resumed run may change: the number of rounds (to train longer), and how
+#: long to wait for nodes and where to train, which do not change what is computed.
+MAY_CHANGE = frozenset({"rounds", "round-timeout", "device"})
+
+
+@dataclass
+class Checkpoint:
+    """The state of a run after its last completed round.
+
+    Attributes
+    ----------
+    round : int
+        Rounds completed (from 1).
+    model : dict of str to torch.Tensor
+        The global model after ``round``.
+    config : dict
+        The run's settings (:meth:`fedavg.config.RunConfig.to_flat`).
+    strategy : dict
+        :meth:`strategies.Strategy.state` after ``round``.
+    rounds : list of dict
+        One :class:`fedavg.run.RoundRecord` dict per completed round.
+    failures : list of str
+        Node replies left out so far.
+    python_random : list
+        ``random.getstate()`` as JSON lists.
+    torch_random : torch.Tensor
+        ``torch.get_rng_state()``, ``(N,)`` uint8.
+    """
+
+    round: int
+    model: dict[str, torch.Tensor]
+    config: dict[str, Any]
+    strategy: dict[str, Any] = field(default_factory=dict)
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    python_random: list = field(default_factory=list)
+    torch_random: torch.Tensor | None = None
+
+    def run_config(self) -> RunConfig:
+        """Return the checkpoint's settings as a :class:`~fedavg.config.RunConfig`."""
+        return RunConfig.from_flat(self.config)
+
+    def restore_random(self) -> None:
+        """Put Python's and torch's random generators back as they were after ``round``."""
+        if self.python_random:
+            version, internal, gauss = self.python_random
+            random.setstate((version, tuple(internal), gauss))
+        if self.torch_random is not None:
+            torch.set_rng_state(self.torch_random)
+
+
+def capture(round_: int, model: dict[str, torch.Tensor], config: RunConfig, strategy,
+            rounds: list[dict[str, Any]], failures: list[str]) -> Checkpoint:
+    """Take a checkpoint of the run now (the random states are read here)."""
+    version, internal, gauss = random.getstate()
+    return Checkpoint(round=round_, model=model, config=config.to_flat(),
+                      strategy=strategy.state(), rounds=list(rounds), failures=list(failures),
+                      python_random=[version, list(internal), gauss],
+                      torch_random=torch.get_rng_state())
+
+
+def save(folder: str | Path, ckpt: Checkpoint) -> Path:
+    """Write ``folder/checkpoint.safetensors`` atomically; return its path."""
+    from safetensors.torch import save_file
+
+    from fedavg.checkpoint import _atomic_write
+
+    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in ckpt.model.items()}
+    plain = {}
+    for name, value in ckpt.strategy.items():
+        if isinstance(value, torch.Tensor):
+            tensors[f"strategy.{name}"] = value.detach().cpu().contiguous()
+        else:
+            plain[name] = value
+    if ckpt.torch_random is not None:
+        tensors["rng.torch"] = ckpt.torch_random
+    state = {"round": ckpt.round, "config": ckpt.config, "strategy": plain,
+             "rounds": ckpt.rounds, "failures": ckpt.failures,
+             "python_random": ckpt.python_random}
+    path = Path(folder) / CHECKPOINT
+    meta = {"format": FORMAT, "state": json.dumps(state)}
+    _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    return path
+
+
+def load(folder: str | Path) -> Checkpoint:
+    """Read the checkpoint of the run in ``folder``.
+
+    Raises
+    ------
+    UserError
+        No such folder or checkpoint, or a file that is not a readable fedavg checkpoint.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder)
+    path = folder / CHECKPOINT
+    if not folder.is_dir():
+        raise UserError(f"--resume {folder}: no such folder (pass a run's output folder)")
+    if not path.is_file():
+        raise UserError(f"--resume {folder}: no {CHECKPOINT} in it (no round finished, or not "
+                        "a fedavg run folder)")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+        state = json.loads(meta["state"])
+        ckpt = _from_parts(state, tensors)
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{path} is damaged ({str(exc).splitlines()[0][:120]}); resume from "
+                        "another copy or start a new run") from None
+    return ckpt
+
+
+def _from_parts(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Checkpoint:
+    def group(prefix: str) -> dict[str, torch.Tensor]:
+        return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+    ckpt = Checkpoint(round=int(state["round"]), model=group("model."),
+                      config=dict(state["config"]),
+                      strategy={**state["strategy"], **group("strategy.")},
+                      rounds=list(state["rounds"]), failures=list(state["failures"]),
+                      python_random=list(state["python_random"]),
+                      torch_random=tensors.get("rng.torch"))
+    if ckpt.round < 1 or len(ckpt.rounds) != ckpt.round or not ckpt.model:
+        raise ValueError(f"round {ckpt.round} with {len(ckpt.rounds)} round records")
+    return ckpt
+
+
+def write_metrics(path: Path, rounds: list[dict[str, Any]]) -> None:
+    """Rewrite ``metrics.jsonl`` with the checkpoint's rounds (dropping any later line)."""
+    from fedavg.checkpoint import _atomic_write
+
+    def _write(tmp: str) -> None:
+        with open(tmp, "w") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in rounds)
+
+    _atomic_write(path, _write)
+
+
+def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
+                   may_change: Iterable[str] = MAY_CHANGE) -> RunConfig:
+    """Return the settings a resumed run goes on with, checked against the checkpoint.
+
+    Parameters
+    ----------
+    ckpt : Checkpoint
+        The run's checkpoint.
+    config : RunConfig, optional
+        The settings asked for; ``None`` takes the checkpoint's.
+    where : str
+        The run folder, for messages.
+    may_change : iterable of str
+        Kebab-case settings allowed to differ from the checkpoint's.
+
+    Raises
+    ------
+    UserError
+        A setting other than ``may_change`` differs (naming it and both values), or the
+        rounds asked for are already done.
+    """
+    config = ckpt.run_config() if config is None else config
+    saved, asked = ckpt.run_config().to_flat(), config.to_flat()
+    allowed = set(may_change)
+    for key in sorted(set(saved) | set(asked)):
+        if key not in allowed and saved.get(key) != asked.get(key):
+            raise UserError(f"--resume {where}: --{key} {asked.get(key)} differs from the "
+                            f"run's {saved.get(key)}; only --rounds may change (start a new "
+                            "run with another --output for other settings)")
+    if config.merge.rounds <= ckpt.round:
+        raise UserError(f"--resume {where}: the run has finished {ckpt.round} round(s); pass "
+                        f"--rounds N with N > {ckpt.round} to train longer")
+    return config
+
+
+def resume_command(argv: list[str], output: Path) -> str:
+    """Return the command that resumes an interrupted run: ``argv`` with ``--resume OUTPUT``.
+
+    ``--output`` and ``--overwrite`` are dropped (the run folder is the resumed one); the
+    other options stay, since settings equal to the run's are accepted.
+    """
+    args, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--output", "--resume"):
+            skip = True
+            continue
+        if arg == "--overwrite" or arg.startswith(("--output=", "--resume=")):
+            continue
+        args.append(arg)
+    return shlex.join(["fedavg", *args, "--resume", str(output)])

@@ -1,0 +1,239 @@
+"""Checkpoint and resume: the checkpoint file, the settings check, and killed runs resumed."""
+
+import json
+import re
+import shlex
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from test_deploy import Cluster, rounds_of
+
+import strategies
+from fedavg import resume
+from fedavg.config import RunConfig
+from fedavg.errors import UserError
+
+
+def _rounds(strategy, w, batches):
+    for models in batches:
+        w = strategy.merge(models, [1.0, 3.0], reference=w).state_dict
+    return w
+
+
+def _batches():
+    g = torch.Generator().manual_seed(0)
+    return [[{"a": torch.randn(3, generator=g), "n": torch.tensor(r)} for _ in range(2)]
+            for r in range(4)]
+
+
+@pytest.mark.parametrize("name", ["fedadam", "fedavgm", "fedyogi", "fedadagrad", "fedavg"])
+def test_strategy_state_through_a_checkpoint_file_continues_exactly(tmp_path, name):
+    w0 = {"a": torch.zeros(3), "n": torch.tensor(0)}
+    batches = _batches()
+    unbroken = _rounds(strategies.get(name), w0, batches)
+
+    first = strategies.get(name)
+    w2 = _rounds(first, w0, batches[:2])
+    ckpt = resume.capture(2, w2, RunConfig().replace(strategy=name, rounds=4), first,
+                          [{"round": 1}, {"round": 2}], ["round 1, node 3: gone"])
+    resume.save(tmp_path, ckpt)
+    back = resume.load(tmp_path)
+    again = strategies.get(name)
+    again.load_state(back.strategy)
+    resumed = _rounds(again, back.model, batches[2:])
+
+    assert torch.equal(resumed["a"], unbroken["a"])
+    assert back.round == 2 and back.failures == ["round 1, node 3: gone"]
+    assert back.run_config().merge.strategy == name
+
+
+def test_random_states_are_restored():
+    import random
+
+    random.seed(7)
+    torch.manual_seed(7)
+    ckpt = resume.capture(1, {"a": torch.zeros(1)}, RunConfig(), strategies.get("fedavg"),
+                          [{"round": 1}], [])
+    expected = (random.random(), torch.rand(2))
+    random.seed(99)
+    torch.manual_seed(99)
+    ckpt.restore_random()
+    assert random.random() == expected[0]
+    assert torch.equal(torch.rand(2), expected[1])
+
+
+def test_a_stateless_strategy_refuses_foreign_state():
+    with pytest.raises(strategies.MergeError, match="keeps no state"):
+        strategies.get("fedavg").load_state({"m.a": torch.zeros(1)})
+    with pytest.raises(strategies.MergeError, match="unexpected checkpoint entry 'x.a'"):
+        strategies.get("fedadam").load_state({"x.a": torch.zeros(1)})
+
+
+def test_missing_and_damaged_checkpoints_are_one_line_errors(tmp_path):
+    with pytest.raises(UserError, match="no such folder"):
+        resume.load(tmp_path / "nope")
+    with pytest.raises(UserError, match="no checkpoint.safetensors"):
+        resume.load(tmp_path)
+    ckpt = resume.capture(1, {"a": torch.ones(4)}, RunConfig(), strategies.get("fedavg"),
+                          [{"round": 1}], [])
+    path = resume.save(tmp_path, ckpt)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(UserError, match=r"checkpoint.safetensors is damaged") as err:
+        resume.load(tmp_path)
+    assert "\n" not in str(err.value)
+    path.write_bytes(b"\x00" * 64)  # garbage
+    with pytest.raises(UserError, match="is damaged"):
+        resume.load(tmp_path)
+
+
+def test_only_the_rounds_may_change():
+    ckpt = resume.Checkpoint(round=2, model={"a": torch.zeros(1)},
+                             config=RunConfig().replace(rounds=4, lr=0.05).to_flat(),
+                             rounds=[{}, {}])
+    more = resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=6), "run")
+    assert more.merge.rounds == 6 and more.train.lr == 0.05
+    assert resume.resumed_config(ckpt, None, "run").merge.rounds == 4
+    with pytest.raises(UserError, match=r"--lr 0.1 differs from the run's 0.05"):
+        resume.resumed_config(ckpt, ckpt.run_config().replace(lr=0.1), "run")
+    with pytest.raises(UserError, match=r"--strategy fedadam differs from the run's fedavg"):
+        resume.resumed_config(ckpt, ckpt.run_config().replace(strategy="fedadam"), "run")
+    assert resume.resumed_config(ckpt, ckpt.run_config().replace(device="cpu", rounds=5),
+                                 "run").train.device == "cpu"
+    with pytest.raises(UserError, match=r"has finished 2 round\(s\); pass --rounds N with N > 2"):
+        resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=2), "run")
+
+
+def test_resume_command_replaces_output_and_keeps_the_rest():
+    argv = ["simulate", "--num-nodes", "3", "--output", "runs/a b", "--overwrite", "--lr=0.1"]
+    assert resume.resume_command(argv, Path("runs/a b")) == \
+        "fedavg simulate --num-nodes 3 --lr=0.1 --resume 'runs/a b'"
+    again = ["simulate", "--resume", "runs/x", "--rounds", "9"]
+    assert resume.resume_command(again, Path("runs/x")) == \
+        "fedavg simulate --rounds 9 --resume runs/x"
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """Commands started in the background, stopped and checked for leftovers at the end."""
+    c = Cluster(tmp_path)
+    yield c
+    c.close()
+
+
+def _kill_tree(proc):
+    """SIGKILL a command and every process it started (Ray's too): nothing is cleaned up."""
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    proc.kill()
+    proc.wait(30)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(children, timeout=30)
+
+
+def _wait_rounds(out, n, proc, runs, timeout=240):
+    deadline = time.monotonic() + timeout
+    while not ((out / "metrics.jsonl").exists()
+               and len((out / "metrics.jsonl").read_text().splitlines()) >= n):
+        assert proc.poll() is None, runs.log(proc.name)
+        assert time.monotonic() < deadline, runs.log(proc.name)
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def short_tmp():
+    """Yield a temp folder with a short path; remove it afterwards."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="fedavg-test-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+SIM = ["simulate", "--num-nodes", "4", "--fraction", "0.5", "--rounds", "4", "--seed", "3",
+       "--local-epochs", "2"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("strategy", ["fedavg", "fedadam"])
+def test_run_killed_after_round_two_resumes_to_the_unbroken_result(runs, tmp_path, strategy,
+                                                                    monkeypatch, short_tmp):
+    """SIGKILL after round 2 of 4, then --resume: the same final accuracy as never stopping."""
+    # what the kill leaves behind stays in here (short: Ray's socket paths are limited)
+    monkeypatch.setenv("TMPDIR", str(short_tmp))
+    args = [*SIM, "--strategy", strategy]
+    unbroken = runs.start("unbroken", *args, "--output", tmp_path / "unbroken")
+    assert runs.wait(unbroken) == 0, runs.log("unbroken")
+
+    out = tmp_path / "killed"
+    killed = runs.start("killed", *args, "--output", out)
+    _wait_rounds(out, 2, killed, runs)
+    _kill_tree(killed)
+    done = len(rounds_of(out))
+    assert done >= 2 and resume.load(out).round == done  # the last round is loadable
+
+    again = runs.start("resumed", "simulate", "--resume", out)
+    assert runs.wait(again) == 0, runs.log("resumed")
+    assert f"resuming {out} after round {done} of 4" in runs.log("resumed")
+    got, want = rounds_of(out), rounds_of(tmp_path / "unbroken")
+    assert [r["round"] for r in got] == [1, 2, 3, 4]
+    assert abs(got[-1]["accuracy"] - want[-1]["accuracy"]) <= 0.002, (got, want)
+    assert [r["num_nodes"] for r in got] == [2, 2, 2, 2]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == 4 and summary["accuracy"] == got[-1]["accuracy"]
+
+
+@pytest.mark.e2e
+def test_sigterm_says_the_exact_resume_command_and_it_works(runs, tmp_path):
+    out = tmp_path / "run"
+    proc = runs.start("run", "simulate", "--rounds", "3", "--num-nodes", "2",
+                         "--local-epochs", "3", "--output", out)
+    _wait_rounds(out, 1, proc, runs)
+    proc.send_signal(signal.SIGTERM)
+    assert runs.wait(proc, 60) == 130
+    line = re.search(r"resume with: (fedavg .*)", runs.log("run")).group(1)
+    assert line.endswith(f"--resume {out}") and "--output" not in line
+    args = shlex.split(line)[1:] + ["--rounds", "4"]  # and train one round longer
+    again = runs.start("again", *args)
+    assert runs.wait(again) == 0, runs.log("again")
+    assert [r["round"] for r in rounds_of(out)] == [1, 2, 3, 4]
+    bad = runs.start("bad", *args, "--lr", "0.5")
+    assert runs.wait(bad) == 2
+    assert "--lr 0.5 differs from the run's 0.05" in runs.log("bad")
+
+
+@pytest.mark.e2e
+def test_coordinator_resumes_with_new_nodes_and_more_rounds(runs, tmp_path):
+    out = tmp_path / "run"
+    coord = runs.coordinator("--rounds", "2", "--min-nodes", "2", "--insecure",
+                                "--strategy", "fedadam", "--output", out)
+    nodes = [runs.node(f"n{i}", "--insecure", "--partition-id", i, "--num-partitions", 2,
+                          "--once") for i in range(2)]
+    assert runs.wait(coord) == 0, runs.log("coordinator")
+    for n in nodes:
+        assert runs.wait(n, 60) == 0
+    coord2 = runs.start("coordinator2", "coordinator", "--address", runs.address,
+                           "--insecure", "--min-nodes", "2", "--resume", out, "--rounds", "3")
+    nodes2 = [runs.node(f"m{i}", "--insecure", "--partition-id", i, "--num-partitions", 2,
+                           "--once") for i in range(2)]
+    assert runs.wait(coord2) == 0, runs.log("coordinator2")
+    for n in nodes2:
+        assert runs.wait(n, 60) == 0
+    rounds = rounds_of(out)
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    assert json.loads((out / "model.json").read_text())["rounds"] == 3
+    assert resume.load(out).strategy["round"] == 3  # FedAdam's step count went on
