@@ -112,3 +112,17 @@ def test_random_replies_are_merged_or_left_out_never_a_crash(task_identity, upda
     assert set(merged) == {"w", "n"}
     assert strategies.first_non_finite(merged) is None
     assert len(failures) + a.last_train["num_nodes"] == len(updates)
+
+
+@pytest.mark.e2e
+def test_cli_bound_rejects_every_update_and_says_why(tmp_path):
+    from conftest import run_cli
+
+    proc = run_cli("simulate", "--num-nodes", "2", "--rounds", "2", "--max-update-norm",
+                   "1e-6", "--output", tmp_path / "run", check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "round 1: no usable model from any node" in proc.stderr
+    assert "exceeds --max-update-norm 1e-06" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    bad = run_cli("simulate", "--max-update-norm", "-1", check=False)
+    assert bad.returncode == 2 and "--max-update-norm must be > 0" in bad.stderr
