@@ -31,7 +31,8 @@ log = logging.getLogger("fedavg")
 RUN_OUTPUT: list[Path] = []
 
 #: The files a finished run folder holds; their presence means "a run is here".
-RUN_FILES = ("model.safetensors", "model.json", "metrics.jsonl", "summary.json")
+RUN_FILES = ("model.safetensors", "model.json", "metrics.jsonl", "summary.json",
+             "checkpoint.safetensors")
 
 
 @dataclass
