@@ -144,18 +144,77 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
             return f"'input.{key}' must hold {shape[0]} numbers"
     if not all(v > 0 for v in spec["std"]):
         return "'input.std' values must be > 0"
+    if isinstance(model.get("input_shape"), list) and model["input_shape"] != shape:
+        return (f"'model.input_shape' {model['input_shape']} differs from 'input.shape' "
+                f"{shape}")
     if "dataset" in meta and not isinstance(meta["dataset"], dict):
         return "'dataset' must be an object"
     return None
 
 
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(s) for s in t.shape)
+
+
+def _names(keys: list[str], limit: int = 3) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def fit_problem(state: Mapping[str, torch.Tensor],
+                expected: Mapping[str, torch.Tensor]) -> str | None:
+    """Say why ``state`` cannot be loaded into a model whose state dict is ``expected``.
+
+    Parameters
+    ----------
+    state : mapping of str to torch.Tensor
+        Loaded weights.
+    expected : mapping of str to torch.Tensor
+        The freshly built model's ``state_dict()``.
+
+    Returns
+    -------
+    str or None
+        One line naming the first few missing and unexpected tensors, else the first tensor
+        of another shape (its shape and the expected one) or of integer values where the
+        model has floats (or the reverse); ``None`` when ``state`` fits.
+    """
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"lacks {len(missing)} tensor(s) the model has: {_names(missing)}")
+        if unexpected:
+            parts.append(f"has {len(unexpected)} tensor(s) the model does not: "
+                         f"{_names(unexpected)}")
+        return "; ".join(parts)
+    for key, want in expected.items():
+        got = state[key]
+        if _shape(got) != _shape(want):
+            return (f"tensor {key!r} has shape {_shape(got)}, the model expects "
+                    f"{_shape(want)}")
+        if got.is_floating_point() != want.is_floating_point():
+            return f"tensor {key!r} holds {got.dtype} values, the model expects {want.dtype}"
+    return None
+
+
+def _nonfinite(state: Mapping[str, torch.Tensor]) -> str | None:
+    """Return the first floating tensor of ``state`` with NaN or Inf values, else ``None``."""
+    return next((k for k, t in state.items()
+                 if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+
+
 def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load ``(state_dict, meta)`` saved by :func:`save`.
+
+    Nothing is unpickled: weights come from safetensors, metadata from JSON.
 
     Raises
     ------
     UserError
-        Missing folder or files, unreadable or corrupt weights or metadata.
+        Missing folder or files, unreadable or corrupt weights or metadata (one line naming
+        the file and the problem), or weights holding NaN or infinite values.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -182,10 +241,16 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     try:
         state_dict = load_file(str(weights))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(
-            f"{weights} is not a readable safetensors file ({str(exc)[:120]}); the artifact is "
+            f"{weights} is not a readable safetensors file ({first[:160]}); the artifact is "
             "damaged: re-run or use another checkpoint"
         ) from None
+    bad = _nonfinite(state_dict)
+    if bad is not None:
+        raise UserError(f"{weights}: tensor {bad!r} holds NaN or infinite values (training "
+                        "diverged or the file is damaged); re-train, e.g. with a lower --lr, "
+                        "or use another checkpoint")
     return state_dict, meta
 
 

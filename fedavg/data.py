@@ -212,8 +212,10 @@ def load(
                 raise UserError(f"{flag} {col}: the built-in {dataset} dataset has no columns")
         data = _load_digits()
     else:
-        dsdict = open_source(dataset)
+        notes: list[str] = []
+        dsdict = open_source(dataset, notes)
         data = _from_hf(dsdict, dataset, image_column, label_column, partition_by)
+        data.notes.extend(notes)
     if "test" not in data.splits:
         train = data.splits["train"]
         if len(train) < 2:

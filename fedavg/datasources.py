@@ -43,7 +43,7 @@ def looks_like_path(name: str) -> bool:
     )
 
 
-def open_source(dataset: str):
+def open_source(dataset: str, notes: list[str] | None = None):
     """Open a local path or hub id as a ``datasets.DatasetDict``.
 
     Parameters
@@ -51,6 +51,9 @@ def open_source(dataset: str):
     dataset : str
         A data file (``.parquet``, ``.csv``, ``.arrow``, ``.json``), a folder (data files,
         a ``save_to_disk`` folder, an image folder) or a Hugging Face hub id.
+    notes : list of str, optional
+        Receives one line per kind of thing left out (an image folder's class folders
+        without images, its non-image or hidden files).
 
     Returns
     -------
@@ -69,7 +72,7 @@ def open_source(dataset: str):
     path = Path(dataset).expanduser()
     if path.exists():
         try:
-            return _open_local(path)
+            return _open_local(path, dataset, notes if notes is not None else [])
         except UserError:
             raise
         except Exception as exc:  # datasets raises many types for unreadable data
@@ -86,7 +89,7 @@ def open_source(dataset: str):
         ) from None
 
 
-def _open_local(path: Path):
+def _open_local(path: Path, source: str, notes: list[str]):
     """Open an existing file or folder with the ``datasets`` builder that fits it."""
     import datasets
 
@@ -103,19 +106,27 @@ def _open_local(path: Path):
         if isinstance(loaded, datasets.Dataset):
             loaded = datasets.DatasetDict({"train": loaded})
         return loaded
+    from fedavg.imagefolder import image_folder_notes
+
+    skipped = image_folder_notes(path, source)
+    if skipped is not None:  # an image folder, even with more stray files than images
+        notes.extend(skipped)
+        return datasets.load_dataset("imagefolder", data_dir=str(path))
     return datasets.load_dataset(str(path))
 
 
 def _quiet_hub_logs() -> None:
-    """Keep the hub's retry chatter and pyarrow's warnings off the user's terminal."""
+    """Keep the hub's retry chatter, download bars and pyarrow's warnings off the terminal."""
     import datasets
 
     # CRITICAL: its error lines repeat what our one-line error says
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
+        from huggingface_hub.utils import disable_progress_bars
         from huggingface_hub.utils import logging as hub_logging
 
         hub_logging.set_verbosity_error()
+        disable_progress_bars()  # the hub's download bars are its own, not datasets'
     except ImportError:  # pragma: no cover - comes with datasets
         pass
 
@@ -295,7 +306,7 @@ def input_array(ds, columns: list[str], source: str) -> np.ndarray:
     import datasets
 
     if len(columns) > 1:  # tabular
-        table = ds.with_format("numpy")
+        table = ds.select_columns(columns).with_format("numpy")[:]  # one batch, not rows
         x = np.stack([np.asarray(table[c], dtype=np.float32) for c in columns], axis=1)
         bad = ~np.isfinite(x).all(axis=0)
         if bad.any():

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from fedavg.partition import label_counts
+from fedavg.partition import label_counts, values_per_node
 
 if TYPE_CHECKING:
     from fedavg.config import RunConfig
@@ -49,18 +49,41 @@ def partition_table(prepared: Prepared, max_rows: int = 12):
     classes = prepared.data.classes
     counts = label_counts(prepared.data.train.y, prepared.parts, len(classes))
     partitioner = prepared.meta["config"]["data"]["partitioner"]
+    values = natural_values(prepared)
     table = Table(title=f"{len(prepared.parts)} nodes, {partitioner} partition of "
                   f"{len(prepared.data.train)} samples", title_justify="left")
-    for column in ("node", "samples", "labels", "top label (share)", "smallest label (share)"):
+    for column in ("node", "samples", *(("values",) if values else ()), "labels",
+                   "top label (share)", "smallest label (share)"):
         table.add_column(column, justify="right")
     rows = list(range(len(prepared.parts)))
     if len(rows) > max_rows:
         rows = rows[: max_rows - 2] + rows[-2:]
     for i in rows:
-        table.add_row(*_partition_row(i, counts[i], classes))
+        row = _partition_row(i, counts[i], classes)
+        table.add_row(*(row[:2] + [str(values[i])] + row[2:] if values else row))
     if len(prepared.parts) > max_rows:
         table.caption = f"{len(prepared.parts) - max_rows} more nodes not shown"
     return table
+
+
+def natural_values(prepared: Prepared) -> list[int] | None:
+    """Distinct ``--partition-by`` values per node of a natural partition, else ``None``."""
+    groups = prepared.data.train.groups
+    if prepared.meta["config"]["data"]["partitioner"] != "natural" or groups is None:
+        return None
+    return values_per_node(groups, prepared.parts)
+
+
+def natural_note(prepared: Prepared) -> str | None:
+    """One line on how a natural partition grouped its values, when nodes hold several."""
+    values = natural_values(prepared)
+    if not values or max(values) == 1:
+        return None
+    column = prepared.meta["config"]["data"]["partition_by"]
+    shown = ", ".join(map(str, values[:12])) + (", ..." if len(values) > 12 else "")
+    return (f"{sum(values)} distinct --partition-by {column} values grouped into "
+            f"{len(values)} nodes (each value on one node, balanced by samples): "
+            f"{shown} values per node")
 
 
 def _partition_row(node: int, counts: np.ndarray, classes: list[str]) -> list[str]:
@@ -77,8 +100,9 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
     """Print the data notes, the partition table and a one-line summary of the run."""
     if console is None:
         return
-    for note in prepared.data.notes:
-        console.print(f"[yellow]note:[/] {note}")
+    grouped = natural_note(prepared)
+    for note in [*prepared.data.notes, *([grouped] if grouped else [])]:
+        console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     if not table:
         return
     console.print(partition_table(prepared))

@@ -59,17 +59,33 @@ def _build(spec: Any, where: str) -> torch.nn.Module:
     try:
         return build_model(spec["name"], tuple(spec["input_shape"]), int(spec["num_classes"]),
                            **spec.get("args", {}))
+    except UserError as exc:
+        raise UserError(f"{where}/{checkpoint.META}: {exc}") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"{where}/model.json has an unusable model entry ({exc!r})") from None
 
 
-def _load_into(model: torch.nn.Module, state: dict, name: str, where: str) -> None:
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        raise UserError(
-            f"weights in {where} do not fit model {name!r}: {str(exc).splitlines()[0][:200]}"
-        ) from None
+def _fitted(spec: dict, state: dict, where: str, member: int | None = None) -> torch.nn.Module:
+    """Build the model ``spec`` describes and load ``state``; a mismatch is one line.
+
+    The shapes are compared on a weightless copy (meta device) first, so a tampered
+    description cannot make us allocate more than the weights file holds.
+    """
+    with torch.device("meta"):
+        skeleton = _build(spec, where)
+    problem = checkpoint.fit_problem(state, skeleton.state_dict())
+    model = None
+    if problem is None:
+        model = _build(spec, where)
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as exc:  # not foreseen by fit_problem: its first line
+            problem = str(exc).strip().splitlines()[0][:200]
+    if problem is not None:
+        of = "" if member is None else f" (ensemble member {member})"
+        raise UserError(f"{where}/{checkpoint.WEIGHTS}{of} does not fit the "
+                        f"{spec['name']!r} model described in {checkpoint.META}: {problem}")
+    return model
 
 
 def model_from_artifacts(state: dict, meta: dict, where: str = "the model") -> torch.nn.Module:
@@ -89,18 +105,16 @@ def model_from_artifacts(state: dict, meta: dict, where: str = "the model") -> t
         weights = meta.get("member_weights")
         if not isinstance(weights, list) or not weights:
             raise UserError(f"{where}/model.json lacks member_weights; the artifact is damaged")
-        members = []
-        for sd in checkpoint.split_members(state, len(weights)):
-            member = _build(spec, where)
-            _load_into(member, sd, spec["name"], where)
-            members.append(member)
+        try:
+            states = checkpoint.split_members(state, len(weights))
+        except UserError as exc:
+            raise UserError(f"{where}/{checkpoint.WEIGHTS}: {exc}") from None
+        members = [_fitted(spec, sd, where, member=i) for i, sd in enumerate(states)]
         try:
             return EnsembleModel(members, weights)
         except ValueError as exc:
             raise UserError(f"{where}: {exc}") from None
-    model = _build(spec, where)
-    _load_into(model, state, spec["name"], where)
-    return model
+    return _fitted(spec, state, where)
 
 
 def evaluate_model(

@@ -160,12 +160,19 @@ def _merge_data(config: RunConfig, strategy, first: dict[str, Any]):
 
 
 def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill_x):
+    import torch
+
     import strategies
     from fedavg.models import ModelSpec, merge_context
 
     spec = ModelSpec.from_dict(first["model"])
     weights = [float((meta.get("node") or {}).get("num_examples", 1) or 1) for _, meta in loaded]
-    model = spec.build()
+    try:
+        with torch.device("meta"):  # shapes only: a tampered model.json allocates nothing
+            model = spec.build()
+    except UserError as exc:
+        raise UserError(f"{dirs[0]}/{checkpoint.META}: {exc}") from None
+    _check_fit(dirs, [sd for sd, _ in loaded], model.state_dict(), spec.name)
     try:
         return strategy.merge(
             [sd for sd, _ in loaded], weights, [str(d) for d in dirs],
@@ -175,3 +182,12 @@ def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill
         )
     except strategies.MergeError as exc:
         raise UserError(str(exc)) from None
+
+
+def _check_fit(dirs: list[Path], states: list[dict], expected: dict, name: str) -> None:
+    """Refuse an input whose weights do not fit the model its ``model.json`` describes."""
+    for d, state in zip(dirs, states):
+        problem = checkpoint.fit_problem(state, expected)
+        if problem:
+            raise UserError(f"{d}/{checkpoint.WEIGHTS} does not fit the {name!r} model "
+                            f"described in {checkpoint.META}: {problem}")

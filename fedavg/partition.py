@@ -5,7 +5,8 @@ the same arguments always give the same partitions (on any machine), so a coordi
 node that partition independently agree.
 
 Each scheme is a small function registered with :func:`register_partitioner` that wraps one
-flwr-datasets partitioner. Its keyword-only parameters carry the config names
+flwr-datasets partitioner (``natural`` groups its ids itself, :func:`group_values`). Its
+keyword-only parameters carry the config names
 (``DataConfig.alpha`` / ``--alpha`` is the ``alpha`` of :func:`dirichlet`), and
 :func:`partition` passes each partitioner exactly the parameters it declares.
 
@@ -44,8 +45,10 @@ class PartitionerSpec:
     paper : str
         Source of the method (authors, year, arXiv id), or ``""``.
     build : callable
-        ``(labels, num_partitions, **params) -> flwr_datasets.partitioner.Partitioner``
-        whose ``dataset`` (columns ``label``, ``index``, ...) is already set.
+        ``(labels, num_partitions, **params) -> partitioner``: a
+        ``flwr_datasets.partitioner.Partitioner`` whose ``dataset`` (columns ``label``,
+        ``index``, ...) is already set, or any object whose ``load_partition(i)["index"]``
+        gives node ``i``'s sample indices.
     params : tuple of str
         The config names ``build`` takes, a subset of :data:`PARAMETERS`.
     remedy : str
@@ -190,7 +193,7 @@ def pathological(labels: np.ndarray, num_partitions: int, *, classes_per_node: i
     Raises
     ------
     UserError
-        ``classes_per_node`` above the number of distinct labels.
+        ``classes_per_node`` below 1 or above the number of distinct labels.
 
     References
     ----------
@@ -200,6 +203,8 @@ def pathological(labels: np.ndarray, num_partitions: int, *, classes_per_node: i
     from flwr_datasets.partitioner import PathologicalPartitioner
 
     num_classes = len(np.unique(labels))
+    if classes_per_node < 1:
+        raise UserError(f"--classes-per-node must be >= 1 (got {classes_per_node})")
     if classes_per_node > num_classes:
         raise UserError(
             f"--classes-per-node {classes_per_node} exceeds the {num_classes} labels present"
@@ -215,37 +220,84 @@ def pathological(labels: np.ndarray, num_partitions: int, *, classes_per_node: i
     return p
 
 
-@register_partitioner("natural", "one node per distinct value of --partition-by")
+@register_partitioner("natural", "each --partition-by value (writer, user, site) on one "
+                      "node, grouped to fit --num-nodes")
 def natural(labels: np.ndarray, num_partitions: int, *, groups: np.ndarray | None):
-    """One node per natural id (writer, user, site), node ``i`` the ``i``-th id in sorted order.
+    """Keep each natural id (writer, user, site) on one node; group ids when they outnumber nodes.
 
-    Wraps :class:`flwr_datasets.partitioner.NaturalIdPartitioner` on ``groups`` as strings.
+    :func:`group_values` assigns the distinct values of ``groups`` to ``num_partitions``
+    nodes (one value per node when their numbers match: node ``i`` the ``i``-th value in
+    sorted order). The grouping is computed here rather than by flwr-datasets'
+    ``NaturalIdPartitioner``, which gives one node per value only (and draws a progress bar).
 
     Raises
     ------
     UserError
-        No ``groups``, empty values among them, or a number of distinct values other than
+        No ``groups``, empty values among them, or fewer distinct values than
         ``num_partitions``.
     """
-    from flwr_datasets.partitioner import NaturalIdPartitioner
-
     if groups is None:
         raise UserError("--partitioner natural needs --partition-by COLUMN")
-    empty = int(np.isin(np.asarray(groups).astype(str), ["None", "nan", ""]).sum())
+    values = np.asarray(groups).astype(str)
+    empty = int(np.isin(values, ["None", "nan", ""]).sum())
     if empty:
         raise UserError(f"the --partition-by column has {empty} empty value(s): fill or "
                         "drop those rows")
-    distinct = len(np.unique(groups))
-    if distinct != num_partitions:
+    distinct, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    if len(distinct) < num_partitions:
         raise UserError(
-            f"the --partition-by column has {distinct} distinct values: "
-            f"use --num-nodes {distinct} with --partitioner natural"
+            f"the --partition-by column has {len(distinct)} distinct values, fewer than "
+            f"--num-nodes {num_partitions}: use --num-nodes {len(distinct)} or fewer"
         )
-    p = NaturalIdPartitioner(partition_by="group")
-    p.dataset = _table(labels, group=np.asarray(groups).astype(str))
-    return p
+    return _Assigned(group_values(counts, num_partitions)[inverse.reshape(-1)])
 
 
+def group_values(counts: np.ndarray, num_nodes: int) -> np.ndarray:
+    """Assign natural ids to nodes: greedy balancing of sample counts, largest id first.
+
+    Ids are taken by decreasing ``counts`` (ties: lower id first) and each goes to the node
+    holding the fewest samples so far (ties: lower node). Nodes are then numbered by the
+    lowest id they hold, so with as many ids as nodes node ``i`` holds id ``i``. No
+    randomness: the same counts always give the same grouping.
+
+    Parameters
+    ----------
+    counts : numpy.ndarray
+        ``(V,)`` positive sample counts of ids ``0..V-1`` (the sorted distinct values).
+    num_nodes : int
+        Number of nodes, ``1 <= num_nodes <= V``.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``(V,)`` ``int64`` node of each id; every node gets at least one id.
+
+    Examples
+    --------
+    >>> group_values(np.array([1, 4, 2]), 2).tolist()  # id 1 alone; ids 0 and 2 together
+    [0, 1, 0]
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    load = np.zeros(num_nodes, dtype=np.int64)
+    node = np.empty(len(counts), dtype=np.int64)
+    for value in np.lexsort((np.arange(len(counts)), -counts)):
+        node[value] = int(np.argmin(load))  # argmin: the lowest of equally loaded nodes
+        load[node[value]] += counts[value]
+    first_id = np.full(num_nodes, len(counts))
+    np.minimum.at(first_id, node, np.arange(len(counts)))
+    renumber = np.empty(num_nodes, dtype=np.int64)
+    renumber[np.argsort(first_id, kind="stable")] = np.arange(num_nodes)
+    return renumber[node]
+
+
+class _Assigned:
+    """Partitions given as one node per sample: ``load_partition(i)["index"]``, like flwr's."""
+
+    def __init__(self, node_of_sample: np.ndarray) -> None:
+        self.node_of_sample = node_of_sample
+
+    def load_partition(self, partition_id: int) -> dict[str, np.ndarray]:
+        return {"index": np.flatnonzero(self.node_of_sample == partition_id)}
 
 
 def partition(
@@ -270,7 +322,8 @@ def partition(
         A registered partitioner (:func:`available_partitioners`): ``iid`` (seeded shuffle,
         near-equal sizes), ``dirichlet`` (label skew, Hsu et al. 2019, arXiv:1909.06335),
         ``pathological`` (``classes_per_node`` labels per node, McMahan et al. 2017,
-        arXiv:1602.05629) or ``natural`` (one node per distinct value of ``groups``).
+        arXiv:1602.05629) or ``natural`` (each distinct value of ``groups`` on one node,
+        values grouped by :func:`group_values` when they outnumber the nodes).
     alpha : float
         Dirichlet concentration, > 0.
     classes_per_node : int
@@ -352,3 +405,22 @@ def label_counts(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) 
         ``(num_partitions, num_classes)`` sample counts.
     """
     return np.stack([np.bincount(labels[p], minlength=num_classes) for p in parts])
+
+
+def values_per_node(groups: np.ndarray, parts: list[np.ndarray]) -> list[int]:
+    """Count the distinct natural ids (``groups`` values) each node holds.
+
+    Parameters
+    ----------
+    groups : numpy.ndarray
+        ``(N,)`` natural ids of the samples.
+    parts : list of numpy.ndarray
+        Index arrays, as :func:`partition` returns.
+
+    Returns
+    -------
+    list of int
+        One count per node.
+    """
+    values = np.asarray(groups).astype(str)
+    return [len(np.unique(values[p])) for p in parts]

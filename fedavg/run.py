@@ -196,11 +196,15 @@ def make_output(output: str | Path | None) -> Path:
 
 
 def remove_if_empty(out: Path) -> None:
-    """Remove the run folder of a run that failed before writing anything into it."""
-    try:
-        out.rmdir()  # only succeeds when empty
-    except OSError:
-        pass
+    """Remove the run folder of a run that failed before writing anything into it.
+
+    The ``runs/`` folder above it goes too when that is left empty.
+    """
+    for folder in (out, out.parent) if out.parent.name == "runs" else (out,):
+        try:
+            folder.rmdir()  # only succeeds when empty
+        except OSError:
+            return
 
 
 def check_output(out: Path, overwrite: bool) -> None:

@@ -161,7 +161,7 @@ class Option:
             raise wrong
         try:
             out = self.type(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
             raise wrong from None
         if self.type is int and isinstance(value, float) and value != out:
             raise wrong

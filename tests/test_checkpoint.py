@@ -69,5 +69,8 @@ def test_missing_and_bad_meta(tmp_path):
 
 def test_weights_that_do_not_fit_the_model(tmp_path):
     checkpoint.save(tmp_path, {"w": torch.zeros(1)}, META)
-    with pytest.raises(UserError, match="do not fit"):
+    with pytest.raises(UserError, match="does not fit the 'cnn-cifar' model") as info:
         load_model(tmp_path)
+    assert "has 1 tensor(s) the model does not: 'w'" in str(info.value)
+    assert "lacks 10 tensor(s) the model has: '0.0.weight', '0.0.bias', '0.3.weight' and 7 " \
+        "more" in str(info.value)
