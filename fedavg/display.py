@@ -100,8 +100,7 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
     """Print the data notes, the partition table and a one-line summary of the run."""
     if console is None:
         return
-    grouped = natural_note(prepared)
-    for note in [*prepared.data.notes, *([grouped] if grouped else [])]:
+    for note in prepared.data.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     if not table:
         return

@@ -287,7 +287,13 @@ def prepare(config: RunConfig) -> Prepared:
                      len(data.classes))
     spec.build()  # fail early on shapes the model cannot take
     meta = _metadata(config, data, spec, validation, distill_x)
-    return Prepared(data, parts, spec, meta, strategy, validation, distill_x)
+    prepared = Prepared(data, parts, spec, meta, strategy, validation, distill_x)
+    from fedavg.display import natural_note
+
+    grouped = natural_note(prepared)
+    if grouped:
+        data.notes.append(grouped)  # shown with the plan, kept in model.json
+    return prepared
 
 
 def _merge_data(config: RunConfig, strategy, data: LoadedData):

@@ -150,6 +150,8 @@ def test_natural_partition_of_writers_end_to_end(tmp_path, no_leaks):
         assert bar not in proc.stderr and bar not in proc.stdout, bar
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accuracy"] > 0.5, summary
+    notes = json.loads((out / "model.json").read_text())["dataset"]["notes"]
+    assert any("values grouped into 4 nodes" in n for n in notes), notes
     fewer = run_cli("simulate", "--dataset", data, "--partitioner", "natural",
                     "--partition-by", "writer", "--num-nodes", "20", check=False)
     assert fewer.returncode == 2
