@@ -34,7 +34,8 @@ def simulate(
     verbose: Annotated[bool, typer.Option(
         "--verbose", help="Show Flower's and Ray's logs")] = False,
     resume: Annotated[Optional[Path], typer.Option(
-        help="Go on with the interrupted run in this folder (only --rounds may change)")] = None,
+        help="Go on with the interrupted run in this folder (only --rounds, "
+             "--round-timeout, --device may change)")] = None,
     **settings: Any,
 ) -> None:
     """Train N nodes on one machine (Flower simulation engine) and save the merged model."""
@@ -216,7 +217,8 @@ def coordinator(
     verbose: Annotated[bool, typer.Option("--verbose",
         help="Show Flower's logs and every SuperLink line")] = False,
     resume: Annotated[Optional[Path], typer.Option(
-        help="Go on with the interrupted run in this folder (only --rounds may change)")] = None,
+        help="Go on with the interrupted run in this folder (only --rounds, "
+             "--round-timeout, --device may change)")] = None,
     **settings: Any,
 ) -> None:
     """Coordinate training across machines: start a Flower SuperLink and run the rounds."""

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -22,6 +23,9 @@ from fedavg.errors import RunError, UserError
 
 # soft_wrap: long lines are never broken up, so they read whole in a terminal of any width
 # and in a log file; tables fold their cells instead of cutting them.
+#: When this command started (``time.time()``): files older than this are a previous run's.
+STARTED = time.time()
+
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 
@@ -67,10 +71,17 @@ def on_signal(message, cleanup=None):
 
 
 def interrupted(output: Path | None) -> str:
-    """Return what to say on a signal: where the finished rounds are kept, and how to resume."""
+    """Return what to say on a signal: where the finished rounds are kept, and how to resume.
+
+    A checkpoint counts when this command wrote it, or when this command resumes it.
+    """
     from fedavg.resume import CHECKPOINT, resume_command
 
-    if output is None or not (output / CHECKPOINT).exists():
+    path = None if output is None else output / CHECKPOINT
+    ours = path is not None and path.exists() and (
+        path.stat().st_mtime >= STARTED or any(a == "--resume" or a.startswith("--resume=")
+                                               for a in sys.argv[1:]))
+    if not ours:
         return "interrupted before the first round finished"
     return (f"interrupted: finished rounds are kept in {output}; resume with: "
             f"{resume_command(sys.argv[1:], output)}")

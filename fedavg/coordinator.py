@@ -191,9 +191,11 @@ class ServerRun:
         from fedavg.errors import UserError
 
         where = self.output / resume.CHECKPOINT
+        problem = resume.model_mismatch(fresh, ckpt.model)
+        if problem:
+            raise UserError(f"{where} does not fit this run's model: {problem}")
         try:
-            strategies.check_compatible(fresh, ckpt.model, "the checkpoint")
-            self.prepared.strategy.load_state(ckpt.strategy)
+            self.prepared.strategy.load_state(ckpt.strategy, fresh)
         except strategies.MergeError as exc:
             raise UserError(f"{where} does not fit this run: {exc}") from None
         self.state.rounds[:] = [RoundRecord(**r) for r in ckpt.rounds]

@@ -36,6 +36,19 @@ FORMAT = "fedavg-checkpoint/1"
 #: Settings a resumed run may change: the number of rounds (to train longer), and how
 #: long to wait for nodes and where to train, which do not change what is computed.
 MAY_CHANGE = frozenset({"rounds", "round-timeout", "device"})
+#: Settings naming data: a local path among them is kept absolute, so a run resumes from
+#: any folder.
+_PATHS = ("dataset", "validation", "distill-data")
+
+
+def absolute_paths(flat: dict[str, Any]) -> dict[str, Any]:
+    """Return flat settings with every local data path made absolute (others unchanged)."""
+    out = dict(flat)
+    for key in _PATHS:
+        value = out.get(key)
+        if isinstance(value, str) and value != "digits" and Path(value).expanduser().exists():
+            out[key] = str(Path(value).expanduser().resolve())
+    return out
 
 
 @dataclass
@@ -88,7 +101,7 @@ def capture(round_: int, model: dict[str, torch.Tensor], config: RunConfig, stra
             rounds: list[dict[str, Any]], failures: list[str]) -> Checkpoint:
     """Take a checkpoint of the run now (the random states are read here)."""
     version, internal, gauss = random.getstate()
-    return Checkpoint(round=round_, model=model, config=config.to_flat(),
+    return Checkpoint(round=round_, model=model, config=absolute_paths(config.to_flat()),
                       strategy=strategy.state(), rounds=list(rounds), failures=list(failures),
                       python_random=[version, list(internal), gauss],
                       torch_random=torch.get_rng_state())
@@ -130,6 +143,8 @@ def load(folder: str | Path) -> Checkpoint:
 
     folder = Path(folder)
     path = folder / CHECKPOINT
+    if folder.is_file():
+        raise UserError(f"--resume {folder} is a file; pass the run's folder")
     if not folder.is_dir():
         raise UserError(f"--resume {folder}: no such folder (pass a run's output folder)")
     if not path.is_file():
@@ -143,9 +158,11 @@ def load(folder: str | Path) -> Checkpoint:
             raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
         state = json.loads(meta["state"])
         ckpt = _from_parts(state, tensors)
-    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise UserError(f"{path} is damaged ({str(exc).splitlines()[0][:120]}); resume from "
                         "another copy or start a new run") from None
+    except UserError as exc:  # settings that no longer pass
+        raise UserError(f"{path} is damaged: its settings: {exc}") from None
     return ckpt
 
 
@@ -153,15 +170,56 @@ def _from_parts(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Chec
     def group(prefix: str) -> dict[str, torch.Tensor]:
         return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
-    ckpt = Checkpoint(round=int(state["round"]), model=group("model."),
+    from fedavg.run import RoundRecord
+
+    if not isinstance(state["round"], int) or isinstance(state["round"], bool):
+        raise ValueError(f"round {state['round']!r} is not a whole number")
+    if not isinstance(state["failures"], list) or \
+            not all(isinstance(f, str) for f in state["failures"]):
+        raise ValueError("'failures' is not a list of lines")
+    if not isinstance(state["rounds"], list) or not all(isinstance(r, dict)
+                                                        for r in state["rounds"]):
+        raise ValueError("'rounds' is not a list of round records")
+    records = [RoundRecord(**r).as_dict() for r in state["rounds"]]  # TypeError if not
+    ckpt = Checkpoint(round=state["round"], model=group("model."),
                       config=dict(state["config"]),
-                      strategy={**state["strategy"], **group("strategy.")},
-                      rounds=list(state["rounds"]), failures=list(state["failures"]),
+                      strategy={**dict(state["strategy"]), **group("strategy.")},
+                      rounds=records, failures=state["failures"],
                       python_random=list(state["python_random"]),
                       torch_random=tensors.get("rng.torch"))
     if ckpt.round < 1 or len(ckpt.rounds) != ckpt.round or not ckpt.model:
         raise ValueError(f"round {ckpt.round} with {len(ckpt.rounds)} round records")
+    _check_random(ckpt)
+    ckpt.run_config().validate()
     return ckpt
+
+
+def _check_random(ckpt: Checkpoint) -> None:
+    """Raise ``ValueError`` unless both random states can be restored."""
+    try:
+        version, internal, gauss = ckpt.python_random
+        random.Random().setstate((version, tuple(internal), gauss))
+        if ckpt.torch_random is None:
+            raise ValueError("no torch random state")
+        torch.Generator().set_state(ckpt.torch_random)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"bad random state: {str(exc).splitlines()[0][:80]}") from None
+
+
+def model_mismatch(model: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> str | None:
+    """Say how the checkpoint's ``saved`` weights do not fit ``model``, or return ``None``."""
+    import strategies
+
+    missing, extra = sorted(set(model) - set(saved)), sorted(set(saved) - set(model))
+    if missing or extra:
+        return f"tensors missing {missing[:3]}, unexpected {extra[:3]}"
+    for key, t in model.items():
+        s = saved[key]
+        if tuple(s.shape) != tuple(t.shape) or s.dtype != t.dtype:
+            return (f"tensor {key!r} is {tuple(s.shape)} {s.dtype}, the model's is "
+                    f"{tuple(t.shape)} {t.dtype}")
+    bad = strategies.first_non_finite(saved)
+    return None if bad is None else f"tensor {bad!r} holds NaN or infinite values"
 
 
 def write_metrics(path: Path, rounds: list[dict[str, Any]]) -> None:
@@ -197,13 +255,17 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
         rounds asked for are already done.
     """
     config = ckpt.run_config() if config is None else config
-    saved, asked = ckpt.run_config().to_flat(), config.to_flat()
+    saved, asked = absolute_paths(ckpt.config), absolute_paths(config.to_flat())
     allowed = set(may_change)
     for key in sorted(set(saved) | set(asked)):
         if key not in allowed and saved.get(key) != asked.get(key):
-            raise UserError(f"--resume {where}: --{key} {asked.get(key)} differs from the "
-                            f"run's {saved.get(key)}; only --rounds may change (start a new "
-                            "run with another --output for other settings)")
+            missing = key in _PATHS and isinstance(saved.get(key), str) and \
+                saved[key].startswith("/") and not Path(saved[key]).exists()
+            hint = (f"; the run's {saved[key]} is gone: put it back there" if missing else
+                    "; only --rounds (and --round-timeout, --device) may change: start a new "
+                    "run with another --output for other settings")
+            raise UserError(f"--resume {where}: --{key} {asked.get(key, 'unset')} differs from "
+                            f"the run's {saved.get(key, 'unset')}{hint}")
     if config.merge.rounds <= ckpt.round:
         raise UserError(f"--resume {where}: the run has finished {ckpt.round} round(s); pass "
                         f"--rounds N with N > {ckpt.round} to train longer")

@@ -10,7 +10,6 @@ are driven. Everything around that is here, in the order a run goes through it::
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import os
 import time
@@ -23,17 +22,18 @@ import numpy as np
 from fedavg.config import RunConfig
 from fedavg.data import LoadedData, Split, conform, holdout, load
 from fedavg.errors import RunError, UserError
+from fedavg.output import (  # noqa: F401  (re-exported: the run folder)
+    RUN_FILES,
+    RUN_OUTPUT,
+    check_output,
+    default_output,
+    make_output,
+    release_output,
+    remove_if_empty,
+)
 from fedavg.partition import partition
 
 log = logging.getLogger("fedavg")
-
-#: The run folder of the run going on in this process (for interrupt messages).
-RUN_OUTPUT: list[Path] = []
-
-#: The files a finished run folder holds; their presence means "a run is here".
-RUN_FILES = ("model.safetensors", "model.json", "metrics.jsonl", "summary.json",
-             "checkpoint.safetensors")
-
 
 @dataclass
 class RoundRecord:
@@ -156,74 +156,9 @@ class RunResult:
         return self.output / "summary.json"
 
 
-# --------------------------------------------------------------------------- run folder
-
-
-def default_output(prefix: str = "") -> Path:
-    """Create a new ``runs/<YYYYmmdd-HHMMSS>[-N]`` folder under the current folder, return it.
-
-    Raises
-    ------
-    UserError
-        No free name among 999 candidates.
-    """
-    base = Path("runs") / (prefix + _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    for n in range(1, 1000):
-        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
-        try:
-            candidate.mkdir(parents=True, exist_ok=False)
-            return candidate
-        except FileExistsError:
-            continue
-    raise UserError(f"cannot find a free run folder next to {base}; pass --output")
-
-
-def make_output(output: str | Path | None) -> Path:
-    """Create the run folder: ``output``, or a new :func:`default_output`.
-
-    Raises
-    ------
-    UserError
-        It cannot be created.
-    """
-    out = Path(output) if output is not None else default_output()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"cannot create output folder {out}: {exc.strerror}") from None
-    RUN_OUTPUT[:] = [out]
-    return out
-
-
-def remove_if_empty(out: Path) -> None:
-    """Remove the run folder of a run that failed before writing anything into it.
-
-    The ``runs/`` folder above it goes too when that is left empty.
-    """
-    for folder in (out, out.parent) if out.parent.name == "runs" else (out,):
-        try:
-            folder.rmdir()  # only succeeds when empty
-        except OSError:
-            return
-
-
-def check_output(out: Path, overwrite: bool) -> None:
-    """Refuse to write over a previous run's files unless ``overwrite``.
-
-    Raises
-    ------
-    UserError
-        ``out`` is a file, or holds a run and ``overwrite`` is false.
-    """
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--output {out} is a file; give a folder")
-    if not overwrite and any((out / name).exists() for name in RUN_FILES):
-        raise UserError(f"{out} already holds a run; choose another --output or pass "
-                        "--overwrite to replace it")
-
-
 def resolve_settings(config: RunConfig | None, overrides: dict[str, Any],
-                     resume: str | Path | None, output: str | Path | None, may_change=None):
+                     resume: str | Path | None, output: str | Path | None, may_change=None,
+                     overwrite: bool = False):
     """Return ``(config, checkpoint, output)`` of a new run, or of one continued with ``--resume``.
 
     Parameters
@@ -240,18 +175,23 @@ def resolve_settings(config: RunConfig | None, overrides: dict[str, Any],
     may_change : iterable of str, optional
         Kebab-case settings that may differ from the checkpoint's (default
         :data:`fedavg.resume.MAY_CHANGE`).
+    overwrite : bool
+        ``--overwrite`` was asked for: refused with ``resume``.
 
     Raises
     ------
     UserError
-        No readable checkpoint, another ``output``, a setting that differs, or no round
-        left to run.
+        No readable checkpoint, another ``output``, ``overwrite``, a setting that differs,
+        or no round left to run.
     """
     from fedavg import resume as resuming
 
     if resume is None:
         return (RunConfig() if config is None else config).replace(**overrides), None, output
     folder = Path(resume)
+    if overwrite:
+        raise UserError(f"--resume {folder} goes on with the run in that folder; drop "
+                        "--overwrite (or start a new run with --output)")
     ckpt = resuming.load(folder)
     if output is not None and Path(output).resolve() != folder.resolve():
         raise UserError(f"--resume {folder} goes on in that folder; drop --output {output}")
@@ -398,6 +338,7 @@ def finish(state: RunState, prepared: Prepared, config: RunConfig, out: Path, st
     RunError
         The run stopped before its last round (finished rounds stay in ``out``).
     """
+    release_output(out)
     if state.error is not None:
         raise state.error
     if len(state.rounds) != config.merge.rounds:

@@ -129,7 +129,8 @@ def simulate(
     if config is not None and not isinstance(config, RunConfig):
         raise TypeError(f"config must be a RunConfig, got {type(config).__name__}; pass "
                         "settings as keywords: simulate(dataset=..., num_nodes=...)")
-    config, ckpt, output = run.resolve_settings(config, overrides, resume, output)
+    config, ckpt, output = run.resolve_settings(config, overrides, resume, output,
+                                                overwrite=overwrite)
     config.validate()
     from fedavg.train import resolve_device
 
@@ -139,7 +140,7 @@ def simulate(
     if output is not None and ckpt is None:
         run.check_output(Path(output), overwrite)
     prepared = run.prepare(config)
-    out = run.make_output(output)
+    out = run.make_output(output, lock=True)
     from fedavg.display import show_plan
 
     show_plan(console, prepared, config)

@@ -259,13 +259,16 @@ class Strategy:
         """
         return {}
 
-    def load_state(self, state: Mapping[str, Any]) -> None:
+    def load_state(self, state: Mapping[str, Any], reference: StateDict | None = None) -> None:
         """Continue from a :meth:`state` saved by a run of the same strategy.
+
+        ``reference`` is the run's model, to check tensors kept per parameter against.
 
         Raises
         ------
         MergeError
-            Entries this method does not keep (the checkpoint is of another strategy).
+            Entries this method does not keep (the checkpoint is of another strategy), or
+            that do not fit ``reference``.
         """
         if state:
             raise MergeError(f"strategy {self.name} keeps no state between rounds; the "

@@ -70,23 +70,38 @@ class _ServerOpt(FedAvg):
         return {"round": self.round, **{f"m.{k}": t for k, t in self.m.items()},
                 **{f"v.{k}": t for k, t in self.v.items()}}
 
-    def load_state(self, state: Mapping[str, Any]) -> None:
+    def load_state(self, state: Mapping[str, Any], reference: StateDict | None = None) -> None:
         """Restore :meth:`state`: momentum and second moments, and the step count.
 
         Raises
         ------
         MergeError
-            An entry that is not ``round``, ``m.*`` or ``v.*``, or a moment that is no tensor.
+            An entry that is not ``round``, ``m.*`` or ``v.*``, a moment that is no tensor
+            or unlike its parameter in ``reference``, or no step count.
         """
         m, v = {}, {}
         for name, value in state.items():
             kind, _, key = name.partition(".")
-            if name == "round" and isinstance(value, int):
+            if name == "round" and isinstance(value, int) and value >= 0:
                 continue
             if kind not in ("m", "v") or not key or not isinstance(value, torch.Tensor):
                 raise MergeError(f"strategy {self.name}: unexpected checkpoint entry {name!r}")
+            if reference is not None and (key not in reference
+                                          or tuple(reference[key].shape) != tuple(value.shape)):
+                raise MergeError(f"strategy {self.name}: checkpoint entry {name!r} of shape "
+                                 f"{tuple(value.shape)} fits no parameter of the model")
             (m if kind == "m" else v)[key] = value.to(torch.float64)
-        self.m, self.v, self.round = m, v, int(state.get("round", 0))
+        if "round" not in state:
+            raise MergeError(f"strategy {self.name}: the checkpoint lacks its step count")
+        for kind in self.kept_moments() if state["round"] > 0 else ():
+            if not (m if kind == "m" else v):
+                raise MergeError(f"strategy {self.name}: the checkpoint lacks its {kind!r} "
+                                 f"moments after {state['round']} step(s)")
+        self.m, self.v, self.round = m, v, state["round"]
+
+    def kept_moments(self) -> tuple[str, ...]:
+        """Return the moments a step keeps: first (``m``) and second (``v``)."""
+        return ("m", "v")
 
     def _moments(self, key: str, delta: torch.Tensor) -> torch.Tensor:
         m = self.m.get(key, torch.zeros_like(delta))
@@ -125,6 +140,10 @@ class FedAvgM(_ServerOpt):
         super().check()
         if not 0 <= self.server_momentum < 1:
             raise ValueError(f"--server-momentum must be in [0, 1) (got {self.server_momentum})")
+
+    def kept_moments(self) -> tuple[str, ...]:
+        """Return ``("m",)``: the momentum buffer (none with momentum 0)."""
+        return ("m",) if self.server_momentum > 0 else ()
 
     def step(self, key, w, delta):
         """SGD with momentum on the pseudo-gradient ``-delta``."""

@@ -1,6 +1,8 @@
 """Checkpoint and resume: the checkpoint file, the settings check, and killed runs resumed."""
 
 import json
+import math
+import os
 import re
 import shlex
 import signal
@@ -16,6 +18,12 @@ import strategies
 from fedavg import resume
 from fedavg.config import RunConfig
 from fedavg.errors import UserError
+
+
+def rec(r):
+    """Return a round record as metrics.jsonl holds it."""
+    return {"round": r, "accuracy": 0.5, "loss": 1.0, "train_loss": 1.2, "num_nodes": 2,
+            "num_failed": 0, "wall_s": 0.1, "train_s": 0.05}
 
 
 def _rounds(strategy, w, batches):
@@ -39,7 +47,7 @@ def test_strategy_state_through_a_checkpoint_file_continues_exactly(tmp_path, na
     first = strategies.get(name)
     w2 = _rounds(first, w0, batches[:2])
     ckpt = resume.capture(2, w2, RunConfig().replace(strategy=name, rounds=4), first,
-                          [{"round": 1}, {"round": 2}], ["round 1, node 3: gone"])
+                          [rec(1), rec(2)], ["round 1, node 3: gone"])
     resume.save(tmp_path, ckpt)
     back = resume.load(tmp_path)
     again = strategies.get(name)
@@ -57,7 +65,7 @@ def test_random_states_are_restored():
     random.seed(7)
     torch.manual_seed(7)
     ckpt = resume.capture(1, {"a": torch.zeros(1)}, RunConfig(), strategies.get("fedavg"),
-                          [{"round": 1}], [])
+                          [rec(1)], [])
     expected = (random.random(), torch.rand(2))
     random.seed(99)
     torch.manual_seed(99)
@@ -79,7 +87,7 @@ def test_missing_and_damaged_checkpoints_are_one_line_errors(tmp_path):
     with pytest.raises(UserError, match="no checkpoint.safetensors"):
         resume.load(tmp_path)
     ckpt = resume.capture(1, {"a": torch.ones(4)}, RunConfig(), strategies.get("fedavg"),
-                          [{"round": 1}], [])
+                          [rec(1)], [])
     path = resume.save(tmp_path, ckpt)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])  # truncated
@@ -91,17 +99,121 @@ def test_missing_and_damaged_checkpoints_are_one_line_errors(tmp_path):
         resume.load(tmp_path)
 
 
+def _edited(tmp_path, **state_changes):
+    """Write a checkpoint, then rewrite its JSON state with ``state_changes``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    ckpt = resume.capture(2, {"a": torch.ones(2)}, RunConfig().replace(strategy="fedadam"),
+                          strategies.get("fedadam"), [rec(1), rec(2)], [])
+    path = resume.save(tmp_path, ckpt)
+    with safe_open(str(path), framework="pt") as fh:
+        meta, tensors = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys()}
+    state = json.loads(meta["state"])
+    tensors.update(state_changes.pop("tensors", {}))
+    state.update(state_changes)
+    save_file(tensors, str(path), metadata={**meta, "state": json.dumps(state)})
+    return path
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"round": 2.7}, "not a whole number"),
+    ({"failures": "oops"}, "not a list of lines"),
+    ({"rounds": [rec(1), {"foo": 2}]}, "RoundRecord"),
+    ({"rounds": [1, 2]}, "not a list of round records"),
+    ({"python_random": [1, 2, 3]}, "bad random state"),
+    ({"python_random": [3, [1, 2, 3], None]}, "bad random state"),
+    ({"tensors": {"rng.torch": torch.zeros(3)}}, "bad random state"),
+    ({"config": {"lr": "fast"}}, "its settings: setting 'lr' expects float"),
+    ({"config": {"num-nodes": -1}}, "its settings: --num-nodes must be >= 1"),
+])
+def test_hand_edited_checkpoints_are_damaged_not_a_crash(tmp_path, change, why):
+    _edited(tmp_path, **change)
+    with pytest.raises(UserError, match="checkpoint.safetensors is damaged") as err:
+        resume.load(tmp_path)
+    assert why in str(err.value) and "\n" not in str(err.value)
+
+
+def test_server_moments_must_fit_the_model_and_be_there():
+    opt = strategies.get("fedadam")
+    model = {"a": torch.zeros(2)}
+    with pytest.raises(strategies.MergeError, match=r"'m.a' of shape \(3,\) fits no parameter"):
+        opt.load_state({"round": 1, "m.a": torch.zeros(3), "v.a": torch.zeros(3)}, model)
+    with pytest.raises(strategies.MergeError, match="lacks its 'm' moments after 2 step"):
+        opt.load_state({"round": 2}, model)
+    with pytest.raises(strategies.MergeError, match="lacks its step count"):
+        opt.load_state({"m.a": torch.zeros(2), "v.a": torch.zeros(2)}, model)
+    strategies.get("fedavgm", server_momentum=0.0).load_state({"round": 3}, model)  # none kept
+
+
+def test_model_mismatch_names_the_tensor():
+    model = {"w": torch.zeros(2, 3), "b": torch.zeros(2)}
+    assert resume.model_mismatch(model, {"w": torch.zeros(2, 3), "b": torch.zeros(2)}) is None
+    assert "tensors missing ['b']" in resume.model_mismatch(model, {"w": torch.zeros(2, 3)})
+    assert resume.model_mismatch(model, {"w": torch.zeros(3, 2), "b": torch.zeros(2)}) == \
+        "tensor 'w' is (3, 2) torch.float32, the model's is (2, 3) torch.float32"
+    assert "NaN" in resume.model_mismatch(model, {"w": torch.zeros(2, 3),
+                                                  "b": torch.tensor([0.0, math.nan])})
+
+
+def test_local_data_paths_are_kept_absolute(tmp_path, monkeypatch):
+    (tmp_path / "data.csv").write_text("x,label\n1,0\n")
+    monkeypatch.chdir(tmp_path)
+    ckpt = resume.capture(1, {"a": torch.zeros(1)}, RunConfig().replace(dataset="data.csv"),
+                          strategies.get("fedavg"), [rec(1)], [])
+    assert ckpt.config["dataset"] == str(tmp_path / "data.csv")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")  # the same file, named from elsewhere
+    asked = ckpt.run_config().replace(dataset="../data.csv", rounds=3)
+    assert resume.resumed_config(ckpt, asked, "run").merge.rounds == 3
+    (tmp_path / "data.csv").rename(tmp_path / "moved.csv")
+    with pytest.raises(UserError, match=r"data.csv is gone: put it back there"):
+        resume.resumed_config(ckpt, ckpt.run_config().replace(dataset="../moved.csv",
+                                                              rounds=3), "run")
+
+
+def test_one_writer_per_run_folder(tmp_path):
+    from fedavg.output import make_output, release_output
+
+    out = make_output(tmp_path / "run", lock=True)
+    with pytest.raises(UserError, match="another fedavg command is writing into"):
+        make_output(tmp_path / "run", lock=True)
+    release_output(out)
+    release_output(make_output(tmp_path / "run", lock=True))
+
+
+def test_the_resume_hint_is_only_for_this_runs_checkpoint(tmp_path, monkeypatch):
+    from fedavg import cli_support
+
+    ckpt = resume.capture(1, {"a": torch.zeros(1)}, RunConfig(), strategies.get("fedavg"),
+                          [rec(1)], [])
+    path = resume.save(tmp_path, ckpt)
+    monkeypatch.setattr(cli_support.sys, "argv", ["fedavg", "simulate", "--output",
+                                                  str(tmp_path), "--overwrite"])
+    os.utime(path, (cli_support.STARTED - 60, cli_support.STARTED - 60))  # an older run's
+    assert cli_support.interrupted(tmp_path) == "interrupted before the first round finished"
+    os.utime(path, None)  # written by this command
+    assert cli_support.interrupted(tmp_path).endswith(
+        f"resume with: fedavg simulate --resume {tmp_path}")
+    monkeypatch.setattr(cli_support.sys, "argv", ["fedavg", "simulate", "--resume",
+                                                  str(tmp_path)])
+    os.utime(path, (cli_support.STARTED - 60, cli_support.STARTED - 60))  # resumed, not new
+    assert "resume with:" in cli_support.interrupted(tmp_path)
+
+
 def test_only_the_rounds_may_change():
     ckpt = resume.Checkpoint(round=2, model={"a": torch.zeros(1)},
                              config=RunConfig().replace(rounds=4, lr=0.05).to_flat(),
-                             rounds=[{}, {}])
+                             rounds=[rec(1), rec(2)])
     more = resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=6), "run")
     assert more.merge.rounds == 6 and more.train.lr == 0.05
     assert resume.resumed_config(ckpt, None, "run").merge.rounds == 4
-    with pytest.raises(UserError, match=r"--lr 0.1 differs from the run's 0.05"):
+    with pytest.raises(UserError, match=r"--lr 0.1 differs from the run's 0.05; only --rounds"):
         resume.resumed_config(ckpt, ckpt.run_config().replace(lr=0.1), "run")
     with pytest.raises(UserError, match=r"--strategy fedadam differs from the run's fedavg"):
         resume.resumed_config(ckpt, ckpt.run_config().replace(strategy="fedadam"), "run")
+    with pytest.raises(UserError, match=r"--max-update-norm 2.0 differs from the run's unset"):
+        resume.resumed_config(ckpt, ckpt.run_config().replace(max_update_norm=2.0), "run")
     assert resume.resumed_config(ckpt, ckpt.run_config().replace(device="cpu", rounds=5),
                                  "run").train.device == "cpu"
     with pytest.raises(UserError, match=r"has finished 2 round\(s\); pass --rounds N with N > 2"):

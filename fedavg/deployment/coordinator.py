@@ -222,7 +222,8 @@ def _check_options(config: RunConfig, *, address: str, certs: Path | None, insec
     from fedavg.train import resolve_device
 
     config, ckpt, output = resolve_settings(config, {}, resume, output,
-                                            may_change=MAY_CHANGE | {"num-nodes"})
+                                            may_change=MAY_CHANGE | {"num-nodes"},
+                                            overwrite=overwrite)
 
     if min_nodes < 1:
         raise UserError(f"--min-nodes must be at least 1, got {min_nodes}")
@@ -294,7 +295,8 @@ def _submit(link: FlowerProcess, opts: _Options, home: Path, output: Path | None
 
     control = _wait_ready(link, opts)
     try:
-        out = make_output(output)  # only once the SuperLink runs: a failed start writes nothing
+        # only once the SuperLink runs: a failed start writes nothing
+        out = make_output(output, lock=True)
         RUN_OUTPUT[:] = [out]
         say(f"coordinator listening on [bold]{join_address(opts.host, opts.port)}[/] "
             f"({'TLS' if opts.certs else 'NO TLS'}"
