@@ -163,7 +163,8 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
     from fedavg.display import Progress
     from fedavg.node import make_client_app
 
-    with tempfile.TemporaryDirectory(prefix="fedavg-") as tmp, _abortable(tmp) as since:
+    with tempfile.TemporaryDirectory(prefix="fedavg-") as tmp, _ray_folder(tmp) as ray_dir, \
+            _abortable([tmp, ray_dir], ray_dir) as since:
         data_path = str(Path(tmp) / "train.safetensors")
         write_node_data(data_path, prepared.data.train.x, prepared.data.train.y, prepared.parts)
         progress = Progress(console, config.merge.rounds,
@@ -173,7 +174,7 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
         client = make_client_app(data_path, device=config.train.device)
         try:
             progress.start()
-            _init_ray(backend, str(Path(tmp) / "ray"))
+            _init_ray(backend, ray_dir)
             _run_engine(server, client, config.merge.num_nodes, backend, config.data.seed)
         except Exception as exc:
             if state.error is not None:
@@ -181,7 +182,28 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
             raise RunError(f"simulation engine failed: {str(exc).splitlines()[0]}") from exc
         finally:
             progress.stop()
-            shutdown_ray(since, tmp)
+            shutdown_ray(since, ray_dir)
+
+
+#: Ray's longest socket path below its folder (``session_<date>_<time>_<us>_<pid>/sockets/
+#: plasma_store``); a Unix socket path holds at most 107 bytes.
+_RAY_SOCKET_TAIL = 72
+
+
+@contextlib.contextmanager
+def _ray_folder(tmp: str):
+    """Yield Ray's folder for this run, ``tmp/ray``, and remove it on exit.
+
+    Where that path is too long for Ray's Unix sockets (a deep ``TMPDIR``), a short folder
+    of ours in ``/tmp`` is used instead.
+    """
+    folder = str(Path(tmp) / "ray")
+    if len(os.fsencode(folder)) + _RAY_SOCKET_TAIL > 107:
+        folder = tempfile.mkdtemp(prefix=f"fedavg-ray-{os.getpid()}-", dir="/tmp")
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _init_ray(backend: dict[str, Any], temp_dir: str) -> None:
@@ -232,8 +254,11 @@ _ACTIVE: list[Callable[[], None]] = []
 
 
 @contextlib.contextmanager
-def _abortable(tmp: str):
-    """Register how to clean up this run if the process must stop at once (signal)."""
+def _abortable(folders: list[str], marker: str):
+    """Register how to clean up this run if the process must stop at once (signal).
+
+    ``folders`` are removed; ``marker`` is this run's Ray folder (see :func:`_ray_processes`).
+    """
     since = time.time()
 
     def abort() -> None:
@@ -241,8 +266,9 @@ def _abortable(tmp: str):
         # make Ray's core worker end this process, and once the raylet is gone it will (with
         # exit code 1). So: no Ray call; freeze every Ray process, remove the temporary data,
         # and leave the killing to a child that waits for this process to exit first.
-        kill_after_exit(since, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
+        kill_after_exit(since, marker)
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
     _ACTIVE.append(abort)
     try:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import subprocess
-import sys
 from pathlib import Path
 
-from fedavg.deployment.processes import die_with_parent
+from fedavg.deployment.processes import start_command, stop_commands
 from fedavg.errors import UserError
 
 
@@ -88,8 +85,7 @@ def serve_gpu_nodes(gpus: str, *, coordinator: str, dataset: str, partition_id: 
         raise UserError("each node needs its own key: with --auth-key, start one node per GPU "
                         "(--device cuda:N --auth-key node-N.key)")
     plan = plan_gpu_nodes(gpus, partition_id, num_partitions, torch.cuda.device_count())
-    base = [sys.executable, "-m", "fedavg.cli", "node", "--coordinator", coordinator,
-            "--dataset", dataset]
+    base = ["node", "--coordinator", coordinator, "--dataset", dataset]
     if certs is not None:
         base += ["--certs", str(certs)]
     if insecure:
@@ -98,8 +94,8 @@ def serve_gpu_nodes(gpus: str, *, coordinator: str, dataset: str, partition_id: 
         base.append("--once")
     if max_wait_time is not None:
         base += ["--max-wait-time", str(max_wait_time)]
-    procs = []
     try:
+        procs = []
         for dev, pid in plan:
             cmd = [*base, "--device", dev]
             if pid is not None:
@@ -107,14 +103,7 @@ def serve_gpu_nodes(gpus: str, *, coordinator: str, dataset: str, partition_id: 
             if console is not None:
                 console.print(f"starting node on {dev}"
                               + (f" (partition {pid})" if pid is not None else ""))
-            procs.append(subprocess.Popen(cmd, preexec_fn=die_with_parent))
+            procs.append(start_command(cmd))
         return max(p.wait() for p in procs)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(15)
-            if p.poll() is None:
-                p.kill()
+        stop_commands()

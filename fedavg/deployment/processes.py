@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import deque
 from pathlib import Path
 
@@ -34,6 +35,7 @@ DEFAULT_ADDRESS = "127.0.0.1:9092"
 
 _ACTIVE: list[FlowerProcess] = []
 _DIRS: list[PrivateDir] = []
+_COMMANDS: list[subprocess.Popen] = []  # whole fedavg commands started by this one (--gpus)
 _LOCK = ".lock"
 
 
@@ -128,11 +130,58 @@ class FlowerProcess:
             self.log_file = None
 
 
+def start_command(args: list[str]) -> subprocess.Popen:
+    """Start ``python -m fedavg.cli ARGS`` (e.g. a node per GPU); :func:`stop_all` stops it."""
+    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", *args],
+                            preexec_fn=die_with_parent)
+    _COMMANDS.append(proc)
+    return proc
+
+
+def stop_commands(timeout_s: float = 15.0) -> None:
+    """SIGTERM the commands of :func:`start_command` and wait for them to clean up.
+
+    Each removes its own folders and Flower processes on SIGTERM; one still running after
+    ``timeout_s`` seconds is killed. Safe in a signal handler that interrupted a wait on
+    them (waits by pid, not through :class:`subprocess.Popen`'s lock).
+    """
+    procs = list(_COMMANDS)
+    for proc in procs:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        if not _reap(proc, deadline - time.monotonic()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            _reap(proc, 5.0)
+        _COMMANDS.remove(proc)
+
+
+def _reap(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` seconds for ``proc`` to exit; ``True`` once it has."""
+    deadline = time.monotonic() + timeout_s
+    while proc.returncode is None:
+        try:
+            pid, status = os.waitpid(proc.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already
+            return True
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            break
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def stop_all() -> None:
-    """Stop every Flower process this process started and remove its private folders.
+    """Stop every command and Flower process this process started; remove its folders.
 
     The CLI's signal handlers call this before they exit.
     """
+    stop_commands()
     for proc in list(_ACTIVE):
         proc.stop(timeout_s=5.0)
     for folder in list(_DIRS):
