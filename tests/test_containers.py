@@ -331,3 +331,19 @@ def test_the_helpers_are_one_line_errors(tmp_path):
                          capture_output=True, text=True, timeout=60,
                          env={**os.environ, "NODE_INDEX": "3", "EXTRA_ARGS": "--a b"})
     assert res.returncode == 0 and res.stdout.splitlines()[-1] == "['3', '--a', 'b']"
+
+
+def test_an_engine_folder_left_by_a_killed_run_is_swept(tmp_path):
+    import container_engine as ce
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    left = tmp_path / "fedavg-ci-left"
+    (left / "data" / "overlay2").mkdir(parents=True)
+    (left / "owner.pid").write_text(dead)
+    (left / "docker.pid").write_text(dead)  # its dockerd is gone too: nothing to stop
+    running = tmp_path / "fedavg-ci-running"
+    running.mkdir()
+    (running / "owner.pid").write_text(str(os.getpid()))  # a run in progress: kept
+    assert ce.sweep_stale(tmp_path) == ["fedavg-ci-left"]
+    assert not left.exists() and running.exists()

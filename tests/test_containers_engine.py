@@ -181,6 +181,7 @@ def scenario(engine, root, timer):
 def test_compose_stack_on_a_real_engine_trains_survives_a_lost_node_and_leaves_nothing():
     started = time.monotonic()
     timer = Timer()
+    timer["swept"] = ce.sweep_stale()  # engines of runs killed before their clean-up
     root = ce.new_root()
     engine = None
     with ce.interrupts_raise():
