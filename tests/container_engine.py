@@ -154,19 +154,32 @@ def size_bytes(text: str) -> float:
     return float(number.group(1)) * units[number.group(2)]
 
 
-def stage_wheels(source: Path, dest: Path) -> list[Path]:
-    """Hard-link (else copy) the wheels of ``source`` into ``dest``; return the new files."""
+def stage_wheels(source: Path, dest: Path, record: Path) -> list[Path]:
+    """Hard-link (else copy) the wheels of ``source`` into ``dest``; return the new files.
+
+    Each new file is listed in ``record`` before it is made, for :func:`sweep_stale`.
+    """
     made = []
     for wheel in sorted(source.glob("*.whl")):
         target = dest / wheel.name
         if target.exists():
             continue
+        with open(record, "a") as fh:
+            fh.write(f"{target}\n")
         try:
             os.link(wheel, target)
         except OSError:
             shutil.copy2(wheel, target)
         made.append(target)
     return made
+
+
+def unstage(record: Path) -> None:
+    """Remove the files :func:`stage_wheels` listed in ``record``."""
+    if record.is_file():
+        for line in record.read_text().splitlines():
+            Path(line).unlink(missing_ok=True)
+        record.unlink()
 
 
 # ---- the engine ----------------------------------------------------------------------------
@@ -324,6 +337,7 @@ def sweep_stale(tmp: Path = TMP) -> list[str]:
         owner = _pid_in(root / "owner.pid")
         if owner is None or _alive(owner):
             continue
+        unstage(root / "staged-wheels.txt")
         Engine(root).teardown()
         swept.append(root.name)
     return swept

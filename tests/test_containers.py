@@ -342,8 +342,12 @@ def test_an_engine_folder_left_by_a_killed_run_is_swept(tmp_path):
     (left / "data" / "overlay2").mkdir(parents=True)
     (left / "owner.pid").write_text(dead)
     (left / "docker.pid").write_text(dead)  # its dockerd is gone too: nothing to stop
+    wheel = tmp_path / "wheelhouse" / "x-1.0-py3-none-any.whl"  # staged in the build context
+    wheel.parent.mkdir()
+    wheel.touch()
+    (left / "staged-wheels.txt").write_text(f"{wheel}\n")
     running = tmp_path / "fedavg-ci-running"
     running.mkdir()
     (running / "owner.pid").write_text(str(os.getpid()))  # a run in progress: kept
     assert ce.sweep_stale(tmp_path) == ["fedavg-ci-left"]
-    assert not left.exists() and running.exists()
+    assert not left.exists() and running.exists() and not wheel.exists()

@@ -52,15 +52,15 @@ def build_image(engine, tarball, wheels_dir):
     with open(tarball, "rb") as fh:
         subprocess.run([engine.client, "import", "-", ce.BASE_IMAGE], stdin=fh, check=True,
                        env=engine.env, capture_output=True, timeout=600)
-    staged = ce.stage_wheels(wheels_dir, ce.ROOT / "containers" / "wheelhouse")
+    record = engine.root / "staged-wheels.txt"
+    ce.stage_wheels(wheels_dir, ce.ROOT / "containers" / "wheelhouse", record)
     try:
         res = engine.docker("build", "--progress=plain", "--network=none", "-f",
                             ce.ROOT / "containers" / "Dockerfile", "--build-arg",
                             f"BASE_IMAGE={ce.BASE_IMAGE}", "-t", IMAGE, ce.ROOT,
                             env={"DOCKER_BUILDKIT": "1"}, timeout=1800, log=True)
     finally:
-        for path in staged:
-            path.unlink(missing_ok=True)
+        ce.unstage(record)
     assert res.returncode == 0
     sent = [line.split("transferring context:")[1].split()[0]
             for line in engine.log.read_text().splitlines()
