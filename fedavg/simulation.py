@@ -232,12 +232,20 @@ def _init_ray(backend: dict[str, Any], temp_dir: str) -> None:
     if os.environ.get("PYTHONPATH"):
         pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
     os.environ["PYTHONPATH"] = pythonpath
-    # A Ray folder of this run's own: its processes can be told from another run's.
-    ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, _temp_dir=temp_dir,
-             **backend["init_args"])
-    for sig, handler in saved.items():
+    try:
+        # A Ray folder of this run's own: its processes can be told from another run's.
+        ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, _temp_dir=temp_dir,
+                 **backend["init_args"])
+    except SystemExit as exc:
+        # A SIGTERM while Ray starts reaches Ray's handler (sys.exit(15)): stop as ours would.
+        handler = saved.get(exc.code) if isinstance(exc.code, int) else None
         if callable(handler) and handler is not signal.default_int_handler:
-            signal.signal(sig, handler)
+            handler(exc.code, None)
+        raise
+    finally:
+        for sig, handler in saved.items():
+            if callable(handler) and handler is not signal.default_int_handler:
+                signal.signal(sig, handler)
 
 
 def _run_engine(server, client, num_nodes: int, backend: dict[str, Any], seed: int) -> None:
