@@ -35,7 +35,7 @@ def simulate(
         "--verbose", help="Show Flower's and Ray's logs")] = False,
     resume: Annotated[Optional[Path], typer.Option(
         help="Go on with the interrupted run in this folder (only --rounds, "
-             "--round-timeout, --device may change)")] = None,
+             "--round-timeout, --device, --max-update-norm may change)")] = None,
     **settings: Any,
 ) -> None:
     """Train N nodes on one machine (Flower simulation engine) and save the merged model."""
@@ -218,7 +218,7 @@ def coordinator(
         help="Show Flower's logs and every SuperLink line")] = False,
     resume: Annotated[Optional[Path], typer.Option(
         help="Go on with the interrupted run in this folder (only --rounds, "
-             "--round-timeout, --device may change)")] = None,
+             "--round-timeout, --device, --max-update-norm may change)")] = None,
     **settings: Any,
 ) -> None:
     """Coordinate training across machines: start a Flower SuperLink and run the rounds."""

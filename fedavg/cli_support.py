@@ -39,7 +39,11 @@ def guard():
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     except RunError as exc:
-        err_console.print(f"[bold red]run failed:[/] {exc}", highlight=False, soft_wrap=True)
+        from fedavg.output import RUN_OUTPUT
+
+        hint = resume_hint(RUN_OUTPUT[0]) if RUN_OUTPUT else None
+        err_console.print(f"[bold red]run failed:[/] {exc}" + (f"; {hint}" if hint else ""),
+                          highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
 
 
@@ -70,8 +74,8 @@ def on_signal(message, cleanup=None):
     signal.signal(signal.SIGTERM, _stop)
 
 
-def interrupted(output: Path | None) -> str:
-    """Return what to say on a signal: where the finished rounds are kept, and how to resume.
+def resume_hint(output: Path | None) -> str | None:
+    """Say where the finished rounds are kept and how to resume, or ``None`` without any.
 
     A checkpoint counts when this command wrote it, or when this command resumes it.
     """
@@ -82,9 +86,15 @@ def interrupted(output: Path | None) -> str:
         path.stat().st_mtime >= STARTED or any(a == "--resume" or a.startswith("--resume=")
                                                for a in sys.argv[1:]))
     if not ours:
-        return "interrupted before the first round finished"
-    return (f"interrupted: finished rounds are kept in {output}; resume with: "
+        return None
+    return (f"finished rounds are kept in {output}; resume with: "
             f"{resume_command(sys.argv[1:], output)}")
+
+
+def interrupted(output: Path | None) -> str:
+    """Return what to say on a signal: where the finished rounds are kept, and how to resume."""
+    hint = resume_hint(output)
+    return f"interrupted: {hint}" if hint else "interrupted before the first round finished"
 
 
 

@@ -147,7 +147,8 @@ class MergeConfig:
     save_node_models: bool = setting(False, "Also save each node's final model in "
                                      "OUTPUT/nodes/")
     max_update_norm: float | None = setting(None, "Reject node updates whose L2 distance "
-                                            "from the round's model exceeds this")
+                                            "from the round's model exceeds this (default: "
+                                            "off)")
     options: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
 
 

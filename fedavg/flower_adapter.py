@@ -236,8 +236,10 @@ class FlowerAdapter(FlowerFedAvg):
         return ArrayRecord(merged.state_dict), metrics_out
 
     def _fold(self, server_round: int, node: int, msg: Message, tally: _RoundTally) -> None:
+        partition = -1
         try:
             state, weight, metrics = parse_reply(msg)
+            partition = int(metrics.get(keys.PARTITION_ID, -1))
             self._check_norm(state, node)
             self.merge.add(state, weight, node=str(node))
             if self.on_node_model is not None:
@@ -249,6 +251,8 @@ class FlowerAdapter(FlowerFedAvg):
         except (RunError, strategies.MergeError, ValueError, TypeError) as exc:
             tally.failed += 1
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if partition >= 0:  # Flower's node ids mean little to a user; partitions do
+                reason = f"(partition {partition}) {reason}"
             tally.reasons.append(f"node {node}: {reason}")
             self.on_failure(server_round, node, reason)
             return

@@ -33,9 +33,10 @@ from fedavg.errors import UserError
 CHECKPOINT = "checkpoint.safetensors"
 FORMAT = "fedavg-checkpoint/1"
 
-#: Settings a resumed run may change: the number of rounds (to train longer), and how
-#: long to wait for nodes and where to train, which do not change what is computed.
-MAY_CHANGE = frozenset({"rounds", "round-timeout", "device"})
+#: Settings a resumed run may change: the number of rounds (to train longer), how long to
+#: wait for nodes and where to train, which do not change what is computed, and the bound on
+#: node updates (to go on after a round that refused every update).
+MAY_CHANGE = frozenset({"rounds", "round-timeout", "device", "max-update-norm"})
 #: Settings naming data: a local path among them is kept absolute, so a run resumes from
 #: any folder.
 _PATHS = ("dataset", "validation", "distill-data")
@@ -262,8 +263,8 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
             missing = key in _PATHS and isinstance(saved.get(key), str) and \
                 saved[key].startswith("/") and not Path(saved[key]).exists()
             hint = (f"; the run's {saved[key]} is gone: put it back there" if missing else
-                    "; only --rounds (and --round-timeout, --device) may change: start a new "
-                    "run with another --output for other settings")
+                    "; only --rounds (and --round-timeout, --device, --max-update-norm) may "
+                    "change: start a new run with another --output for other settings")
             raise UserError(f"--resume {where}: --{key} {asked.get(key, 'unset')} differs from "
                             f"the run's {saved.get(key, 'unset')}{hint}")
     if config.merge.rounds <= ckpt.round:

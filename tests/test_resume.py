@@ -212,8 +212,10 @@ def test_only_the_rounds_may_change():
         resume.resumed_config(ckpt, ckpt.run_config().replace(lr=0.1), "run")
     with pytest.raises(UserError, match=r"--strategy fedadam differs from the run's fedavg"):
         resume.resumed_config(ckpt, ckpt.run_config().replace(strategy="fedadam"), "run")
-    with pytest.raises(UserError, match=r"--max-update-norm 2.0 differs from the run's unset"):
-        resume.resumed_config(ckpt, ckpt.run_config().replace(max_update_norm=2.0), "run")
+    with pytest.raises(UserError, match=r"--validation other differs from the run's unset"):
+        resume.resumed_config(ckpt, ckpt.run_config().replace(validation="other"), "run")
+    bound = ckpt.run_config().replace(max_update_norm=2.0, rounds=5)  # to go on after a refusal
+    assert resume.resumed_config(ckpt, bound, "run").merge.max_update_norm == 2.0
     assert resume.resumed_config(ckpt, ckpt.run_config().replace(device="cpu", rounds=5),
                                  "run").train.device == "cpu"
     with pytest.raises(UserError, match=r"has finished 2 round\(s\); pass --rounds N with N > 2"):
