@@ -229,9 +229,11 @@ def table(result: dict, compare: int) -> str:
     for rnd, s in result["at_round"].items():
         rows.append(row(str(rnd), s, ", ".join(f"{n} x{c}"
                                                for n, c in sorted(s["processes"].items()))))
-    if result["peak"]:
-        rows.append(row("peak", result["peak"], f"(PSS; during round "
-                                                f"{result['peak']['round'] + 1})"))
+    peak = result["peak"]
+    if peak:
+        when = (f"during round {peak['round'] + 1}" if peak["round"] < result["rounds"]
+                else f"after round {peak['round']}")
+        rows.append(row("peak", peak, f"(of PSS; {when})"))
     ratios = [f"{k.upper()} {r:.3f}" for k in keys
               if (r := memory_ratio(result, compare, k)) is not None]
     if ratios:

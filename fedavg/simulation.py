@@ -5,7 +5,8 @@ Only what is Ray lives here; the run lifecycle (prepare, run folder, summary) is
 The driver writes the partitioned training arrays to a temporary file that every node
 process memory-maps once, starts Ray in a folder of its own and runs Flower's
 ``run_simulation`` in this process: no SuperLink, no per-run dependency installation, and Ray
-is shut down on return, error or Ctrl-C.
+is shut down on return, error or Ctrl-C. Both folders are private ones
+(:class:`fedavg.tempdirs.PrivateDir`): the next run removes those of a run killed outright.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import contextlib
 import logging
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +24,7 @@ import numpy as np
 from fedavg import run
 from fedavg.config import RunConfig
 from fedavg.errors import RunError, UserError
+from fedavg.tempdirs import PrivateDir
 
 log = logging.getLogger("fedavg")
 
@@ -163,8 +164,8 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
     from fedavg.display import Progress
     from fedavg.node import make_client_app
 
-    with tempfile.TemporaryDirectory(prefix="fedavg-") as tmp, _ray_folder(tmp) as ray_dir, \
-            _abortable([tmp, ray_dir], ray_dir) as since:
+    with PrivateDir("fedavg-sim-") as tmp, _ray_folder(tmp) as (ray_dir, own), \
+            _abortable([tmp, own], ray_dir) as since:
         data_path = str(Path(tmp) / "train.safetensors")
         write_node_data(data_path, prepared.data.train.x, prepared.data.train.y, prepared.parts)
         progress = Progress(console, config.merge.rounds,
@@ -185,24 +186,27 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
             shutdown_ray(since, ray_dir)
 
 
-#: Ray's longest socket path below its folder (``session_<date>_<time>_<us>_<pid>/sockets/
-#: plasma_store``); a Unix socket path holds at most 107 bytes.
-_RAY_SOCKET_TAIL = 72
+#: Ray's longest socket path below its folder, ``/session_<date>_<time>_<us>_<pid>/sockets/
+#: plasma_store`` with a pid of up to 7 digits; a Unix socket path holds at most 107 bytes.
+_RAY_SOCKET_TAIL = 64
 
 
 @contextlib.contextmanager
 def _ray_folder(tmp: str):
-    """Yield Ray's folder for this run, ``tmp/ray``, and remove it on exit.
+    """Yield Ray's folder for this run, ``tmp/ray``, and the folder to remove on exit.
 
-    Where that path is too long for Ray's Unix sockets (a deep ``TMPDIR``), a short folder
-    of ours in ``/tmp`` is used instead.
+    Where that path is too long for Ray's Unix sockets (a deep ``TMPDIR``), Ray's folder is
+    in a short folder of ours in ``/tmp`` instead (``fedavg-ray-<pid>-*``).
     """
-    folder = str(Path(tmp) / "ray")
+    folder, short = str(Path(tmp) / "ray"), None
     if len(os.fsencode(folder)) + _RAY_SOCKET_TAIL > 107:
-        folder = tempfile.mkdtemp(prefix=f"fedavg-ray-{os.getpid()}-", dir="/tmp")
+        short = PrivateDir("fedavg-ray-", base="/tmp", tag=f"{os.getpid()}-")
+        folder = str(Path(short.name) / "ray")
     try:
-        yield folder
+        yield folder, (folder if short is None else short.name)
     finally:
+        if short is not None:
+            short.cleanup()
         shutil.rmtree(folder, ignore_errors=True)
 
 

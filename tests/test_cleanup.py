@@ -7,6 +7,7 @@ commands started (tagged by an environment variable, which Flower's and Ray's pr
 inherit) is alive.
 """
 
+import contextlib
 import os
 import shutil
 import signal
@@ -213,3 +214,29 @@ def test_simulate_with_a_deep_tmpdir_runs_and_leaves_nothing(tmp_path):
     assert not wait_gone(tag)
     assert leftovers(deep) == []
     assert ray_fallbacks(proc.pid) == []
+
+
+def test_a_killed_simulation_is_cleaned_up_by_the_next_one(tmp_path):
+    """SIGKILL leaves the folders; the next ``fedavg simulate`` removes them (free lock)."""
+    deep = tmp_path / ("d" * 60)  # also puts Ray's folder in /tmp (see above)
+    deep.mkdir()
+    tag = uuid.uuid4().hex
+    killed = simulate(deep, tag, tmp_path / "run", "--rounds", "50")
+    try:
+        wait_for_round(tmp_path / "run", killed)
+        abandoned = private_folders(deep, "fedavg-sim-") + ray_fallbacks(killed.pid)
+        assert len(abandoned) == 2, abandoned
+    finally:
+        killed.kill()
+        killed.communicate()
+    # Ray's processes go with their driver; kill any straggler, by pid
+    for entry in wait_gone(tag, 30.0):
+        with contextlib.suppress(OSError):
+            os.kill(int(entry.split(":")[0]), signal.SIGKILL)
+    assert all(folder.exists() for folder in abandoned)
+    proc = simulate(deep, tag, tmp_path / "next", "--rounds", "1")
+    text, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, text
+    assert not any(folder.exists() for folder in abandoned)
+    assert leftovers(deep) == [] and ray_fallbacks(proc.pid) == []
+    assert not wait_gone(tag)

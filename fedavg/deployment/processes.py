@@ -3,24 +3,22 @@
 A SuperLink or SuperNode child is started in its own session, dies with its parent
 (``PR_SET_PDEATHSIG``), and is stopped (SIGTERM, then SIGKILL) on every exit path; the
 signal handlers of the CLI stop every one still running (:func:`stop_all`). Its private
-folder (:class:`PrivateDir`) goes too, even when its owner was killed outright.
+folder (:class:`fedavg.tempdirs.PrivateDir`) goes too, even when its owner was killed
+outright.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import logging
 import os
 import re
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
@@ -28,15 +26,15 @@ from pathlib import Path
 
 from fedavg import flower_compat
 from fedavg.errors import UserError
+from fedavg.tempdirs import PrivateDir as PrivateDir  # the roles' folders
+from fedavg.tempdirs import remove_all
 
 log = logging.getLogger("fedavg")
 
 DEFAULT_ADDRESS = "127.0.0.1:9092"
 
 _ACTIVE: list[FlowerProcess] = []
-_DIRS: list[PrivateDir] = []
 _COMMANDS: list[subprocess.Popen] = []  # whole fedavg commands started by this one (--gpus)
-_LOCK = ".lock"
 
 
 def die_with_parent() -> None:
@@ -184,49 +182,7 @@ def stop_all() -> None:
     stop_commands()
     for proc in list(_ACTIVE):
         proc.stop(timeout_s=5.0)
-    for folder in list(_DIRS):
-        folder.cleanup()
-
-
-class PrivateDir:
-    """A temporary folder only this user can read (``FLWR_HOME``, secret, app).
-
-    It is removed by :meth:`cleanup`, by :func:`stop_all` (on Ctrl-C / SIGTERM), and, after
-    its process was killed outright, by the next one that makes a folder with this prefix:
-    the folder's lock file is locked for as long as its process lives.
-
-    Parameters
-    ----------
-    prefix : str
-        Start of the folder's name, e.g. ``fedavg-node-``.
-    """
-
-    def __init__(self, prefix: str) -> None:
-        _remove_abandoned(prefix)
-        self.name = tempfile.mkdtemp(prefix=prefix)  # mode 700
-        staged = Path(self.name) / ".lock.new"
-        self._lock = open(staged, "w")
-        fcntl.flock(self._lock, fcntl.LOCK_EX)
-        staged.rename(Path(self.name) / _LOCK)  # visible only once locked
-        _DIRS.append(self)
-
-    def cleanup(self) -> None:
-        """Remove the folder (again: nothing)."""
-        if self in _DIRS:
-            _DIRS.remove(self)
-        self._lock.close()
-        shutil.rmtree(self.name, ignore_errors=True)
-
-
-def _remove_abandoned(prefix: str) -> None:
-    """Remove this user's ``prefix*`` folders whose process is gone (their lock is free)."""
-    for folder in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
-        try:
-            with open(folder / _LOCK) as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                shutil.rmtree(folder, ignore_errors=True)
-        except OSError:  # in use, another user's, or not one of ours
-            continue
+    remove_all()
 
 
 def flower_env(flwr_home: Path) -> dict[str, str]:
