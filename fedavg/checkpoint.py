@@ -23,7 +23,11 @@ META = "model.json"
 FORMAT = "fedavg-model/1"
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
+    """Write ``path`` all at once: ``write(tmp)`` fills a temporary file beside it, renamed over it.
+
+    A crash or kill at any moment leaves either the old file or the new one, never a part.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -46,7 +50,7 @@ def write_json(path: str | Path, obj: Any) -> None:
             json.dump(obj, fh, indent=2, sort_keys=False)
             fh.write("\n")
 
-    _atomic_write(Path(path), _write)
+    atomic_write(Path(path), _write)
 
 
 def save(directory: str | Path, state_dict: Mapping[str, torch.Tensor],
@@ -73,7 +77,7 @@ def save(directory: str | Path, state_dict: Mapping[str, torch.Tensor],
     directory = Path(directory)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
     meta = {"format": FORMAT, **meta}
-    _atomic_write(directory / WEIGHTS,
+    atomic_write(directory / WEIGHTS,
                   lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
     write_json(directory / META, meta)
     return directory

@@ -112,7 +112,7 @@ def save(folder: str | Path, ckpt: Checkpoint) -> Path:
     """Write ``folder/checkpoint.safetensors`` atomically; return its path."""
     from safetensors.torch import save_file
 
-    from fedavg.checkpoint import _atomic_write
+    from fedavg.checkpoint import atomic_write
 
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in ckpt.model.items()}
     plain = {}
@@ -128,7 +128,7 @@ def save(folder: str | Path, ckpt: Checkpoint) -> Path:
              "python_random": ckpt.python_random}
     path = Path(folder) / CHECKPOINT
     meta = {"format": FORMAT, "state": json.dumps(state)}
-    _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
     return path
 
 
@@ -225,13 +225,13 @@ def model_mismatch(model: dict[str, torch.Tensor], saved: dict[str, torch.Tensor
 
 def write_metrics(path: Path, rounds: list[dict[str, Any]]) -> None:
     """Rewrite ``metrics.jsonl`` with the checkpoint's rounds (dropping any later line)."""
-    from fedavg.checkpoint import _atomic_write
+    from fedavg.checkpoint import atomic_write
 
     def _write(tmp: str) -> None:
         with open(tmp, "w") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rounds)
 
-    _atomic_write(path, _write)
+    atomic_write(path, _write)
 
 
 def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
