@@ -1,6 +1,7 @@
 """Shared fixtures: where the real datasets are, how to run the CLI, leaked-process checks."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,15 @@ def run_cli(*args, timeout=600, check=True, env=None):
             f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
         )
     return proc
+
+
+def assert_one_error_line(stderr: str) -> str:
+    """Check that ``stderr`` is one ``error:`` line, no traceback; return it."""
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in re.split(r"[\r\n]+", stderr) if line.strip()]
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{stderr}"
+    assert lines[0].startswith("error:"), lines[0]
+    return lines[0]
 
 
 @pytest.fixture

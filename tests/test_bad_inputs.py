@@ -11,7 +11,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
+from conftest import assert_one_error_line, run_cli
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -31,14 +31,6 @@ META = {
     "input": {"shape": [1, 8, 8], "dtype": "uint8", "scale": 1 / 255, "mean": [0.3],
               "std": [0.4]},
 }
-
-
-def one_error_line(stderr: str) -> str:
-    assert "Traceback" not in stderr, stderr
-    lines = [line for line in re.split(r"[\r\n]+", stderr) if line.strip()]
-    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{stderr}"
-    assert lines[0].startswith("error:"), lines[0]
-    return lines[0]
 
 
 def digits_with_writers(path, writers=13):
@@ -155,7 +147,7 @@ def test_natural_partition_of_writers_end_to_end(tmp_path, no_leaks):
     fewer = run_cli("simulate", "--dataset", data, "--partitioner", "natural",
                     "--partition-by", "writer", "--num-nodes", "20", check=False)
     assert fewer.returncode == 2
-    assert one_error_line(fewer.stderr) == (
+    assert assert_one_error_line(fewer.stderr) == (
         "error: the --partition-by column has 13 distinct values, fewer than --num-nodes 20: "
         "use --num-nodes 13 or fewer")
 
@@ -405,7 +397,7 @@ def test_damaged_model_is_one_line_naming_file_and_problem(tmp_path, cli, damage
     else:
         args = ["merge", save_model(tmp_path / "good"), bad, "--output", tmp_path / "merged"]
     code, _, stderr = cli(*args)
-    line = one_error_line(stderr)
+    line = assert_one_error_line(stderr)
     assert code == 2
     if command == "merge" and damage in MERGE_FIRST_DIFFERS:
         expected = f"{bad} differs from {tmp_path / 'good'} in 'model'"
@@ -454,7 +446,7 @@ def test_pathological_refuses_fewer_than_one_class_per_node():
 
 def test_refused_merge_leaves_no_runs_folder(tmp_path, cli):
     code, _, stderr = cli("merge", "no-such-model")
-    assert code == 2 and "no such model folder: no-such-model" in one_error_line(stderr)
+    assert code == 2 and "no such model folder: no-such-model" in assert_one_error_line(stderr)
     assert not (tmp_path / "runs").exists()
     (tmp_path / "runs" / "earlier").mkdir(parents=True)  # a runs/ folder in use stays
     assert cli("merge", "no-such-model")[0] == 2

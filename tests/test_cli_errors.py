@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from conftest import assert_one_error_line
 from typer.testing import CliRunner
 
 from fedavg import checkpoint
@@ -34,14 +35,6 @@ MODEL_META = {
 
 
 # --- helpers ------------------------------------------------------------------------------------
-
-
-def assert_one_error_line(stderr: str) -> str:
-    assert "Traceback" not in stderr, stderr
-    lines = [line for line in re.split(r"[\r\n]+", stderr) if line.strip()]
-    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{stderr}"
-    assert lines[0].startswith("error:"), lines[0]
-    return lines[0]
 
 
 def ray_processes_of(pids: set[int]) -> list[str]:

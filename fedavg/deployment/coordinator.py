@@ -37,6 +37,7 @@ from fedavg.deployment.tls import (
     resolve_certs,
 )
 from fedavg.errors import RunError, UserError
+from fedavg.output import RUN_OUTPUT
 
 if TYPE_CHECKING:
     from fedavg.config import RunConfig
@@ -44,8 +45,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedavg")
 
-#: The run folder of the coordinator running in this process (for interrupt messages).
-RUN_OUTPUT: list[Path] = []
 CERT_HINT = ("the coordinator cannot verify its own certificate: --certs must hold a "
              "coordinator.crt signed by its ca.crt and valid for {host} (make one with "
              "`fedavg certs DIR --host {host}`)")
@@ -297,7 +296,6 @@ def _submit(link: FlowerProcess, opts: _Options, home: Path, output: Path | None
     try:
         # only once the SuperLink runs: a failed start writes nothing
         out = make_output(output, lock=True)
-        RUN_OUTPUT[:] = [out]
         say(f"coordinator listening on [bold]{join_address(opts.host, opts.port)}[/] "
             f"({'TLS' if opts.certs else 'NO TLS'}"
             f"{', node authentication' if opts.keys_pem else ''})")
