@@ -41,7 +41,7 @@ def _node_setting(context: Context, key: str, default=None):
 
 @functools.lru_cache(maxsize=2)
 def node_arrays(dataset: str, partition_id: int, num_partitions: int,
-                run_config_json: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
+                run_config_json: str) -> tuple[np.ndarray, np.ndarray, list[str], object]:
     """Load a node's training data once per process and run.
 
     Parameters
@@ -57,7 +57,8 @@ def node_arrays(dataset: str, partition_id: int, num_partitions: int,
     Returns
     -------
     tuple
-        ``x`` ``(N, ...)``, ``y`` ``(N,)`` int64 labels, and the class names ``y`` indexes.
+        ``x`` ``(N, ...)``, ``y`` ``(N,)`` int64 labels, the class names ``y`` indexes,
+        and the :class:`~fedavg.data.LoadedData` they come from (its kind and tokenizer).
 
     Raises
     ------
@@ -82,23 +83,30 @@ def node_arrays(dataset: str, partition_id: int, num_partitions: int,
             raise UserError(str(exc).replace("--num-nodes", "--num-partitions")) from None
         idx = prepared.parts[partition_id]
         train = prepared.data.train
-        return train.x[idx], train.y[idx].astype(np.int64), list(prepared.data.classes)
+        return (train.x[idx], train.y[idx].astype(np.int64), list(prepared.data.classes),
+                prepared.data)
+    from fedavg.run import text_options
+
     data = load(dataset, image_column=d.image_column, label_column=d.label_column,
-                seed=d.seed, test_fraction=d.test_fraction)
-    return data.train.x, data.train.y.astype(np.int64), list(data.classes)
+                seed=d.seed, test_fraction=d.test_fraction, **text_options(d))
+    return data.train.x, data.train.y.astype(np.int64), list(data.classes), data
 
 
 @functools.lru_cache(maxsize=2)
 def _conformed(dataset: str, partition_id: int, num_partitions: int, run_config_json: str,
-               shape: tuple[int, ...], classes: tuple[str, ...]):
+               input_json: str, classes: tuple[str, ...]):
     """Return the node's data, checked against the model's inputs and relabelled.
 
     Labels follow the run's ``classes``; done once per run, not every round.
     """
-    from fedavg.data import Split, conform
+    from fedavg.data import Split, check_kind, conform
 
-    x, y, own_classes = node_arrays(dataset, partition_id, num_partitions, run_config_json)
-    return conform(Split(x, y), f"node data {dataset}", shape, own_classes, list(classes))
+    x, y, own_classes, data = node_arrays(dataset, partition_id, num_partitions,
+                                          run_config_json)
+    spec = json.loads(input_json)
+    check_kind(spec, data, f"node data {dataset}")
+    return conform(Split(x, y), f"node data {dataset}", spec["shape"], own_classes,
+                   list(classes))
 
 
 @client_app.train()
@@ -112,7 +120,7 @@ def _train(message: Message, context: Context) -> Message:
     device = str(_node_setting(context, "device", "auto"))
     run_cfg = json.dumps(dict(context.run_config), sort_keys=True)
     settings = TrainSettings.from_record(message.content[keys.CONFIG])
-    split = _conformed(dataset, pid, nparts, run_cfg, tuple(settings.model["input_shape"]),
+    split = _conformed(dataset, pid, nparts, run_cfg, json.dumps(settings.input, sort_keys=True),
                        tuple(settings.classes))
     return run_train(message, split.x, split.y, device, pid, settings)
 

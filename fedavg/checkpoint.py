@@ -77,6 +77,9 @@ def save(directory: str | Path, state_dict: Mapping[str, torch.Tensor],
     directory = Path(directory)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
     meta = {"format": FORMAT, **meta}
+    from fedavg.text import save_for
+
+    save_for(meta.get("input", {}), directory)  # a text model's tokenizer.json, first
     atomic_write(directory / WEIGHTS,
                   lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
     write_json(directory / META, meta)
@@ -139,20 +142,44 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
     if not isinstance(shape, list) or not shape or \
             not all(isinstance(s, int) and s > 0 for s in shape):
         return "'input.shape' must be a list of positive integers"
-    if not _is_number(spec.get("scale")) or spec["scale"] <= 0:
-        return "'input.scale' must be a number > 0"
-    for key in ("mean", "std"):
-        values = spec.get(key)
-        if not isinstance(values, list) or len(values) != shape[0] or \
-                not all(_is_number(v) for v in values):
-            return f"'input.{key}' must hold {shape[0]} numbers"
-    if not all(v > 0 for v in spec["std"]):
-        return "'input.std' values must be > 0"
+    problem = _text_problem(spec) if spec.get("kind") == "text" else _scale_problem(spec)
+    if problem:
+        return problem
     if isinstance(model.get("input_shape"), list) and model["input_shape"] != shape:
         return (f"'model.input_shape' {model['input_shape']} differs from 'input.shape' "
                 f"{shape}")
     if "dataset" in meta and not isinstance(meta["dataset"], dict):
         return "'dataset' must be an object"
+    return None
+
+
+def _scale_problem(spec: dict[str, Any]) -> str | None:
+    """Return what is wrong with an image or tabular input normalisation, or ``None``."""
+    if not _is_number(spec.get("scale")) or spec["scale"] <= 0:
+        return "'input.scale' must be a number > 0"
+    width = spec["shape"][0]
+    for key in ("mean", "std"):
+        values = spec.get(key)
+        if not isinstance(values, list) or len(values) != width or \
+                not all(_is_number(v) for v in values):
+            return f"'input.{key}' must hold {width} numbers"
+    if not all(v > 0 for v in spec["std"]):
+        return "'input.std' values must be > 0"
+    return None
+
+
+def _text_problem(spec: dict[str, Any]) -> str | None:
+    """Return what is wrong with a text model's input description, or ``None``."""
+    tok = spec.get("tokenizer")
+    if len(spec["shape"]) != 1:
+        return "'input.shape' of a text model must be [tokens]"
+    if not isinstance(tok, dict) or tok.get("kind") not in ("hashed", "file"):
+        return "'input.tokenizer' must describe a hashed or file tokenizer"
+    if tok.get("max_length") != spec["shape"][0]:
+        return "'input.tokenizer.max_length' differs from 'input.shape'"
+    for key in ("vocab_size", "pad_id"):
+        if not isinstance(spec.get(key), int) or spec[key] < 0:
+            return f"'input.{key}' must be an integer >= 0"
     return None
 
 

@@ -131,11 +131,13 @@ def evaluate(
 def predict(
     model_dir: Annotated[Path, typer.Argument(help="A run's output folder")],
     inputs: Annotated[list[str], typer.Argument(
-        help="Image files, folders of images, or datasets")],
+        help="Image files, folders of images, .txt files (one text per line), or datasets")],
     output: Annotated[Optional[Path], typer.Option(
         help="Write predictions to FILE.csv or FILE.json")] = None,
     split: Annotated[str, typer.Option(help="Split of dataset inputs")] = "test",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
+    text: Annotated[bool, typer.Option(
+        "--text", help="The inputs are texts to classify (a text model)")] = False,
 ) -> None:
     """Predict classes with a saved model."""
     from fedavg.inference import predict as run
@@ -144,13 +146,14 @@ def predict(
     with guard():
         if output is not None and output.suffix.lower() not in (".csv", ".json"):
             raise UserError(f"--output must end in .csv or .json (got {output.name})")
-        rows = run(model_dir, inputs, split=split, device=device,
+        rows = run(model_dir, inputs, split=split, device=device, text=text,
                    on_note=lambda note: err_console.print(f"[yellow]note:[/] {note}",
                                                           highlight=False))
         if output is not None:
             write_predictions(rows, output)
             console.print(f"{len(rows)} prediction(s) written to {output}")
             return
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table()
@@ -158,7 +161,8 @@ def predict(
     table.add_column("prediction", overflow="fold")
     table.add_column("confidence", justify="right")
     for row in rows[:50]:
-        table.add_row(row["input"], row["prediction"], f"{row['confidence']:.3f}")
+        table.add_row(escape(row["input"]), escape(row["prediction"]),
+                      f"{row['confidence']:.3f}")
     console.print(table)
     if len(rows) > 50:
         console.print(f"... and {len(rows) - 50} more (use --output FILE.csv for all)")

@@ -50,6 +50,16 @@ class DataConfig:
         Seed for partitioning, the test hold-out, model initialisation and node sampling.
     test_fraction : float
         Share of train held out as test when the dataset has no test split.
+    text_column : str or None
+        Override the detected text column.
+    tokenizer : str
+        ``hashed`` (word and bigram ids hashed into ``hash_buckets``, no vocabulary), a
+        Hugging Face ``tokenizers`` JSON file or a local ``transformers`` tokenizer folder
+        (:func:`fedavg.text.make_tokenizer`).
+    max_tokens : int
+        Tokens per text; longer texts are cut.
+    hash_buckets : int
+        Ids of the hashed tokenizer (the text model's embedding rows).
     """
 
     dataset: str = setting("digits", "digits (built in), a local path, or a hub id")
@@ -61,6 +71,11 @@ class DataConfig:
     partition_by: str | None = setting(None, "Column of natural node ids (natural)")
     seed: int = setting(0, "Seed of partitioning, hold-out, init and sampling")
     test_fraction: float = setting(0.2, "Share of train held out as test", cli=False)
+    text_column: str | None = setting(None, "Text input column (default: detected)")
+    tokenizer: str = setting("hashed", "Text: hashed (no vocabulary), a tokenizer.json or a "
+                             "transformers tokenizer folder")
+    max_tokens: int = setting(256, "Text: tokens per text (longer texts are cut)")
+    hash_buckets: int = setting(131072, "Text: ids of the hashed tokenizer", cli=False)
 
 
 @dataclass(frozen=True)
@@ -302,6 +317,12 @@ def _check_data(c: RunConfig) -> str | None:
         return f"--seed must be >= 0 and < {MAX_SEED} (got {d.seed})"
     if not 0 < d.test_fraction < 1:
         return f"test fraction must be in (0, 1) (got {d.test_fraction})"
+    if d.max_tokens < 1:
+        return f"--max-tokens must be >= 1 (got {d.max_tokens})"
+    if d.hash_buckets < 2:
+        return f"hash-buckets must be >= 2 (got {d.hash_buckets})"
+    if d.image_column and d.text_column:
+        return "pass --image-column or --text-column, not both"
     return None
 
 

@@ -25,6 +25,7 @@ from fedavg.datasources import (
     decode_images,
     detect_columns,
     input_array,
+    is_text,
     label_array,
     label_classes,
     looks_like_path,
@@ -41,6 +42,7 @@ __all__ = [
     "TEST_NAMES",
     "LoadedData",
     "Split",
+    "check_kind",
     "conform",
     "decode_images",
     "holdout",
@@ -87,9 +89,12 @@ class LoadedData:
     source : str
         What the user asked for (name, path or hub id).
     columns : dict
-        ``{"image": ..., "label": ...}`` column names used (``None`` for built-ins).
+        ``{"image": ..., "label": ...}`` column names used (``None`` for built-ins);
+        ``{"text": ..., "label": ...}`` for text.
     notes : list of str
         Things the user should know (e.g. that a test hold-out was carved).
+    tokenizer : fedavg.text.HashedTokenizer or fedavg.text.FileTokenizer or None
+        For text: what turned the text column into the ``(N, L)`` int64 ids of ``x``.
     """
 
     splits: dict[str, Split]
@@ -97,6 +102,14 @@ class LoadedData:
     source: str
     columns: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    tokenizer: Any = None
+
+    @property
+    def kind(self) -> str:
+        """``text``, ``image`` (``(C, H, W)`` inputs) or ``tabular`` (``(D,)``)."""
+        if self.tokenizer is not None:
+            return "text"
+        return "image" if self.train.x.ndim == 4 else "tabular"
 
     @property
     def train(self) -> Split:
@@ -119,10 +132,17 @@ class LoadedData:
         Returns
         -------
         dict
-            ``shape`` (sample shape), ``dtype``, ``scale`` (1/255 for ``uint8``), and
-            ``mean``/``std`` per channel (images) or per feature (tabular), after scaling.
+            ``kind`` (:attr:`kind`), ``shape`` (sample shape), ``dtype``; for images and
+            tabular data ``scale`` (1/255 for ``uint8``) and ``mean``/``std`` per channel
+            or per feature, after scaling; for text the ``tokenizer``'s settings
+            (:mod:`fedavg.text`), ``vocab_size`` and ``pad_id``.
         """
         x = self.train.x
+        if self.tokenizer is not None:
+            return {"kind": "text", "shape": list(x.shape[1:]), "dtype": str(x.dtype),
+                    "tokenizer": self.tokenizer.spec(),
+                    "vocab_size": int(self.tokenizer.vocab_size),
+                    "pad_id": int(self.tokenizer.pad_id)}
         scale = 1.0 / 255.0 if x.dtype == np.uint8 else 1.0
         axes = (0, 2, 3) if x.ndim == 4 else (0,)
         mean = np.zeros(x.shape[1], dtype=np.float64)
@@ -137,6 +157,7 @@ class LoadedData:
         std = np.sqrt(np.maximum(sq / count - mean**2, 0.0))
         std = np.where(std < 1e-6, 1.0, std)
         return {
+            "kind": self.kind,
             "shape": list(x.shape[1:]),
             "dtype": str(x.dtype),
             "scale": scale,
@@ -148,19 +169,24 @@ class LoadedData:
 def normalize(x: "torch.Tensor", spec: dict[str, Any]) -> "torch.Tensor":  # noqa: F821
     """Turn raw inputs into model inputs: ``(x * scale - mean) / std`` per channel/feature.
 
+    Token ids (``kind`` ``text``) pass through as ``int64``.
+
     Parameters
     ----------
     x : torch.Tensor
-        ``(N, C, H, W)`` or ``(N, D)`` raw batch, any numeric dtype.
+        ``(N, C, H, W)`` or ``(N, D)`` raw batch, any numeric dtype; ``(N, L)`` ids.
     spec : dict
         :meth:`LoadedData.input_spec`.
 
     Returns
     -------
     torch.Tensor
-        ``float32`` tensor of the same shape.
+        ``float32`` tensor of the same shape (``int64`` for text).
     """
     import torch
+
+    if spec.get("kind") == "text":
+        return x.to(torch.int64)
 
     shape = (1, -1) + (1,) * (x.ndim - 2)
     mean = torch.tensor(spec["mean"], dtype=torch.float32, device=x.device).view(shape)
@@ -176,6 +202,10 @@ def load(
     partition_by: str | None = None,
     seed: int = 0,
     test_fraction: float = 0.2,
+    text_column: str | None = None,
+    tokenizer: Any = "hashed",
+    max_tokens: int = 256,
+    hash_buckets: int = 131072,
 ) -> LoadedData:
     """Load ``dataset`` into arrays with ``train`` and ``test`` splits.
 
@@ -194,6 +224,13 @@ def load(
         Seed of the test hold-out when the dataset has no test split.
     test_fraction : float
         Share of train held out as test in that case.
+    text_column : str, optional
+        Override the detection of a text column.
+    tokenizer : str or tokenizer
+        For text: ``hashed``, a tokenizer path (:func:`fedavg.text.make_tokenizer`), or a
+        tokenizer object (a saved run's, :func:`fedavg.text.from_spec`).
+    max_tokens, hash_buckets : int
+        Tokens per text; ids of the hashed tokenizer.
 
     Returns
     -------
@@ -207,14 +244,16 @@ def load(
     """
     if dataset in BUILTIN:
         for flag, col in (("--image-column", image_column), ("--label-column", label_column),
-                          ("--partition-by", partition_by)):
+                          ("--partition-by", partition_by), ("--text-column", text_column)):
             if col is not None:
                 raise UserError(f"{flag} {col}: the built-in {dataset} dataset has no columns")
         data = _load_digits()
     else:
         notes: list[str] = []
         dsdict = open_source(dataset, notes)
-        data = _from_hf(dsdict, dataset, image_column, label_column, partition_by)
+        text = {"column": text_column, "tokenizer": tokenizer, "max_tokens": max_tokens,
+                "buckets": hash_buckets}
+        data = _from_hf(dsdict, dataset, image_column, label_column, partition_by, text)
         data.notes.extend(notes)
     if "test" not in data.splits:
         train = data.splits["train"]
@@ -259,6 +298,32 @@ def conform(split: Split, source: str, shape: tuple[int, ...] | list[int],
     return Split(split.x, mapping[split.y], split.groups)
 
 
+def check_kind(input_spec: dict[str, Any], data: LoadedData, source: str) -> None:
+    """Check that ``data`` is the kind of input a model with ``input_spec`` takes.
+
+    Images against text, text against tabular and so on; for text also that ``data`` was
+    tokenized as the model's inputs were. ``source`` names the data in messages.
+
+    Raises
+    ------
+    UserError
+        Another kind of input, or another tokenization.
+    """
+    want = input_spec.get("kind") or ("image" if len(input_spec["shape"]) == 3 else "tabular")
+    if want != data.kind:
+        hint = {"text": "pass a dataset with a text column",
+                "image": "pass a dataset of images",
+                "tabular": "pass a dataset with the same feature columns"}[want]
+        raise UserError(f"this model takes {want} inputs, and {source} is {data.kind}: {hint}")
+    if want == "text":
+        from fedavg.text import same_tokenization
+
+        diff = same_tokenization(input_spec["tokenizer"], data.tokenizer.spec())
+        if diff:
+            raise UserError(f"{source} is tokenized differently from the model's inputs "
+                            f"({diff}); use the run's --tokenizer and --max-tokens")
+
+
 def holdout(split: Split, fraction: float, seed: int) -> tuple[Split, Split]:
     """Split off a seeded random ``fraction`` of ``split``: ``(rest, held_out)``.
 
@@ -286,7 +351,7 @@ def _load_digits() -> LoadedData:
     return LoadedData({"train": Split(x, y)}, classes, "digits", {"image": None, "label": None})
 
 
-def _from_hf(dsdict, source, image_column, label_column, partition_by) -> LoadedData:
+def _from_hf(dsdict, source, image_column, label_column, partition_by, text) -> LoadedData:
     """Turn every split of ``dsdict`` that has the input and label columns into arrays.
 
     The ``train`` split (else the first one) fixes the columns and the classes; the first
@@ -301,7 +366,14 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by) -> Loaded
     if len(train_ds) == 0:
         raise UserError(f"split {train_name!r} of {source!r} is empty")
     label, image = detect_columns(train_ds.features, source, image_column, label_column,
-                                  partition_by)
+                                  partition_by, text["column"])
+    tokenizer = None
+    if len(image) == 1 and is_text(train_ds.features[image[0]]):
+        tokenizer = text["tokenizer"]
+        if isinstance(tokenizer, str):
+            from fedavg.text import make_tokenizer
+
+            tokenizer = make_tokenizer(tokenizer, text["max_tokens"], text["buckets"])
     classes, mapping = label_classes(train_ds, label, train_name)
     splits: dict[str, Split] = {}
     for name in names:
@@ -311,15 +383,17 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by) -> Loaded
             if name == train_name:
                 raise UserError(f"split {name!r} lacks column(s) {missing}")
             continue
-        x = input_array(ds, image, source)
+        x = tokenizer.encode(ds[image[0]]) if tokenizer else input_array(ds, image, source)
         y = label_array(ds[label], mapping, classes, label, name)
         groups = None
         if partition_by is not None and partition_by in ds.features:
             groups = np.asarray([str(v) for v in ds[partition_by]])
         key = "train" if name == train_name else ("test" if name == test_name else name)
         splits[key] = Split(x, y, groups)
-    if len(image) == 1:
-        cols: dict[str, Any] = {"image": image[0], "label": label}
+    if tokenizer is not None:
+        cols: dict[str, Any] = {"text": image[0], "label": label}
+    elif len(image) == 1:
+        cols = {"image": image[0], "label": label}
     else:
         cols = {"features": image, "label": label}
-    return LoadedData(splits, classes, source, cols)
+    return LoadedData(splits, classes, source, cols, tokenizer=tokenizer)

@@ -149,13 +149,15 @@ def _check_column(features, col: str, flag: str, source: str) -> str:
 
 def detect_columns(features, source: str, image_column: str | None = None,
                    label_column: str | None = None,
-                   partition_by: str | None = None) -> tuple[str, list[str]]:
+                   partition_by: str | None = None,
+                   text_column: str | None = None) -> tuple[str, list[str]]:
     """Pick the label column and the input column(s) of the train split's ``features``.
 
-    Columns the user named (``image_column``, ``label_column``, ``partition_by``) are
-    checked, the others detected: the label is a ``ClassLabel`` column, else the first with
-    a usual label name; the input is one image (or array) column, else every numeric column
-    but the label and ``partition_by`` (tabular data). ``source`` names the data in messages.
+    Columns the user named (``image_column``, ``label_column``, ``partition_by``,
+    ``text_column``) are checked, the others detected: the label is a ``ClassLabel``
+    column, else the first with a usual label name; the input is one image (or array)
+    column, else one text (string) column (:func:`is_text`), else every numeric column but
+    the label and ``partition_by`` (tabular data). ``source`` names the data in messages.
 
     Returns
     -------
@@ -182,7 +184,14 @@ def detect_columns(features, source: str, image_column: str | None = None,
                 f"no label column found in {source}; pass --label-column (columns: "
                 f"{', '.join(columns)})"
             )
-    if image_column is not None:
+    if image_column is not None and text_column is not None:
+        raise UserError("pass --image-column or --text-column, not both")
+    if text_column is not None:
+        image = [_check_column(features, text_column, "--text-column", source)]
+        if not is_text(features[text_column]):
+            raise UserError(f"--text-column {text_column}: it holds {features[text_column]}, "
+                            "not text")
+    elif image_column is not None:
         image = [_check_column(features, image_column, "--image-column", source)]
     else:
         image = _detect_inputs(features, source, label, partition_by)
@@ -205,6 +214,10 @@ def _detect_inputs(features, source: str, label: str, partition_by: str | None) 
     ) or next((c for c in columns if c.lower() in IMAGE_NAMES and c != label), None)
     if found is not None:
         return [found]
+    text = next((c for c, f in features.items() if c not in (label, partition_by)
+                 and is_text(f)), None)
+    if text is not None:
+        return [text]
     # tabular: every numeric column but the label and the group column
     image = [
         c
@@ -215,10 +228,17 @@ def _detect_inputs(features, source: str, label: str, partition_by: str | None) 
     ]
     if not image:
         raise UserError(
-            f"no image or numeric feature column in {source}; pass --image-column "
-            f"(columns: {', '.join(columns)})"
+            f"no image, text or numeric feature column in {source}; pass --image-column "
+            f"or --text-column (columns: {', '.join(columns)})"
         )
     return image
+
+
+def is_text(feature) -> bool:
+    """Tell whether a ``datasets`` feature is a text column (``string`` values)."""
+    import datasets
+
+    return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
 
 
 def label_classes(train_ds, label: str, split: str) -> tuple[list[str], dict[Any, int] | None]:

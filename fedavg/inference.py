@@ -16,6 +16,7 @@ from fedavg.data import (
     BUILTIN,
     FILE_BUILDERS,
     IMAGE_SUFFIXES,
+    check_kind,
     conform,
     decode_images,
     load,
@@ -161,11 +162,14 @@ def evaluate_model(
         source,
         image_column=image_column or cols.get("image"),
         label_column=label_column or cols.get("label"),
+        text_column=cols.get("text"),
         seed=int(ds_meta.get("seed", 0)),
         test_fraction=float(ds_meta.get("test_fraction", 0.2)),
+        tokenizer=model_tokenizer(meta, directory),
     )
     if split not in data.splits:
         raise UserError(f"{source} has no split {split!r}; splits: {', '.join(data.splits)}")
+    check_kind(meta["input"], data, source)
     part = conform(data.splits[split], source, meta["input"]["shape"], data.classes,
                    meta["classes"])
     res = _evaluate(model, part.x, part.y, meta["input"], batch_size=batch_size,
@@ -173,6 +177,24 @@ def evaluate_model(
     if source not in BUILTIN and Path(source).expanduser().exists():
         source = str(Path(source).expanduser().resolve())  # one form in text and JSON
     return {**res, "split": split, "dataset": source}
+
+
+def model_tokenizer(meta: dict[str, Any], directory: str | Path):
+    """Return the tokenizer a text model's inputs need (from its run folder), else ``hashed``.
+
+    ``hashed`` is what :func:`fedavg.data.load` tokenizes text with for other models, so
+    that text given to an image model is reported as text.
+
+    Raises
+    ------
+    UserError
+        A file tokenizer missing from ``directory`` or changed since training.
+    """
+    if meta["input"].get("kind") != "text":
+        return "hashed"
+    from fedavg.text import from_spec
+
+    return from_spec(meta["input"]["tokenizer"], directory)
 
 
 def _collect(inputs: Sequence[str]) -> list[tuple[str, Any]]:
@@ -219,8 +241,9 @@ def predict(
     device: str = "auto",
     batch_size: int = 512,
     on_note: Callable[[str], None] | None = None,
+    text: bool = False,
 ) -> list[dict[str, Any]]:
-    """Predict classes for images, folders of images or datasets with a saved model.
+    """Predict classes for images, folders of images, texts or datasets with a saved model.
 
     Images are resized to the model's input size and converted to its channels; when that
     changes them a lot (more than :data:`RESIZE_NOTE_FACTOR` in height or width, or colour
@@ -233,7 +256,8 @@ def predict(
         A run's output folder.
     inputs : sequence of str
         Image files; folders (searched recursively for images); dataset files, folders,
-        names or hub ids (their ``split`` is used).
+        names or hub ids (their ``split`` is used). For a text model: ``.txt`` files (one
+        text per line) or datasets; with ``text``, the texts themselves.
     split : str
         Split of dataset inputs.
     device : str
@@ -242,6 +266,8 @@ def predict(
         Samples per forward pass.
     on_note : callable, optional
         Receives each note about changed inputs (one line each).
+    text : bool
+        Take every input as a text to classify (a text model only).
 
     Returns
     -------
@@ -257,11 +283,17 @@ def predict(
     model = load_model(directory, device="cpu")
     meta = model.fedavg_meta
     dev = resolve_device(device)
-    items = _collect(inputs)
-    batches = [_image_batch([p for kind, p in items if kind == "image"], meta,
-                            on_note or (lambda n: warnings.warn(n, UserWarning, stacklevel=3)))]
-    batches += [_dataset_batch(source, split, meta) for kind, source in items
-                if kind == "dataset"]
+    if meta["input"].get("kind") == "text":
+        batches = _text_batches(inputs, text, split, meta, directory)
+    elif text:
+        raise UserError(f"this model takes {meta['input'].get('kind', 'image')} inputs, not "
+                        "text: pass image files, folders or a dataset")
+    else:
+        items = _collect(inputs)
+        batches = [_image_batch([p for kind, p in items if kind == "image"], meta, on_note or (
+            lambda n: warnings.warn(n, UserWarning, stacklevel=3)))]
+        batches += [_dataset_batch(source, split, meta) for kind, source in items
+                    if kind == "dataset"]
     rows = []
     classes = meta["classes"]
     for x, names in (b for b in batches if b is not None):
@@ -290,11 +322,25 @@ def _image_batch(images: list[Path], meta: dict[str, Any], on_note: Callable[[st
     return x, [str(p) for p in images]
 
 
-def _dataset_batch(source: str, split: str, meta: dict[str, Any]):
+def _text_batches(inputs: Sequence[str], literal: bool, split: str, meta: dict[str, Any],
+                  directory: str | Path) -> list:
+    """Tokenize texts (and load datasets) for a text model: ``[(x, names), ...]``."""
+    from fedavg.text import from_spec, text_inputs
+
+    tokenizer = from_spec(meta["input"]["tokenizer"], directory)
+    items = text_inputs(inputs, literal)
+    texts = [t for kind, t in items if kind == "text"]
+    batches = [(tokenizer.encode(texts), texts)] if texts else []
+    return batches + [_dataset_batch(source, split, meta, tokenizer)
+                      for kind, source in items if kind == "dataset"]
+
+
+def _dataset_batch(source: str, split: str, meta: dict[str, Any], tokenizer: Any = "hashed"):
     """Load the ``split`` of a dataset, checked against the model's inputs: ``(x, names)``."""
-    data = load(source)
+    data = load(source, tokenizer=tokenizer)
     if split not in data.splits:
         raise UserError(f"{source} has no split {split!r}; splits: {', '.join(data.splits)}")
+    check_kind(meta["input"], data, source)
     part = conform(data.splits[split], source, meta["input"]["shape"])
     return part.x, [f"{source}#{split}[{i}]" for i in range(len(part))]
 

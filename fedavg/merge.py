@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from fedavg import checkpoint
 from fedavg.config import RunConfig
-from fedavg.data import Split, conform, holdout, load
+from fedavg.data import Split, check_kind, conform, holdout, load
 from fedavg.errors import UserError
 from fedavg.run import make_output
 
@@ -38,10 +38,12 @@ def model_dirs(paths: Sequence[str | Path]) -> list[Path]:
     return found
 
 
-def _validation(source: str, meta: dict[str, Any], fraction: float) -> Split:
+def _validation(source: str, meta: dict[str, Any], fraction: float, tokenizer) -> Split:
     ds = meta.get("dataset", {})
     seed = int(ds.get("seed", 0))
-    data = load(source, seed=seed, test_fraction=float(ds.get("test_fraction", 0.2)))
+    data = load(source, seed=seed, test_fraction=float(ds.get("test_fraction", 0.2)),
+                tokenizer=tokenizer)
+    check_kind(meta["input"], data, source)
     if "validation" in data.splits:
         split = data.splits["validation"]
     else:  # the same slice `fedavg simulate` keeps from the nodes for this dataset and seed
@@ -94,7 +96,10 @@ def merge_models(
     out = _check_output(output, dirs, overwrite)
     loaded = [checkpoint.load(d) for d in dirs]
     first = _check_alike(dirs, [meta for _, meta in loaded])
-    validation, distill_x = _merge_data(config, strategy, first)
+    from fedavg.inference import model_tokenizer
+
+    tokenizer = model_tokenizer(first, dirs[0])  # a text model's tokenizer.json goes along
+    validation, distill_x = _merge_data(config, strategy, first, tokenizer)
     merged = _merge(strategy, config, dirs, loaded, first, validation, distill_x)
     meta = {k: v for k, v in first.items() if k not in ("format", "kind", "node", "metrics",
                                                         "member_weights", "members")}
@@ -144,18 +149,18 @@ def _check_alike(dirs: list[Path], metas: list[dict[str, Any]]) -> dict[str, Any
     return first
 
 
-def _merge_data(config: RunConfig, strategy, first: dict[str, Any]):
+def _merge_data(config: RunConfig, strategy, first: dict[str, Any], tokenizer):
     """Return the validation split and unlabeled inputs for a data-driven strategy."""
     m = config.merge
     validation = distill_x = None
     if strategy.needs_validation:
         if not m.validation:
             raise UserError(f"{m.strategy} needs held-out data: pass --validation DATASET")
-        validation = _validation(m.validation, first, m.validation_fraction)
+        validation = _validation(m.validation, first, m.validation_fraction, tokenizer)
     if strategy.needs_unlabeled:
         if not m.distill_data:
             raise UserError(f"{m.strategy} needs unlabeled inputs: pass --distill-data DATASET")
-        distill_x = _validation(m.distill_data, first, m.distill_fraction).x
+        distill_x = _validation(m.distill_data, first, m.distill_fraction, tokenizer).x
     return validation, distill_x
 
 

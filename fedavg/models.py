@@ -15,14 +15,21 @@ from torch import nn
 
 from fedavg.errors import UserError
 
-_MODELS: dict[str, tuple[Callable[..., nn.Module], str]] = {}
+_MODELS: dict[str, tuple[Callable[..., nn.Module], str, tuple[str, ...]]] = {}
+
+#: Kinds of input: ``image`` ``(C, H, W)``, ``tabular`` ``(D,)`` floats, ``text`` ``(L,)`` ids.
+INPUT_KINDS = ("image", "tabular", "text")
 
 
-def register_model(name: str, description: str):
-    """Register a builder ``fn(input_shape, num_classes, **args) -> nn.Module`` under ``name``."""
+def register_model(name: str, description: str, kinds: tuple[str, ...] = ("image",)):
+    """Register a builder ``fn(input_shape, num_classes, **args) -> nn.Module`` under ``name``.
+
+    ``kinds`` are the :data:`INPUT_KINDS` it takes; text builders also get ``vocab_size``
+    and ``pad_id`` from the tokenizer.
+    """
 
     def deco(fn):
-        _MODELS[name] = (fn, description)
+        _MODELS[name] = (fn, description, tuple(kinds))
         return fn
 
     return deco
@@ -30,26 +37,44 @@ def register_model(name: str, description: str):
 
 def available_models() -> dict[str, str]:
     """Return the registered model names and their one-line descriptions."""
-    return {name: desc for name, (_, desc) in sorted(_MODELS.items())}
+    return {name: desc for name, (_, desc, _) in sorted(_MODELS.items())}
 
 
-def resolve_model(name: str, input_shape: tuple[int, ...]) -> str:
-    """Pick a model for ``auto``; otherwise check that ``name`` is registered.
+def resolve_model(name: str, input_shape: tuple[int, ...], kind: str | None = None) -> str:
+    """Pick a model for ``auto``; otherwise check that ``name`` is registered and fits.
 
-    ``auto``: ``mlp`` for tabular inputs and images smaller than 16x16 (e.g. 8x8 digits),
-    ``cnn`` for one-channel images (28x28 MNIST), ``cnn-cifar`` for colour images.
+    ``auto``: ``fasttext`` for text, ``mlp`` for tabular inputs and images smaller than
+    16x16 (e.g. 8x8 digits), ``cnn`` for one-channel images (28x28 MNIST), ``cnn-cifar``
+    for colour images.
+
+    Parameters
+    ----------
+    name : str
+        Registered name or ``auto``.
+    input_shape : tuple of int
+        One sample's shape.
+    kind : str, optional
+        One of :data:`INPUT_KINDS`; default ``image`` for 3-d shapes, else ``tabular``.
 
     Raises
     ------
     UserError
-        Unknown name, listing the registered ones.
+        Unknown name, listing the registered ones; a model that does not take this kind
+        of input, listing those that do.
     """
+    kind = kind or ("image" if len(input_shape) == 3 else "tabular")
     if name == "auto":
+        if kind == "text":
+            return "fasttext"
         if len(input_shape) != 3 or min(input_shape[1:]) < 16:
             return "mlp"
         return "cnn" if input_shape[0] == 1 else "cnn-cifar"
     if name not in _MODELS:
         raise UserError(f"unknown model {name!r}; choose auto or one of: {', '.join(_MODELS)}")
+    if kind not in _MODELS[name][2]:
+        fits = [n for n, (_, _, kinds) in _MODELS.items() if kind in kinds]
+        raise UserError(f"model {name!r} takes {' or '.join(_MODELS[name][2])} inputs, and "
+                        f"this data is {kind}: use --model auto or one of {', '.join(fits)}")
     return name
 
 
@@ -74,8 +99,8 @@ def build_model(
     UserError
         Unknown model, or an input shape the model cannot take.
     """
-    name = resolve_model(name, tuple(input_shape))
-    fn, _ = _MODELS[name]
+    name = resolve_model(name, tuple(input_shape), _kind(name, args))
+    fn = _MODELS[name][0]
     try:
         return fn(tuple(int(s) for s in input_shape), int(num_classes), **args)
     except (ValueError, RuntimeError) as exc:
@@ -83,12 +108,21 @@ def build_model(
                         f"{str(exc).splitlines()[0]}") from None
 
 
+def _kind(name: str, args: dict) -> str | None:
+    """Return the input kind a build implies: text when a tokenizer's ``vocab_size`` is given."""
+    if "vocab_size" in args:
+        return "text"
+    kinds = _MODELS[name][2] if name in _MODELS else ()
+    return kinds[0] if len(kinds) == 1 else None
+
+
 def _flat_size(features: nn.Module, input_shape: tuple[int, ...]) -> int:
     with torch.no_grad():
         return int(features(torch.zeros(1, *input_shape)).numel())
 
 
-@register_model("mlp", "2-layer perceptron, 200 units each (the FedAvg paper's 2NN)")
+@register_model("mlp", "2-layer perceptron, 200 units each (the FedAvg paper's 2NN)",
+                kinds=("image", "tabular"))
 def mlp(input_shape, num_classes, hidden: int = 200) -> nn.Module:
     """Two hidden layers of ``hidden`` ReLU units (McMahan et al. 2017, arXiv:1602.05629)."""
     d = 1
@@ -295,3 +329,6 @@ def merge_context(spec: ModelSpec, input_spec: dict[str, Any], seed: int,
         device=resolve_device(device),
         seed=seed,
     )
+
+
+from fedavg import text_models  # noqa: E402,F401  (registers the text models)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from fedavg.config import RunConfig
-from fedavg.data import LoadedData, Split, conform, holdout, load
+from fedavg.data import LoadedData, Split, check_kind, conform, holdout, load
 from fedavg.errors import RunError, UserError
 from fedavg.output import (  # noqa: F401  (re-exported: the run folder)
     RUN_FILES,
@@ -218,13 +218,13 @@ def prepare(config: RunConfig) -> Prepared:
     strategy = config.build_strategy()
     data = load(d.dataset, image_column=d.image_column, label_column=d.label_column,
                 partition_by=d.partition_by if d.partitioner == "natural" else None,
-                seed=d.seed, test_fraction=d.test_fraction)
+                seed=d.seed, test_fraction=d.test_fraction, **text_options(d))
     validation, distill_x = _merge_data(config, strategy, data)
     parts = partition(data.train.y, config.merge.num_nodes, d.partitioner, alpha=d.alpha,
                       classes_per_node=d.classes_per_node, groups=data.train.groups,
                       seed=d.seed)
-    spec = ModelSpec(resolve_model(config.train.model, data.input_shape), data.input_shape,
-                     len(data.classes))
+    spec = ModelSpec(resolve_model(config.train.model, data.input_shape, data.kind),
+                     data.input_shape, len(data.classes), text_model_args(data))
     spec.build()  # fail early on shapes the model cannot take
     meta = _metadata(config, data, spec, validation, distill_x)
     prepared = Prepared(data, parts, spec, meta, strategy, validation, distill_x)
@@ -264,9 +264,23 @@ def _merge_data(config: RunConfig, strategy, data: LoadedData):
 
 def _aligned_split(source: str, data: LoadedData, flag: str, labels: bool = True) -> Split:
     """Return the train split of another dataset, checked against ``data``'s inputs and classes."""
-    other = load(source)
+    other = load(source, tokenizer=data.tokenizer if data.tokenizer else "hashed")
+    check_kind(data.input_spec(), other, f"{flag} {source}")
     return conform(other.train, f"{flag} {source}", data.input_shape,
                    other.classes if labels else None, data.classes)
+
+
+def text_options(d) -> dict:
+    """Return the text settings of a DataConfig as :func:`load` takes them."""
+    return {"text_column": d.text_column, "tokenizer": d.tokenizer,
+            "max_tokens": d.max_tokens, "hash_buckets": d.hash_buckets}
+
+
+def text_model_args(data: LoadedData) -> dict:
+    """Builder arguments that text data adds: the tokenizer's ``vocab_size`` and ``pad_id``."""
+    if data.tokenizer is None:
+        return {}
+    return {"vocab_size": int(data.tokenizer.vocab_size), "pad_id": int(data.tokenizer.pad_id)}
 
 
 def _metadata(config: RunConfig, data: LoadedData, spec, validation, distill_x) -> dict:

@@ -240,7 +240,7 @@ def test_node_partition_matches_simulate(tmp_path):
     config = RunConfig().replace(partitioner="dirichlet", alpha=0.5, num_nodes=3, seed=4)
     import json
 
-    x, y, classes = node_arrays("digits", 1, 3, json.dumps(config.to_flat()))
+    x, y, classes, _ = node_arrays("digits", 1, 3, json.dumps(config.to_flat()))
     prepared = prepare(config)
     idx = prepared.parts[1]
     assert np.array_equal(x, prepared.data.train.x[idx])

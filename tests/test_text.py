@@ -1,0 +1,206 @@
+"""Text data: tokenizers, text column detection, the text models, and checks of input kinds."""
+
+import json
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from conftest import SHARED_DATA
+
+from fedavg.errors import UserError
+from fedavg.text import FileTokenizer, HashedTokenizer, from_spec, make_tokenizer
+
+AG_NEWS = SHARED_DATA / "ag_news"
+
+
+def test_hashed_ids_are_crc32_buckets_hand_computed():
+    # crc32(b"hello") = 0x3610A686 = 907060870; 907060870 % 9 = 1 (digit sum 37): id 1 + 1
+    assert zlib.crc32(b"hello") == 907060870
+    tok = HashedTokenizer(buckets=10, max_length=4, ngrams=1)
+    assert tok.ids("Hello") == [2]
+    assert tok.ids("HELLO hello") == [2, 2]  # lower-cased
+    assert tok.encode(["hello"]).tolist() == [[2, 0, 0, 0]]  # padded with 0
+
+
+def test_hashed_words_then_bigrams_cut_to_max_length():
+    tok = HashedTokenizer(buckets=1000, max_length=5)
+    words = HashedTokenizer(buckets=1000, ngrams=1)
+    ids = tok.ids("a b, c")  # words a b , c; bigrams "a b" "b ," ", c"
+    assert ids[:4] == words.ids("a b, c") and len(ids) == 7
+    assert all(1 <= i < 1000 for i in ids)
+    assert tok.encode(["a b, c"])[0].tolist() == ids[:5]
+    assert tok.encode(["", None]).tolist() == [[0] * 5, [0] * 5]
+
+
+def test_hashed_ids_are_the_same_in_another_process():
+    text = "Stocks rally as the Fed holds rates"
+    here = HashedTokenizer().ids(text)
+    code = f"from fedavg.text import HashedTokenizer; print(HashedTokenizer().ids({text!r}))"
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env={"PYTHONHASHSEED": "123"}).stdout
+    assert json.loads(there) == here
+
+
+@pytest.mark.parametrize("kwargs, flag", [({"buckets": 1}, "--hash-buckets"),
+                                          ({"max_length": 0}, "--max-tokens")])
+def test_hashed_settings_out_of_range(kwargs, flag):
+    with pytest.raises(UserError, match=flag):
+        HashedTokenizer(**kwargs)
+
+
+def _word_tokenizer_json(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]"])
+    tok.train_from_iterator(["the cat sat", "the dog ran", "a cat ran"], trainer)
+    path = tmp_path / "words.json"
+    tok.save(str(path))
+    return path, tok
+
+
+def test_file_tokenizer_pads_with_its_pad_id_and_round_trips(tmp_path):
+    path, raw = _word_tokenizer_json(tmp_path)
+    tok = make_tokenizer(str(path), max_length=4)
+    assert isinstance(tok, FileTokenizer) and tok.pad_id == raw.token_to_id("[PAD]") == 1
+    ids = tok.encode(["the cat ran", "zebra"])
+    the, cat, ran = (raw.token_to_id(w) for w in ("the", "cat", "ran"))
+    assert ids.tolist() == [[the, cat, ran, 1], [0, 1, 1, 1]]  # zebra is [UNK] = 0
+    run = tmp_path / "run"
+    tok.save(run)
+    again = from_spec(tok.spec(), run)
+    assert again.encode(["the cat ran"]).tolist() == ids[:1].tolist()
+    (run / "tokenizer.json").write_text(path.read_text().replace('"cat"', '"cot"'))
+    with pytest.raises(UserError, match="SHA-256"):
+        from_spec(tok.spec(), run)
+    (run / "tokenizer.json").unlink()
+    with pytest.raises(UserError, match="missing"):
+        from_spec(tok.spec(), run)
+
+
+def test_a_transformers_tokenizer_folder_tokenizes_as_transformers_does(tmp_path):
+    from transformers import AutoTokenizer, BertTokenizer
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat",
+                                "sat", "dog", "ran", "##s"]) + "\n")
+    folder = tmp_path / "bert-tok"
+    BertTokenizer(str(vocab)).save_pretrained(str(folder))
+    (folder / "tokenizer.json").unlink(missing_ok=True)  # vocab.txt and config only
+    ours = make_tokenizer(str(folder), max_length=8)
+    theirs = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    text = "The cats ran, the dog sat"
+    want = theirs(text, padding="max_length", max_length=8, truncation=True)["input_ids"]
+    assert ours.encode([text]).tolist() == [want]
+    assert want[0] == 2 and ours.pad_id == 0  # [CLS] first; [PAD] is id 0
+
+
+@pytest.mark.parametrize("name, match", [("no/such/tokenizer.json", "no such file"),
+                                         ("BROKEN", "not a tokenizers JSON")])
+def test_bad_tokenizer_paths_say_what_to_fix(tmp_path, name, match):
+    if name == "BROKEN":
+        name = str(tmp_path / "t.json")
+        (tmp_path / "t.json").write_text('{"not": "a tokenizer"}')
+    with pytest.raises(UserError, match=match):
+        make_tokenizer(name)
+
+
+def test_ag_news_is_detected_as_text_and_tokenized():
+    from fedavg.data import load
+
+    data = load(str(AG_NEWS), max_tokens=64)
+    assert data.kind == "text" and data.columns == {"text": "text", "label": "label"}
+    assert data.classes == ["world", "sports", "business", "tech"]
+    assert data.train.x.shape == (5000, 64) and data.train.x.dtype == np.int64
+    spec = data.input_spec()
+    assert spec["kind"] == "text" and spec["shape"] == [64] and spec["pad_id"] == 0
+    assert spec["tokenizer"] == {"kind": "hashed", "buckets": 131072, "max_length": 64,
+                                 "ngrams": 2}
+    first = data.train.x[0][data.train.x[0] > 0]
+    assert len(first) > 10  # a news title and description
+
+
+def test_text_column_override_and_its_errors(tmp_path):
+    import pandas as pd
+
+    from fedavg.data import load
+
+    csv = tmp_path / "t.csv"
+    pd.DataFrame({"title": ["good day", "bad day"] * 5, "body": ["x", "y"] * 5,
+                  "n": list(range(10)), "label": [0, 1] * 5}).to_csv(csv, index=False)
+    assert load(str(csv)).columns["text"] == "title"  # the first string column
+    assert load(str(csv), text_column="body").columns["text"] == "body"
+    with pytest.raises(UserError, match="--text-column n: it holds"):
+        load(str(csv), text_column="n")
+    with pytest.raises(UserError, match="--text-column"):
+        load(str(csv), text_column="nope")
+
+
+def test_bag_of_embeddings_sums_token_vectors_and_ignores_padding():
+    from fedavg.text_models import BagOfEmbeddings
+
+    net = BagOfEmbeddings(vocab_size=5, num_classes=2, pad_id=0, dim=3)
+    with torch.no_grad():
+        net.embedding.weight.copy_(torch.arange(15, dtype=torch.float32).view(5, 3))
+        net.embedding.weight[0].zero_()
+        net.fc.weight.copy_(torch.tensor([[1.0, 0, 0], [0, 0, 1.0]]))
+        net.fc.bias.zero_()
+    # ids 1 and 2: rows [3, 4, 5] + [6, 7, 8] = [9, 11, 13]; logits [9, 13]
+    out = net(torch.tensor([[1, 2, 0, 0]]))
+    assert out.tolist() == [[9.0, 13.0]]
+    out.sum().backward()
+    assert net.embedding.weight.grad[0].abs().sum() == 0  # padding is never trained
+
+
+def test_text_transformer_ignores_padding():
+    from fedavg.text_models import TextTransformer
+
+    torch.manual_seed(0)
+    net = TextTransformer(vocab_size=50, max_length=8, num_classes=3).eval()
+    short = torch.tensor([[5, 6, 7, 0, 0, 0]])
+    longer = torch.tensor([[5, 6, 7, 0, 0, 0, 0, 0]])
+    assert net(short).shape == (1, 3)
+    torch.testing.assert_close(net(short), net(longer))
+
+
+def test_image_models_refuse_text_and_text_models_refuse_images():
+    from fedavg.models import build_model, resolve_model
+
+    assert resolve_model("auto", (256,), "text") == "fasttext"
+    with pytest.raises(UserError, match="takes image inputs, and this data is text"):
+        resolve_model("cnn", (256,), "text")
+    with pytest.raises(UserError, match="takes text inputs, and this data is image"):
+        resolve_model("fasttext", (1, 8, 8), "image")
+    net = build_model("text-transformer", (16,), 4, vocab_size=100, pad_id=0)
+    assert net(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 4)
+
+
+def test_check_kind_names_both_kinds_and_tokenizer_differences():
+    from fedavg.data import check_kind, load
+
+    digits = load("digits")
+    text = load(str(AG_NEWS), max_tokens=32)
+    with pytest.raises(UserError, match="takes text inputs, and digits is image"):
+        check_kind(text.input_spec(), digits, "digits")
+    with pytest.raises(UserError, match="takes image inputs, and ag is text"):
+        check_kind(digits.input_spec(), text, "ag")
+    other = load(str(AG_NEWS), max_tokens=32, hash_buckets=1000)
+    with pytest.raises(UserError, match="tokenized differently.*buckets 131072 vs 1000"):
+        check_kind(text.input_spec(), other, "ag")
+    check_kind(text.input_spec(), text, "ag")  # alike: no error
+
+
+def test_a_damaged_text_input_description_is_one_line():
+    from fedavg.checkpoint import _meta_problem
+
+    spec = {"kind": "text", "shape": [8], "dtype": "int64", "vocab_size": 10, "pad_id": 0,
+            "tokenizer": {"kind": "hashed", "buckets": 10, "max_length": 8, "ngrams": 2}}
+    meta = {"model": {"name": "fasttext", "num_classes": 2, "input_shape": [8]},
+            "classes": ["a", "b"], "input": spec}
+    assert _meta_problem(meta) is None
+    assert "max_length" in _meta_problem({**meta, "input": {**spec, "shape": [9]}})
+    assert "tokenizer" in _meta_problem({**meta, "input": {**spec, "tokenizer": "x"}})
