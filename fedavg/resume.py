@@ -39,7 +39,7 @@ FORMAT = "fedavg-checkpoint/1"
 MAY_CHANGE = frozenset({"rounds", "round-timeout", "device", "max-update-norm"})
 #: Settings naming data: a local path among them is kept absolute, so a run resumes from
 #: any folder.
-_PATHS = ("dataset", "validation", "distill-data")
+_PATHS = ("dataset", "validation", "distill-data", "tokenizer")
 
 
 def absolute_paths(flat: dict[str, Any]) -> dict[str, Any]:
@@ -47,7 +47,8 @@ def absolute_paths(flat: dict[str, Any]) -> dict[str, Any]:
     out = dict(flat)
     for key in _PATHS:
         value = out.get(key)
-        if isinstance(value, str) and value != "digits" and Path(value).expanduser().exists():
+        if isinstance(value, str) and value not in ("digits", "hashed") \
+                and Path(value).expanduser().exists():
             out[key] = str(Path(value).expanduser().resolve())
     return out
 

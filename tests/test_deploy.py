@@ -375,3 +375,27 @@ def test_node_gives_up_clearly_when_the_coordinator_is_gone(cluster, tmp_path):
     from fedavg.deployment.processes import PrivateDir
 
     PrivateDir("fedavg-coordinator-").cleanup()
+
+
+def test_text_across_machines_and_a_node_with_images(cluster, tmp_path):
+    """AG News over the deployment engine; a node holding images says so in one line."""
+    from conftest import SHARED_DATA
+
+    ag_news = SHARED_DATA / "ag_news"
+    out = tmp_path / "run"
+    coord = cluster.coordinator("--dataset", ag_news, "--rounds", "2", "--min-nodes", "3",
+                                "--min-nodes-per-round", "2", "--lr", "0.02",
+                                "--local-epochs", "2", "--insecure", "--output", out)
+    nodes = [cluster.node(f"node{i}", "--insecure", "--dataset", ag_news, "--partition-id", i,
+                          "--num-partitions", 2, "--once") for i in range(2)]
+    cluster.node("images", "--insecure", "--dataset", "digits")
+    assert cluster.wait(coord) == 0, cluster.log("coordinator")
+    text = cluster.log("coordinator")
+    assert re.search(r"node \d+ failed:.*takes text inputs, and node data digits is image",
+                     text), text
+    rounds = rounds_of(out)
+    assert [r["num_nodes"] for r in rounds] == [2, 2] and rounds[-1]["accuracy"] > 0.6
+    meta = json.loads((out / "model.json").read_text())
+    assert meta["input"]["kind"] == "text" and meta["model"]["name"] == "fasttext"
+    for n in nodes:
+        assert cluster.wait(n, 60) == 0, cluster.log(n.name)

@@ -204,3 +204,34 @@ def test_a_damaged_text_input_description_is_one_line():
     assert _meta_problem(meta) is None
     assert "max_length" in _meta_problem({**meta, "input": {**spec, "shape": [9]}})
     assert "tokenizer" in _meta_problem({**meta, "input": {**spec, "tokenizer": "x"}})
+
+
+def test_cli_refuses_an_image_model_for_text_in_one_line(tmp_path):
+    from conftest import assert_one_error_line, run_cli
+
+    proc = run_cli("simulate", "--dataset", AG_NEWS, "--model", "cnn", "--output",
+                   tmp_path / "run", check=False)
+    assert proc.returncode == 2
+    line = assert_one_error_line(proc.stderr)
+    assert "model 'cnn' takes image inputs, and this data is text" in line
+    assert "fasttext" in line and not (tmp_path / "run").exists()
+    proc = run_cli("simulate", "--dataset", AG_NEWS, "--tokenizer", tmp_path / "none.json",
+                   "--output", tmp_path / "run", check=False)
+    assert proc.returncode == 2 and "no such file" in assert_one_error_line(proc.stderr)
+
+
+def test_cli_predict_text_with_an_image_model_is_one_line(tmp_path):
+    from conftest import assert_one_error_line, run_cli
+
+    from fedavg import checkpoint
+    from fedavg.data import load
+    from fedavg.models import build_model
+
+    data = load("digits")
+    net = build_model("mlp", data.input_shape, 10)
+    checkpoint.save(tmp_path / "m", net.state_dict(), {
+        "model": {"name": "mlp", "input_shape": [1, 8, 8], "num_classes": 10, "args": {}},
+        "classes": data.classes, "input": data.input_spec()})
+    proc = run_cli("predict", tmp_path / "m", "some words", "--text", check=False)
+    assert proc.returncode == 2
+    assert "takes image inputs, not text" in assert_one_error_line(proc.stderr)
