@@ -235,3 +235,53 @@ def test_cli_predict_text_with_an_image_model_is_one_line(tmp_path):
     proc = run_cli("predict", tmp_path / "m", "some words", "--text", check=False)
     assert proc.returncode == 2
     assert "takes image inputs, not text" in assert_one_error_line(proc.stderr)
+
+
+def _text_model_folders(tmp_path, data, count=2):
+    from fedavg import checkpoint
+    from fedavg.models import ModelSpec
+    from fedavg.run import text_model_args
+
+    spec = ModelSpec("fasttext", data.input_shape, len(data.classes), text_model_args(data))
+    folders = []
+    for i in range(count):
+        torch.manual_seed(i)
+        folder = tmp_path / f"node-{i}"
+        checkpoint.save(folder, spec.build().state_dict(), {
+            "model": spec.as_dict(), "classes": data.classes, "input": data.input_spec(),
+            "dataset": {"source": str(AG_NEWS), "seed": 0}})
+        folders.append(folder)
+    return folders
+
+
+def test_merging_text_models_keeps_their_tokenizer_file(tmp_path):
+    from fedavg.config import RunConfig
+    from fedavg.data import load
+    from fedavg.inference import load_model
+    from fedavg.merge import merge_models
+
+    path, _ = _word_tokenizer_json(tmp_path)
+    data = load(str(AG_NEWS), tokenizer=str(path), max_tokens=16)
+    folders = _text_model_folders(tmp_path, data)
+    assert all((f / "tokenizer.json").read_text() == path.read_text() for f in folders)
+    out = tmp_path / "merged"
+    merge_models(folders, out, RunConfig().replace(strategy="average"))
+    assert (out / "tokenizer.json").read_text() == path.read_text()
+    a, b = (load_model(f).embedding.weight for f in folders)
+    torch.testing.assert_close(load_model(out).embedding.weight, (a + b) / 2)
+
+
+def test_distilling_text_models_on_unlabeled_texts(tmp_path):
+    from fedavg.config import RunConfig
+    from fedavg.data import load
+    from fedavg.merge import merge_models
+
+    data = load(str(AG_NEWS), max_tokens=32, hash_buckets=4096)
+    folders = _text_model_folders(tmp_path, data)
+    config = RunConfig().replace(strategy="distill", distill_data=str(AG_NEWS),
+                                 validation=str(AG_NEWS),
+                                 distill_steps=5, distill_batch_size=16)
+    result = merge_models(folders, tmp_path / "student", config, dataset=str(AG_NEWS))
+    assert result["num_models"] == 2 and 0 <= result["accuracy"] <= 1
+    meta = json.loads((tmp_path / "student" / "model.json").read_text())
+    assert meta["input"]["tokenizer"]["buckets"] == 4096
