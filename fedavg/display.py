@@ -105,8 +105,12 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
     if not table:
         return
     console.print(partition_table(prepared))
+    tok = prepared.data.tokenizer
+    inputs = (f"texts of {prepared.spec.input_shape[0]} tokens ({tok.kind} tokenizer, "
+              f"{tok.vocab_size} ids)" if tok is not None
+              else f"inputs {tuple(prepared.spec.input_shape)}")
     console.print(
-        f"model [bold]{prepared.spec.name}[/] on inputs {tuple(prepared.spec.input_shape)}, "
+        f"model [bold]{prepared.spec.name}[/] on {inputs}, "
         f"{prepared.spec.num_classes} classes; strategy [bold]{config.merge.strategy}[/], "
         f"{_plural(config.merge.rounds, 'round')}, "
         f"{config.nodes_per_round}/{config.merge.num_nodes} "
