@@ -16,7 +16,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from fedavg.cli_options import given, with_settings
+from fedavg.cli_options import given, pop_tracking, with_settings
 from fedavg.cli_support import console, err_console, guard, interrupted, on_signal, run_app
 from fedavg.config import RunConfig
 from fedavg.errors import UserError
@@ -43,6 +43,7 @@ def simulate(
     from fedavg.simulation import abort_active_runs
     from fedavg.simulation import simulate as run
 
+    tracking = pop_tracking(settings)
     with guard():
         config = None if resume is not None else RunConfig().replace(**settings)
     # Stop Ray at once on a signal. (Raising KeyboardInterrupt instead can deadlock inside
@@ -51,7 +52,8 @@ def simulate(
     with guard():
         run(config, output=output, console=console, verbose=verbose,
             cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, overwrite=overwrite,
-            resume=resume, **(given(settings) if resume is not None else {}))
+            resume=resume, tracking=tracking,
+            **(given(settings) if resume is not None else {}))
 
 
 def merge(
@@ -229,6 +231,7 @@ def coordinator(
     from fedavg.deployment import coordinate
 
     _setup_logging()
+    tracking = pop_tracking(settings)
     with guard():
         if resume is not None:  # the run's own settings, with those given checked against them
             from fedavg.resume import load
@@ -244,7 +247,8 @@ def coordinator(
         coordinate(config, console=console, address=address, certs=certs, insecure=insecure,
                    auth_keys=auth_keys, min_nodes=min_nodes,
                    min_nodes_per_round=min_nodes_per_round, wait_timeout=wait_timeout,
-                   output=output, overwrite=overwrite, verbose=verbose, resume=resume)
+                   output=output, overwrite=overwrite, verbose=verbose, resume=resume,
+                   tracking=tracking)
 
 
 def _setup_logging() -> None:
@@ -386,13 +390,14 @@ def build_app() -> typer.Typer:
         pretty_exceptions_enable=False,
     )
     app.callback()(_root)
-    app.command(name="simulate")(with_settings(simulate))
+    app.command(name="simulate")(with_settings(simulate, tracking=True))
     app.command(name="merge")(with_settings(merge, config=False))
     app.command(name="evaluate")(evaluate)
     app.command(name="predict")(predict)
     app.command(name="strategies")(list_strategies)
     app.command(name="models")(models)
-    app.command(name="coordinator")(with_settings(coordinator, skip=("num_nodes",)))
+    app.command(name="coordinator")(with_settings(coordinator, skip=("num_nodes",),
+                                                  tracking=True))
     app.command(name="node")(node)
     app.command(name="certs")(certs)
     return app

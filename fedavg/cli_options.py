@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
+from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import typer
@@ -57,19 +58,41 @@ def strategy_parameters() -> list[inspect.Parameter]:
     return params
 
 
+def tracking_parameters() -> list[inspect.Parameter]:
+    """``--tensorboard DIR``, ``--mlflow`` and ``--mlflow-uri URI`` (see :func:`pop_tracking`)."""
+    return [
+        _option("tensorboard", Optional[Path], None,
+                "Also write per-round scalars as TensorBoard event files under DIR"),
+        _option("mlflow", bool, False, "Also log the run to MLflow (a local store in ./mlruns)"),
+        _option("mlflow_uri", Optional[str], None, "Log to this MLflow tracking URI (implies "
+                "--mlflow)"),
+    ]
+
+
+def pop_tracking(settings: dict[str, Any]):
+    """Take the tracking options out of a command's ``settings``: a ``TrackingOptions``."""
+    from fedavg.tracking import TrackingOptions, default_mlflow_uri
+
+    tensorboard = settings.pop("tensorboard", None)
+    mlflow, uri = settings.pop("mlflow", False), settings.pop("mlflow_uri", None)
+    return TrackingOptions(tensorboard, uri or (default_mlflow_uri() if mlflow else None))
+
+
 def with_settings(command: Callable[..., None], *, skip: tuple[str, ...] = (),
-                  config: bool = True) -> Callable[..., None]:
+                  config: bool = True, tracking: bool = False) -> Callable[..., None]:
     """Return ``command`` with the config and strategy options added to its own, for typer.
 
-    The run config's options are added unless ``config=False``; every strategy option is.
-    ``command`` takes its own options as keywords and the generated ones in ``**settings``.
+    The run config's options are added unless ``config=False``; every strategy option is;
+    with ``tracking``, :func:`tracking_parameters` too. ``command`` takes its own options
+    as keywords and the generated ones in ``**settings``.
     """
     own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
            for p in inspect.signature(command, eval_str=True).parameters.values()
            if p.kind is not inspect.Parameter.VAR_KEYWORD]
     names = {p.name for p in own}
     settings = [p for p in config_parameters(skip) if p.name not in names] if config else []
-    params = settings + own + [p for p in strategy_parameters() if p.name not in names]
+    params = settings + own + (tracking_parameters() if tracking else []) + \
+        [p for p in strategy_parameters() if p.name not in names]
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> None:

@@ -151,10 +151,14 @@ class Progress:
         Rounds of the run.
     done : int
         Rounds already done (a resumed run).
+    listener : object, optional
+        Also gets every finished round (``listener.on_round(record)``), with or without a
+        console: the run's trackers (:class:`fedavg.tracking.Trackers`).
     """
 
-    def __init__(self, console, rounds: int, done: int = 0) -> None:
+    def __init__(self, console, rounds: int, done: int = 0, listener=None) -> None:
         self.rounds = rounds
+        self.listener = listener
         self._bar = None
         if console is None:
             return
@@ -183,7 +187,9 @@ class Progress:
             self._bar.stop()
 
     def on_round(self, rec: RoundRecord) -> None:
-        """Print a finished round and advance the bar."""
+        """Print a finished round and advance the bar; tell the listener."""
+        if self.listener is not None:
+            self.listener.on_round(rec)
         if self._bar is None:
             return
         train_loss = "None" if rec.train_loss is None else format(rec.train_loss, ".4f")

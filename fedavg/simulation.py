@@ -88,6 +88,7 @@ def simulate(
     gpus_per_node: float | None = None,
     overwrite: bool = False,
     resume: str | Path | None = None,
+    tracking=None,
     **overrides: Any,
 ) -> run.RunResult:
     """Train ``num_nodes`` nodes on Flower's simulation engine and save the merged model.
@@ -112,6 +113,8 @@ def simulate(
         Go on with the interrupted run in this folder from its last completed round
         (:mod:`fedavg.resume`); ``config`` defaults to its settings, of which only
         ``rounds`` may change.
+    tracking : fedavg.tracking.TrackingOptions, optional
+        Also log the rounds to TensorBoard and/or MLflow.
     **overrides
         Flat settings applied on top of ``config`` (``num_nodes=10``, ``alpha=0.1`` ...).
 
@@ -140,25 +143,29 @@ def simulate(
     run.quiet_logs(verbose)
     if output is not None and ckpt is None:
         run.check_output(Path(output), overwrite)
-    prepared = run.prepare(config)
-    out = run.make_output(output, lock=True)
-    from fedavg.display import show_plan
+    from fedavg.tracking import tracked
 
-    show_plan(console, prepared, config)
-    if ckpt is not None and console is not None:
-        console.print(f"resuming {out} after round {ckpt.round} of {config.merge.rounds}")
-    state = run.RunState()
-    try:
-        _run_on_ray(config, prepared, out, state, backend, console, ckpt)
-    except BaseException:
-        run.remove_if_empty(out)
-        raise
-    return run.finish(state, prepared, config, out, started,
-                      num_nodes=config.merge.num_nodes, console=console)
+    with tracked(tracking, config.to_flat()) as trackers:
+        prepared = run.prepare(config)
+        out = run.make_output(output, lock=True)
+        from fedavg.display import show_plan
+
+        show_plan(console, prepared, config)
+        if ckpt is not None and console is not None:
+            console.print(f"resuming {out} after round {ckpt.round} of {config.merge.rounds}")
+        state = run.RunState()
+        try:
+            trackers.open(out)
+            _run_on_ray(config, prepared, out, state, backend, console, ckpt, trackers)
+        except BaseException:
+            run.remove_if_empty(out)
+            raise
+        return run.finish(state, prepared, config, out, started,
+                          num_nodes=config.merge.num_nodes, console=console)
 
 
 def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run.RunState,
-                backend: dict[str, Any], console, resume_from=None) -> None:
+                backend: dict[str, Any], console, resume_from=None, trackers=None) -> None:
     """Run the rounds on a Ray instance of this run's own, then stop it."""
     from fedavg.coordinator import make_server_app
     from fedavg.display import Progress
@@ -169,7 +176,7 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
         data_path = str(Path(tmp) / "train.safetensors")
         write_node_data(data_path, prepared.data.train.x, prepared.data.train.y, prepared.parts)
         progress = Progress(console, config.merge.rounds,
-                            0 if resume_from is None else resume_from.round)
+                            0 if resume_from is None else resume_from.round, trackers)
         server = make_server_app(config, prepared, out, state, progress,
                                  resume_from=resume_from)
         client = make_client_app(data_path, device=config.train.device)

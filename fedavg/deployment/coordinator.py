@@ -97,6 +97,7 @@ def coordinate(
     verbose: bool = False,
     resume: Path | None = None,
     console=None,
+    tracking=None,
 ) -> RunResult:
     """Run the coordinator of one run across machines and save the merged model.
 
@@ -130,6 +131,8 @@ def coordinate(
         Go on with the interrupted run in this folder (see :func:`fedavg.simulate`).
     console : rich.console.Console, optional
         Where to print progress.
+    tracking : fedavg.tracking.TrackingOptions, optional
+        Also log the rounds to TensorBoard and/or MLflow.
 
     Returns
     -------
@@ -146,6 +149,7 @@ def coordinate(
         stay saved.
     """
     from fedavg.run import RunState, finish, prepare, quiet_logs
+    from fedavg.tracking import tracked
 
     started = time.monotonic()
     opts = _check_options(config, address=address, certs=certs, insecure=insecure,
@@ -154,30 +158,31 @@ def coordinate(
                           output=output, overwrite=overwrite, verbose=verbose, resume=resume)
     flower_compat.check_flower_internals()
     flower_compat.patch_pull_backoff()
-    prepared = prepare(opts.config)
-    check_port_free(opts.host, opts.port)
-    quiet_logs(verbose)
-    state = RunState()
-    out, run_id = _run_keeping_nothing_empty(opts, prepared, state, opts.output, console)
-    return finish(state, prepared, opts.config, out, started, num_nodes=min_nodes,
-                  run_id=run_id, console=console)
+    with tracked(tracking, opts.config.to_flat()) as trackers:
+        prepared = prepare(opts.config)
+        check_port_free(opts.host, opts.port)
+        quiet_logs(verbose)
+        state = RunState()
+        out, run_id = _run_keeping_nothing_empty(opts, prepared, state, console, trackers)
+        return finish(state, prepared, opts.config, out, started, num_nodes=min_nodes,
+                      run_id=run_id, console=console)
 
 
-def _run_keeping_nothing_empty(opts: _Options, prepared, state, output: Path | None,
-                               console) -> tuple[Path, int]:
+def _run_keeping_nothing_empty(opts: _Options, prepared, state, console,
+                               trackers) -> tuple[Path, int]:
     """Run :func:`_run`; remove the run folder again if the run failed before round 1."""
     from fedavg.run import remove_if_empty
 
     RUN_OUTPUT.clear()
     try:
-        return _run(opts, prepared, state, output, console)
+        return _run(opts, prepared, state, console, trackers)
     except BaseException:
         if RUN_OUTPUT:
             remove_if_empty(RUN_OUTPUT[0])
         raise
 
 
-def _run(opts: _Options, prepared, state, output: Path | None, console) -> tuple[Path, int]:
+def _run(opts: _Options, prepared, state, console, trackers) -> tuple[Path, int]:
     """Start the SuperLink, submit the run and run its rounds; stop the SuperLink either way.
 
     Returns
@@ -195,7 +200,7 @@ def _run(opts: _Options, prepared, state, output: Path | None, console) -> tuple
         secret_path, secret = secret_file(home)
         link = FlowerProcess("superlink", _superlink_args(opts, secret_path), flower_env(home),
                              echo=_superlink_echo(say, opts.verbose))
-        out, run_id = _submit(link, opts, home, output, say)
+        out, run_id = _submit(link, opts, home, opts.output, say)
         show_plan(console, prepared, opts.config, table=False)
         say(f"run {run_id}: model [bold]{prepared.spec.name}[/], strategy "
             f"[bold]{opts.config.merge.strategy}[/], {opts.config.merge.rounds} "
@@ -203,7 +208,9 @@ def _run(opts: _Options, prepared, state, output: Path | None, console) -> tuple
             f"for {opts.min_nodes} node(s) (up to {opts.wait_timeout:g} s)")
         endpoint = flower_compat.Endpoint(
             opts.connect, None if opts.ca_cert is None else opts.ca_cert.read_bytes(), secret)
-        _run_rounds(link, endpoint, run_id, opts, prepared, out, state, console, say)
+        trackers.open(out)
+        _run_rounds(link, endpoint, run_id, opts, prepared, out, state, console, say,
+                    trackers)
     finally:
         if link is not None:
             link.stop()
@@ -325,7 +332,7 @@ def _wait_ready(link: FlowerProcess, opts: _Options, timeout_s: float = 60.0):
 
 
 def _run_rounds(link: FlowerProcess, endpoint, run_id: int, opts: _Options, prepared, out: Path,
-                state, console, say: Callable[[str], None]) -> None:
+                state, console, say: Callable[[str], None], trackers=None) -> None:
     """Take the run's ServerApp task from the SuperLink and run the rounds in this process."""
     from fedavg.coordinator import Deployment, make_server_app
     from fedavg.display import Progress
@@ -342,7 +349,7 @@ def _run_rounds(link: FlowerProcess, endpoint, run_id: int, opts: _Options, prep
     deployment = Deployment(min_nodes=opts.min_nodes, wait_timeout=opts.wait_timeout,
                             min_nodes_per_round=opts.per_round, on_nodes=on_nodes)
     done = 0 if opts.resume_from is None else opts.resume_from.round
-    progress = Progress(console, opts.config.merge.rounds, done)
+    progress = Progress(console, opts.config.merge.rounds, done, trackers)
     server = make_server_app(opts.config, prepared, out, state, progress=progress,
                              deployment=deployment, resume_from=opts.resume_from)
     token = _acquire_server_task(endpoint, run_id, link)
