@@ -385,7 +385,8 @@ def test_text_across_machines_and_a_node_with_images(cluster, tmp_path):
     out = tmp_path / "run"
     coord = cluster.coordinator("--dataset", ag_news, "--rounds", "2", "--min-nodes", "3",
                                 "--min-nodes-per-round", "2", "--lr", "0.02",
-                                "--local-epochs", "2", "--insecure", "--output", out)
+                                "--local-epochs", "2", "--insecure", "--output", out,
+                                "--tensorboard", tmp_path / "tb")
     nodes = [cluster.node(f"node{i}", "--insecure", "--dataset", ag_news, "--partition-id", i,
                           "--num-partitions", 2, "--once") for i in range(2)]
     cluster.node("images", "--insecure", "--dataset", "digits")
@@ -397,5 +398,10 @@ def test_text_across_machines_and_a_node_with_images(cluster, tmp_path):
     assert [r["num_nodes"] for r in rounds] == [2, 2] and rounds[-1]["accuracy"] > 0.6
     meta = json.loads((out / "model.json").read_text())
     assert meta["input"]["kind"] == "text" and meta["model"]["name"] == "fasttext"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb" / "run"))
+    events.Reload()  # the coordinator tracked its rounds too
+    assert [(e.step, e.value) for e in events.Scalars("fedavg/num_nodes")] == [(1, 2), (2, 2)]
     for n in nodes:
         assert cluster.wait(n, 60) == 0, cluster.log(n.name)
