@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import typing
 from dataclasses import dataclass, field, fields
@@ -70,7 +71,13 @@ class TrainConfig:
     Attributes
     ----------
     model : str
-        Registered model name (see ``fedavg models``), or ``auto``.
+        Registered model name (see ``fedavg models``), ``auto``, ``torchvision:NAME``,
+        ``hf:PATH``, ``module:function`` or ``file.py:function``.
+    model_args : mapping
+        Arguments of the model's builder (``--model-arg KEY=VALUE``); in Flower's run config
+        one key, ``model-args``, holding them as JSON text.
+    pretrained : bool
+        Start the run from the torchvision model's pretrained weights (downloaded).
     local_epochs : int
         Passes over the node's partition per round.
     batch_size : int
@@ -85,7 +92,11 @@ class TrainConfig:
         ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
     """
 
-    model: str = setting("auto", "Model (see `fedavg models`), or auto")
+    model: str = setting("auto", "Model (see `fedavg models`): a name, torchvision:NAME, "
+                         "hf:PATH, module:function or file.py:function")
+    model_args: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
+    pretrained: bool = setting(False, "Start from the torchvision model's pretrained weights "
+                               "(downloaded)")
     local_epochs: int = setting(1, "Local epochs per round")
     batch_size: int = setting(32, "Samples per SGD step")
     lr: float = setting(0.05, "SGD learning rate")
@@ -156,6 +167,10 @@ class MergeConfig:
 MAX_SEED = 2**31
 
 SECTIONS = {"data": DataConfig, "train": TrainConfig, "merge": MergeConfig}
+#: The flat key of ``TrainConfig.model_args`` (JSON text in Flower's run config).
+MODEL_ARGS = "model-args"
+#: Mapping fields, not flattened one key per field.
+_NOT_FLAT = ("options", "model_args")
 
 
 @functools.cache
@@ -226,8 +241,10 @@ class RunConfig:
         for section in (self.data, self.train, self.merge):
             for f in fields(section):
                 value = getattr(section, f.name)
-                if f.name != "options" and value is not None:
+                if f.name not in _NOT_FLAT and value is not None:
                     flat[_kebab(f.name)] = value
+        if self.train.model_args:  # run_config values are scalars: one JSON text
+            flat[MODEL_ARGS] = json.dumps(dict(self.train.model_args), sort_keys=True)
         flat.update({_kebab(k): v for k, v in self.merge.options.items() if v is not None})
         return flat
 
@@ -248,13 +265,15 @@ class RunConfig:
 
         known = {_kebab(f.name): (name, f, hint)
                  for name, klass in SECTIONS.items()
-                 for f, hint in _typed_fields(klass) if f.name != "options"}
+                 for f, hint in _typed_fields(klass) if f.name not in _NOT_FLAT}
         declared = {_kebab(name): decl[0][1] for name, decl in strategies.all_options().items()}
         values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
         options: dict[str, Any] = {}
         for raw_key, value in flat.items():
             key = _kebab(raw_key)
-            if key in declared:
+            if key == MODEL_ARGS:
+                values["train"]["model_args"] = _model_args(value)
+            elif key in declared:
                 if value is not None:
                     options[declared[key].name] = _convert_option(declared[key], value)
             elif key in known:
@@ -262,7 +281,7 @@ class RunConfig:
                 values[name][f.name] = _convert(key, value, f, hint)
             else:
                 raise UserError(f"unknown setting {raw_key!r}; known: "
-                                f"{', '.join(sorted([*known, *declared]))}")
+                                f"{', '.join(sorted([*known, *declared, MODEL_ARGS]))}")
         values["merge"]["options"] = options
         return cls(**{name: klass(**values[name]) for name, klass in SECTIONS.items()})
 
@@ -276,6 +295,7 @@ class RunConfig:
         """Nested plain dict, for JSON artifacts."""
         out = dataclasses.asdict(self)
         out["merge"]["options"] = dict(self.merge.options)
+        out["train"]["model_args"] = dict(self.train.model_args)
         return out
 
 
@@ -307,6 +327,12 @@ def _check_data(c: RunConfig) -> str | None:
 
 def _check_train(c: RunConfig) -> str | None:
     t = c.train
+    bad = next((k for k in t.model_args if not (isinstance(k, str) and k.isidentifier())), None)
+    if bad is not None:
+        return f"--model-arg {bad!r}: argument names must be Python names (hidden=64)"
+    if t.pretrained and not t.model.startswith("torchvision:"):
+        return ("--pretrained takes a torchvision:NAME model (an hf: folder starts from its "
+                "own weights; your own builder can take a --model-arg for it)")
     if t.local_epochs < 1:
         return f"--local-epochs must be >= 1 (got {t.local_epochs})"
     if t.batch_size < 1:
@@ -373,6 +399,26 @@ def _convert(key: str, value: Any, f: dataclasses.Field, hint: Any) -> Any:
         return kind(value)
     except (TypeError, ValueError):
         raise UserError(f"setting {key!r} expects {kind.__name__}, got {value!r}") from None
+
+
+def _model_args(value: Any) -> dict[str, Any]:
+    """``model-args`` as a dict: JSON text (Flower's run config) or a mapping."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise UserError(f"setting {MODEL_ARGS!r} must be a JSON object, got {value[:60]!r}") \
+                from None
+    if not isinstance(value, Mapping):
+        raise UserError(f"setting {MODEL_ARGS!r} must be a JSON object of builder arguments, "
+                        f"got {type(value).__name__}")
+    try:
+        json.dumps(dict(value))
+    except (TypeError, ValueError):
+        raise UserError(f"setting {MODEL_ARGS!r} must hold JSON values") from None
+    return dict(value)
 
 
 def _to_bool(value: Any) -> bool:
