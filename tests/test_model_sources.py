@@ -212,48 +212,54 @@ def test_unknown_torchvision_name_is_one_line_with_close_matches():
     assert "torchvision.models.list_models" in line
 
 
-def _fake_builder(calls):
+@pytest.fixture
+def fake_download(monkeypatch):
+    """Use torchvision's real ``weights="DEFAULT"`` path, with the download replaced.
+
+    The "downloaded" ImageNet ResNet-18 has its stem weights all 0.5; the URLs asked for are
+    recorded.
+    """
+    import torchvision.models._api as api
     from torchvision.models import resnet18
 
-    def builder(*, weights=None, progress=True, **kwargs):
-        calls.append(weights)
-        if weights == "DEFAULT":  # as torchvision's: 1000 ImageNet classes
-            return resnet18(weights=None)
-        return resnet18(weights=None, **kwargs)
+    urls = []
 
-    return builder
+    def load_state_dict_from_url(url, *args, **kwargs):
+        urls.append(url)
+        state = resnet18(weights=None).state_dict()
+        return {k: v.fill_(0.5) if k.endswith("conv1.weight") else v for k, v in state.items()}
+
+    monkeypatch.setattr(api, "load_state_dict_from_url", load_state_dict_from_url)
+    return urls
 
 
-def test_pretrained_loads_default_weights_only_for_the_initial_model(monkeypatch):
-    import torchvision
-
-    calls = []
-    monkeypatch.setattr(torchvision.models, "get_model_builder", lambda name: _fake_builder(calls))
+def test_pretrained_loads_default_weights_only_for_the_initial_model(fake_download):
     spec = ModelSpec.resolve("torchvision:resnet18", (1, 8, 8), 10, pretrained=True)
     assert "pretrained" not in spec.as_dict()["args"]  # nodes never see it
+    assert fake_download == []  # resolving and checking download nothing
     initial = spec.build(initial=True)
-    assert calls[-1] == "DEFAULT"
+    assert len(fake_download) == 1 and "resnet18" in fake_download[0]
+    assert bool((initial.net.conv1.weight == 0.5).all())  # the downloaded weights
     assert isinstance(initial.net.fc, nn.Linear) and initial.net.fc.out_features == 10
     later = spec.build()  # a node, predict: weights=None, weights come as a state dict
-    assert calls[-1] is None
+    assert len(fake_download) == 1 and not bool((later.net.conv1.weight == 0.5).all())
     assert initial.state_dict().keys() == later.state_dict().keys()
     later.load_state_dict(initial.state_dict())
     assert any("pretrained weights" in n for n in spec.check(initial))
+    ModelSpec.resolve("torchvision:resnet18", (1, 8, 8), 10).build(initial=True)
+    assert len(fake_download) == 1  # without --pretrained: nothing downloaded
 
 
 def test_pretrained_download_failure_is_one_line(monkeypatch):
-    import torchvision
-    from torchvision.models import resnet18
+    import torchvision.models._api as api
 
-    def offline(*, weights=None, progress=True, **kwargs):
-        if weights is None:
-            return resnet18(weights=None, **kwargs)
+    def offline(url, *args, **kwargs):
         raise OSError("<urlopen error [Errno -3] Temporary failure in name resolution>\nmore")
 
-    monkeypatch.setattr(torchvision.models, "get_model_builder", lambda name: offline)
+    monkeypatch.setattr(api, "load_state_dict_from_url", offline)
     with pytest.raises(UserError) as exc:
         model_sources.build_torchvision("resnet18", (3, 8, 8), 4, {}, pretrained=True)
-    assert "could not load its pretrained weights" in _one_line(exc)
+    assert "could not load its pretrained weights (OSError: <urlopen error" in _one_line(exc)
     assert "without --pretrained" in str(exc.value)
 
 
