@@ -190,15 +190,10 @@ def test_torchvision_arguments_are_checked(monkeypatch):
 # --------------------------------------------------------------------------- torchvision
 
 
-def test_torchvision_model_gets_a_head_for_the_classes_and_no_download(monkeypatch):
-    import torch.hub
-
-    def no_download(*args, **kwargs):
-        raise AssertionError("downloaded weights")
-
-    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", no_download)
+def test_torchvision_model_gets_a_head_for_the_classes_and_no_download(fake_download):
     spec = ModelSpec.resolve("torchvision:resnet18", (3, 16, 16), 7)
     net = spec.build(initial=True)  # pretrained is off: random weights
+    assert fake_download == []
     assert net.net.fc.out_features == 7
     assert net(torch.zeros(2, 3, 16, 16)).shape == (2, 7)
     assert spec.check(net) == []  # 3 channels, and 16x16 works: nothing adapted
