@@ -9,7 +9,11 @@ Node config (``flower-supernode --node-config`` or ``fedavg node`` options):
 - ``partition-id`` and ``num-partitions`` (optional): train on that partition of the dataset,
   split exactly as ``fedavg simulate`` would with the run's partitioner and seed; without
   them the node trains on the whole train split of its own data;
-- ``device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+- ``device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``;
+- ``model`` (optional): the model code this node may run (``fedavg node --model SPEC``).
+  A node never imports code named over the network: a run whose model is user code
+  (``module:function``, ``file.py:function``) fails on a node started without the same
+  ``--model``; ``torchvision:``, ``hf:`` and registered models need no such opt-in.
 
 Everything else (model, strategy, local epochs, partitioner ...) comes from the coordinator,
 in the run config and in each round's message.
@@ -78,7 +82,7 @@ def node_arrays(dataset: str, partition_id: int, num_partitions: int,
         from fedavg.run import prepare
 
         try:
-            prepared = prepare(config.replace(num_nodes=num_partitions))
+            prepared = prepare(config.replace(num_nodes=num_partitions), model=False)
         except UserError as exc:  # say it in the node's terms
             raise UserError(str(exc).replace("--num-nodes", "--num-partitions")) from None
         idx = prepared.parts[partition_id]
@@ -120,9 +124,28 @@ def _train(message: Message, context: Context) -> Message:
     device = str(_node_setting(context, "device", "auto"))
     run_cfg = json.dumps(dict(context.run_config), sort_keys=True)
     settings = TrainSettings.from_record(message.content[keys.CONFIG])
+    settings = _own_model(settings, _node_setting(context, "model"))
     split = _conformed(dataset, pid, nparts, run_cfg, json.dumps(settings.input, sort_keys=True),
                        tuple(settings.classes))
     return run_train(message, split.x, split.y, device, pid, settings)
+
+
+def _own_model(settings, allowed):
+    """Return ``settings`` naming the model code this node runs (its operator's own copy).
+
+    Raises
+    ------
+    UserError
+        The run's model is user code this node was not started with (``--model``).
+    """
+    import dataclasses
+
+    from fedavg.model_sources import node_model_name
+
+    name = node_model_name(str(settings.model["name"]), None if allowed is None else str(allowed))
+    if name == settings.model["name"]:
+        return settings
+    return dataclasses.replace(settings, model={**settings.model, "name": name})
 
 
 @client_app.query()

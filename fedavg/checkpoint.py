@@ -53,6 +53,24 @@ def write_json(path: str | Path, obj: Any) -> None:
     atomic_write(Path(path), _write)
 
 
+def storable(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Return tensors safetensors can store: detached, on the CPU, contiguous, none shared.
+
+    A model with tied weights (two names, one storage, e.g. an embedding and an output
+    layer) has a state dict that safetensors refuses; every later name of a storage already
+    seen gets its own copy. Loading it back into the model ties them again.
+    """
+    out, seen = {}, set()
+    for key, value in state_dict.items():
+        tensor = value.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in seen:
+            tensor = tensor.clone()
+        seen.add(tensor.untyped_storage().data_ptr())
+        out[key] = tensor
+    return out
+
+
 def save(directory: str | Path, state_dict: Mapping[str, torch.Tensor],
          meta: dict[str, Any]) -> Path:
     """Save weights and metadata into ``directory``.
@@ -62,7 +80,8 @@ def save(directory: str | Path, state_dict: Mapping[str, torch.Tensor],
     directory : path
         Created if missing.
     state_dict : mapping of str to torch.Tensor
-        Weights; tensors are made contiguous and moved to the CPU.
+        Weights; tensors are made contiguous and moved to the CPU, tied ones copied
+        (:func:`storable`).
     meta : dict
         JSON-serialisable metadata; must hold ``model`` (``{"name", "args"}``), ``classes``
         and ``input`` (see :meth:`fedavg.data.LoadedData.input_spec`).
@@ -75,7 +94,7 @@ def save(directory: str | Path, state_dict: Mapping[str, torch.Tensor],
     from safetensors.torch import save_file
 
     directory = Path(directory)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    tensors = storable(state_dict)
     meta = {"format": FORMAT, **meta}
     from fedavg.text import save_for
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from fedavg.cli_options import given, pop_tracking, with_settings
+from fedavg.cli_options import ModelArgOption, given, model_args, pop_tracking, with_settings
 from fedavg.cli_support import console, err_console, guard, interrupted, on_signal, run_app
 from fedavg.config import RunConfig
 from fedavg.errors import UserError
@@ -36,6 +36,7 @@ def simulate(
     resume: Annotated[Optional[Path], typer.Option(
         help="Go on with the interrupted run in this folder (only --rounds, "
              "--round-timeout, --device, --max-update-norm may change)")] = None,
+    model_arg: ModelArgOption = None,
     **settings: Any,
 ) -> None:
     """Train N nodes on one machine (Flower simulation engine) and save the merged model."""
@@ -45,7 +46,8 @@ def simulate(
 
     tracking = pop_tracking(settings)
     with guard():
-        config = None if resume is not None else RunConfig().replace(**settings)
+        chosen = model_args(model_arg)
+        config = None if resume is not None else RunConfig().replace(**settings, **chosen)
     # Stop Ray at once on a signal. (Raising KeyboardInterrupt instead can deadlock inside
     # Flower's worker pool.)
     on_signal(lambda: interrupted(RUN_OUTPUT[0] if RUN_OUTPUT else output), abort_active_runs)
@@ -53,7 +55,7 @@ def simulate(
         run(config, output=output, console=console, verbose=verbose,
             cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, overwrite=overwrite,
             resume=resume, tracking=tracking,
-            **(given(settings) if resume is not None else {}))
+            **({**given(settings), **chosen} if resume is not None else {}))
 
 
 def merge(
@@ -188,9 +190,11 @@ def list_strategies() -> None:
 
 
 def models() -> None:
-    """List the registered models."""
+    """List the built-in models and the forms that bring your own (--model, --model-arg)."""
+    from rich.markup import escape
     from rich.table import Table
 
+    from fedavg.model_sources import FORMS
     from fedavg.models import available_models
 
     table = Table()
@@ -200,6 +204,11 @@ def models() -> None:
         table.add_row(name, desc)
     table.add_row("auto", "mlp for tabular or < 16x16 inputs, cnn for grey, cnn-cifar for colour")
     console.print(table)
+    console.print("Or bring your own with --model (and --model-arg KEY=VALUE, repeatable, for "
+                  "any model's builder, e.g. --model mlp --model-arg hidden=64; kept in "
+                  "model.json):", highlight=False)
+    for form, desc in FORMS:
+        console.print(f"  [bold]{form}[/]: {escape(desc)}", highlight=False)
 
 
 def coordinator(
@@ -225,6 +234,7 @@ def coordinator(
     resume: Annotated[Optional[Path], typer.Option(
         help="Go on with the interrupted run in this folder (only --rounds, "
              "--round-timeout, --device, --max-update-norm may change)")] = None,
+    model_arg: ModelArgOption = None,
     **settings: Any,
 ) -> None:
     """Coordinate training across machines: start a Flower SuperLink and run the rounds."""
@@ -233,12 +243,13 @@ def coordinator(
     _setup_logging()
     tracking = pop_tracking(settings)
     with guard():
+        chosen = model_args(model_arg)
         if resume is not None:  # the run's own settings, with those given checked against them
             from fedavg.resume import load
 
-            config = load(resume).run_config().replace(**given(settings))
+            config = load(resume).run_config().replace(**given(settings), **chosen)
         else:
-            config = RunConfig().replace(**settings)
+            config = RunConfig().replace(**settings, **chosen)
 
     from fedavg.run import RUN_OUTPUT
 
@@ -280,6 +291,9 @@ def node(
     max_wait_time: Annotated[Optional[float], typer.Option(
         help="Give up after this many seconds without reaching the coordinator (default: keep "
              "retrying)")] = None,
+    model: Annotated[Optional[str], typer.Option(
+        help="Model code of yours this node may run: the coordinator's --model "
+             "module:function or file.py:function (a file: this machine's copy)")] = None,
 ) -> None:
     """Join runs of a coordinator: a Flower SuperNode plus one warm training process."""
     from fedavg.deployment import serve_gpu_nodes, serve_node
@@ -294,12 +308,13 @@ def node(
                                        partition_id=partition_id,
                                        num_partitions=num_partitions, device=device,
                                        certs=certs, insecure=insecure, auth_key=auth_key,
-                                       once=once, max_wait_time=max_wait_time, console=console)
+                                       once=once, max_wait_time=max_wait_time, model=model,
+                                       console=console)
             else:
                 n = serve_node(coordinator, dataset=dataset, partition_id=partition_id,
                                num_partitions=num_partitions, device=device, certs=certs,
                                insecure=insecure, auth_key=auth_key, once=once,
-                               max_wait_time=max_wait_time, console=console)
+                               max_wait_time=max_wait_time, model=model, console=console)
                 console.print(f"node done: {n} task(s) run")
     except typer.Exit as exc:
         code = exc.exit_code

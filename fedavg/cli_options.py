@@ -103,6 +103,25 @@ def with_settings(command: Callable[..., None], *, skip: tuple[str, ...] = (),
     return wrapper
 
 
+#: ``--model-arg KEY=VALUE`` (repeatable), an own option of ``simulate`` and ``coordinator``.
+ModelArgOption = Annotated[Optional[list[str]], typer.Option(
+    "--model-arg", help="Argument of the model's builder, KEY=VALUE (VALUE read as JSON when "
+    "it is a number, true, false or null); repeatable")]
+
+
+def model_args(items: list[str] | None) -> dict[str, Any]:
+    """Return the ``--model-arg`` items as the ``model_args`` setting (empty when none given).
+
+    Raises
+    ------
+    fedavg.errors.UserError
+        An item that is not ``KEY=VALUE`` (see :func:`fedavg.model_sources.parse_model_args`).
+    """
+    from fedavg.model_sources import parse_model_args
+
+    return {"model_args": parse_model_args(items)} if items else {}
+
+
 def given(settings: dict[str, Any]) -> dict[str, Any]:
     """Return the ``settings`` the user gave on the command line (not left at their default).
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from fedavg.config_values import MODEL_ARGS, convert, convert_option, model_args_value
 from fedavg.errors import UserError
 
 
@@ -85,7 +87,13 @@ class TrainConfig:
     Attributes
     ----------
     model : str
-        Registered model name (see ``fedavg models``), or ``auto``.
+        Registered model name (see ``fedavg models``), ``auto``, ``torchvision:NAME``,
+        ``hf:PATH``, ``module:function`` or ``file.py:function``.
+    model_args : mapping
+        Arguments of the model's builder (``--model-arg KEY=VALUE``); in Flower's run config
+        one key, ``model-args``, holding them as JSON text.
+    pretrained : bool
+        Start the run from the torchvision model's pretrained weights (downloaded).
     local_epochs : int
         Passes over the node's partition per round.
     batch_size : int
@@ -100,7 +108,11 @@ class TrainConfig:
         ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
     """
 
-    model: str = setting("auto", "Model (see `fedavg models`), or auto")
+    model: str = setting("auto", "Model (see `fedavg models`): a name, torchvision:NAME, "
+                         "hf:PATH, module:function or file.py:function")
+    model_args: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
+    pretrained: bool = setting(False, "Start from the torchvision model's pretrained weights "
+                               "(downloaded)")
     local_epochs: int = setting(1, "Local epochs per round")
     batch_size: int = setting(32, "Samples per SGD step")
     lr: float = setting(0.05, "SGD learning rate")
@@ -171,6 +183,9 @@ class MergeConfig:
 MAX_SEED = 2**31
 
 SECTIONS = {"data": DataConfig, "train": TrainConfig, "merge": MergeConfig}
+#: The flat key of ``TrainConfig.model_args`` (JSON text in Flower's run config).
+#: Mapping fields, not flattened one key per field.
+_NOT_FLAT = ("options", "model_args")
 
 
 @functools.cache
@@ -241,8 +256,10 @@ class RunConfig:
         for section in (self.data, self.train, self.merge):
             for f in fields(section):
                 value = getattr(section, f.name)
-                if f.name != "options" and value is not None:
+                if f.name not in _NOT_FLAT and value is not None:
                     flat[_kebab(f.name)] = value
+        if self.train.model_args:  # run_config values are scalars: one JSON text
+            flat[MODEL_ARGS] = json.dumps(dict(self.train.model_args), sort_keys=True)
         flat.update({_kebab(k): v for k, v in self.merge.options.items() if v is not None})
         return flat
 
@@ -263,21 +280,23 @@ class RunConfig:
 
         known = {_kebab(f.name): (name, f, hint)
                  for name, klass in SECTIONS.items()
-                 for f, hint in _typed_fields(klass) if f.name != "options"}
+                 for f, hint in _typed_fields(klass) if f.name not in _NOT_FLAT}
         declared = {_kebab(name): decl[0][1] for name, decl in strategies.all_options().items()}
         values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
         options: dict[str, Any] = {}
         for raw_key, value in flat.items():
             key = _kebab(raw_key)
-            if key in declared:
+            if key == MODEL_ARGS:
+                values["train"]["model_args"] = model_args_value(value)
+            elif key in declared:
                 if value is not None:
-                    options[declared[key].name] = _convert_option(declared[key], value)
+                    options[declared[key].name] = convert_option(declared[key], value)
             elif key in known:
                 name, f, hint = known[key]
-                values[name][f.name] = _convert(key, value, f, hint)
+                values[name][f.name] = convert(key, value, f, hint)
             else:
                 raise UserError(f"unknown setting {raw_key!r}; known: "
-                                f"{', '.join(sorted([*known, *declared]))}")
+                                f"{', '.join(sorted([*known, *declared, MODEL_ARGS]))}")
         values["merge"]["options"] = options
         return cls(**{name: klass(**values[name]) for name, klass in SECTIONS.items()})
 
@@ -291,6 +310,7 @@ class RunConfig:
         """Nested plain dict, for JSON artifacts."""
         out = dataclasses.asdict(self)
         out["merge"]["options"] = dict(self.merge.options)
+        out["train"]["model_args"] = dict(self.train.model_args)
         return out
 
 
@@ -328,6 +348,12 @@ def _check_data(c: RunConfig) -> str | None:
 
 def _check_train(c: RunConfig) -> str | None:
     t = c.train
+    bad = next((k for k in t.model_args if not (isinstance(k, str) and k.isidentifier())), None)
+    if bad is not None:
+        return f"--model-arg {bad!r}: argument names must be Python names (hidden=64)"
+    if t.pretrained and not t.model.startswith("torchvision:"):
+        return ("--pretrained takes a torchvision:NAME model (an hf: folder starts from its "
+                "own weights; your own builder can take a --model-arg for it)")
     if t.local_epochs < 1:
         return f"--local-epochs must be >= 1 (got {t.local_epochs})"
     if t.batch_size < 1:
@@ -374,46 +400,3 @@ def _check_strategy(c: RunConfig) -> str | None:
         return (f"{m.strategy} is a one-shot merge of fully trained node models: "
                 "use --rounds 1 (and --local-epochs to train longer)")
     return None
-
-
-def _convert(key: str, value: Any, f: dataclasses.Field, hint: Any) -> Any:
-    """``value`` as the field's type: strict (no silent truncation, no empty names)."""
-    kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-    optional = type(None) in typing.get_args(hint)
-    if value is None or (isinstance(value, str) and not value.strip()):
-        if optional:
-            return None
-        raise UserError(f"setting {key!r} needs a value (default: {f.default!r})")
-    try:
-        if kind is bool:
-            return _to_bool(value)
-        if kind is int:
-            return _to_int(value)
-        if kind is float and isinstance(value, bool):
-            raise ValueError(value)
-        return kind(value)
-    except (TypeError, ValueError):
-        raise UserError(f"setting {key!r} expects {kind.__name__}, got {value!r}") from None
-
-
-def _to_bool(value: Any) -> bool:
-    if isinstance(value, str):
-        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-            raise ValueError(value)
-        return value.lower() in ("true", "1", "yes")
-    if value not in (True, False, 0, 1):
-        raise ValueError(value)
-    return bool(value)
-
-
-def _to_int(value: Any) -> int:
-    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-        raise ValueError(value)
-    return int(value)
-
-
-def _convert_option(option, value: Any) -> Any:
-    try:
-        return option.convert(value)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None

@@ -159,7 +159,8 @@ class ServerRun:
         seed = self.config.data.seed
         random.seed(seed)  # Flower samples nodes with the random module
         torch.manual_seed(seed)
-        self.model = self.prepared.spec.build()
+        # only a new run's initial model loads weights (pretrained, an hf: folder's)
+        self.model = self.prepared.spec.build(initial=self.resume_from is None)
         initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         done = 0 if self.resume_from is None else self.resume_from.round
         if self.resume_from is not None:

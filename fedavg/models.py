@@ -2,7 +2,9 @@
 
 Every builder takes ``input_shape`` (``(C, H, W)`` or ``(D,)``) and ``num_classes`` and
 returns a ``torch.nn.Module`` mapping a normalised ``(N, *input_shape)`` float batch to
-``(N, num_classes)`` logits.
+``(N, num_classes)`` logits. Names holding a ``:`` (``torchvision:NAME``, ``hf:PATH``,
+``module:function``, ``file.py:function``) are built by :mod:`fedavg.model_sources`.
+Builder arguments (``--model-arg``) are checked against the builder's signature first.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def resolve_model(name: str, input_shape: tuple[int, ...], kind: str | None = No
 
     ``auto``: ``fasttext`` for text, ``mlp`` for tabular inputs and images smaller than
     16x16 (e.g. 8x8 digits), ``cnn`` for one-channel images (28x28 MNIST), ``cnn-cifar``
-    for colour images.
+    for colour images. A name holding a ``:`` is returned as the spec stores it (a file or
+    ``hf:`` folder made absolute, see :func:`fedavg.model_sources.canonical`).
 
     Parameters
     ----------
@@ -69,6 +72,10 @@ def resolve_model(name: str, input_shape: tuple[int, ...], kind: str | None = No
         if len(input_shape) != 3 or min(input_shape[1:]) < 16:
             return "mlp"
         return "cnn" if input_shape[0] == 1 else "cnn-cifar"
+    if ":" in name:
+        from fedavg.model_sources import canonical
+
+        return canonical(name)
     if name not in _MODELS:
         raise UserError(f"unknown model {name!r}; choose auto or one of: {', '.join(_MODELS)}")
     if kind not in _MODELS[name][2]:
@@ -81,30 +88,54 @@ def resolve_model(name: str, input_shape: tuple[int, ...], kind: str | None = No
 def build_model(
     name: str, input_shape: tuple[int, ...], num_classes: int, **args
 ) -> nn.Module:
-    """Build a registered model.
+    """Build a model: registered, ``torchvision:NAME``, ``hf:PATH`` or your own code.
 
     Parameters
     ----------
     name : str
-        Registered name (``auto`` is resolved by :func:`resolve_model`).
+        Registered name (``auto`` is resolved by :func:`resolve_model`), or a name holding
+        a ``:`` (see :mod:`fedavg.model_sources`).
     input_shape : tuple of int
-        ``(C, H, W)`` or ``(D,)``.
+        ``(C, H, W)``, ``(D,)``, or ``(L,)`` token ids.
     num_classes : int
         Output width.
     **args
-        Builder-specific arguments (stored in ``model.json``).
+        Builder-specific arguments (stored in ``model.json``); for text data also
+        ``vocab_size`` and ``pad_id`` (:data:`fedavg.model_sources.DATA_ARGS`), passed only
+        to builders that take them.
 
     Raises
     ------
     UserError
-        Unknown model, or an input shape the model cannot take.
+        Unknown model, an argument the builder does not take, or an input shape the model
+        cannot take.
     """
-    name = resolve_model(name, tuple(input_shape), _kind(name, args))
+    return make_model(name, input_shape, num_classes, args)
+
+
+def make_model(name: str, input_shape: tuple[int, ...], num_classes: int,
+               args: dict[str, Any] | None = None, *, initial: bool = False,
+               pretrained: bool = False) -> nn.Module:
+    """Build a model as :func:`build_model` does, with its arguments in ``args``.
+
+    ``initial``: the run's initial model, the only one that loads weights (torchvision's
+    pretrained weights with ``pretrained``, an ``hf:`` folder's); registered and user-code
+    models ignore both.
+    """
+    from fedavg import model_sources
+
+    shape, args = tuple(int(s) for s in input_shape), dict(args or {})
+    if ":" in name:
+        return model_sources.build(name, shape, int(num_classes), args, initial=initial,
+                                   pretrained=pretrained)
+    name = resolve_model(name, shape, _kind(name, args))
     fn = _MODELS[name][0]
+    what = f"model {name!r}"
+    kwargs = model_sources.Takes.of(fn, what).kwargs(what, args)
     try:
-        return fn(tuple(int(s) for s in input_shape), int(num_classes), **args)
+        return fn(shape, int(num_classes), **kwargs)
     except (ValueError, RuntimeError) as exc:
-        raise UserError(f"model {name!r} cannot take inputs of shape {tuple(input_shape)}: "
+        raise UserError(f"model {name!r} cannot take inputs of shape {shape}: "
                         f"{str(exc).splitlines()[0]}") from None
 
 
@@ -247,19 +278,48 @@ class ModelSpec:
     Attributes
     ----------
     name : str
-        Registered model name (``auto`` already resolved).
+        Registered model name (``auto`` already resolved), or a ``torchvision:``, ``hf:`` or
+        user-code name (a file made absolute).
     input_shape : tuple of int
         ``(C, H, W)`` or ``(D,)``.
     num_classes : int
         Output width.
     args : dict
-        Builder-specific arguments.
+        Builder-specific arguments (``--model-arg``; an ``hf:`` model's ``hf_config``; text
+        data's ``vocab_size`` and ``pad_id``).
+    pretrained : bool
+        The initial model (:meth:`build` with ``initial=True``) loads torchvision's
+        pretrained weights. Not stored: every other copy gets its weights as a state dict.
     """
 
     name: str
     input_shape: tuple[int, ...]
     num_classes: int
     args: dict[str, Any] = field(default_factory=dict)
+    pretrained: bool = False
+
+    @classmethod
+    def resolve(cls, name: str, input_shape: tuple[int, ...], num_classes: int,
+                args: dict[str, Any] | None = None, *, pretrained: bool = False,
+                kind: str | None = None) -> "ModelSpec":
+        """Return the spec of model ``name`` (``auto`` resolved, what rebuilding needs added).
+
+        ``kind`` is the data's (:data:`INPUT_KINDS`): a registered model must take it.
+
+        Raises
+        ------
+        UserError
+            Unknown model, or a model source that cannot be read (see
+            :func:`fedavg.model_sources.stored_args`).
+        """
+        from fedavg.model_sources import stored_args
+
+        shape = tuple(int(s) for s in input_shape)
+        name = resolve_model(name, shape, kind)
+        args = dict(args or {})
+        if ":" in name:
+            args = stored_args(name, shape, int(num_classes), args)
+        return cls(name, shape, int(num_classes), args, pretrained)
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> "ModelSpec":
@@ -272,15 +332,32 @@ class ModelSpec:
         return {"name": self.name, "input_shape": list(self.input_shape),
                 "num_classes": self.num_classes, "args": dict(self.args)}
 
-    def build(self) -> nn.Module:
-        """Build a fresh instance.
+    def build(self, initial: bool = False) -> nn.Module:
+        """Build a fresh instance; ``initial``: the run's initial model (loads weights).
 
         Raises
         ------
         UserError
             See :func:`build_model`.
         """
-        return build_model(self.name, self.input_shape, self.num_classes, **self.args)
+        return make_model(self.name, self.input_shape, self.num_classes, self.args,
+                          initial=initial, pretrained=self.pretrained)
+
+    def check(self, model: nn.Module) -> list[str]:
+        """Check ``model`` maps a ``(2, *input_shape)`` batch to ``(2, K)``; return its notes.
+
+        The notes say how inputs are adapted and which weights the initial model loads.
+
+        Raises
+        ------
+        UserError
+            The forward pass fails or gives another shape.
+        """
+        from fedavg.model_sources import DATA_ARGS, check_output, source_notes
+
+        check_output(model, self.input_shape, self.num_classes, self.name,
+                     text=DATA_ARGS[0] in self.args)
+        return [*getattr(model, "fedavg_notes", []), *source_notes(self.name, self.pretrained)]
 
     def build_ensemble(self, members: list[dict[str, torch.Tensor]],
                        weights: list[float]) -> nn.Module:

@@ -44,12 +44,16 @@ _PATHS = ("dataset", "validation", "distill-data", "tokenizer")
 
 def absolute_paths(flat: dict[str, Any]) -> dict[str, Any]:
     """Return flat settings with every local data path made absolute (others unchanged)."""
+    from fedavg.model_sources import absolute_name
+
     out = dict(flat)
     for key in _PATHS:
         value = out.get(key)
         if isinstance(value, str) and value not in ("digits", "hashed") \
                 and Path(value).expanduser().exists():
             out[key] = str(Path(value).expanduser().resolve())
+    if isinstance(out.get("model"), str):  # a model file or hf: folder, likewise
+        out["model"] = absolute_name(out["model"])
     return out
 
 
@@ -113,9 +117,9 @@ def save(folder: str | Path, ckpt: Checkpoint) -> Path:
     """Write ``folder/checkpoint.safetensors`` atomically; return its path."""
     from safetensors.torch import save_file
 
-    from fedavg.checkpoint import atomic_write
+    from fedavg.checkpoint import atomic_write, storable
 
-    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in ckpt.model.items()}
+    tensors = {f"model.{k}": v for k, v in storable(ckpt.model).items()}
     plain = {}
     for name, value in ckpt.strategy.items():
         if isinstance(value, torch.Tensor):

@@ -204,15 +204,18 @@ def resolve_settings(config: RunConfig | None, overrides: dict[str, Any],
 # --------------------------------------------------------------------------- prepare
 
 
-def prepare(config: RunConfig) -> Prepared:
+def prepare(config: RunConfig, *, model: bool = True) -> Prepared:
     """Load the dataset, hold out merge data, partition it, choose the model and strategy.
+
+    ``model=False`` (a node finding its partition) neither resolves nor builds the model:
+    a node imports no model code it was not told to run.
 
     Raises
     ------
     UserError
         Bad dataset, columns, partitioning, model or strategy options.
     """
-    from fedavg.models import ModelSpec, resolve_model
+    from fedavg.models import ModelSpec
 
     d = config.data
     strategy = config.build_strategy()
@@ -223,9 +226,14 @@ def prepare(config: RunConfig) -> Prepared:
     parts = partition(data.train.y, config.merge.num_nodes, d.partitioner, alpha=d.alpha,
                       classes_per_node=d.classes_per_node, groups=data.train.groups,
                       seed=d.seed)
-    spec = ModelSpec(resolve_model(config.train.model, data.input_shape, data.kind),
-                     data.input_shape, len(data.classes), text_model_args(data))
-    spec.build()  # fail early on shapes the model cannot take
+    spec = None
+    if model:
+        t = config.train
+        spec = ModelSpec.resolve(t.model, data.input_shape, len(data.classes),
+                                 {**t.model_args, **text_model_args(data)},
+                                 pretrained=t.pretrained, kind=data.kind)
+        # fail early on shapes the model cannot take; say how its inputs are adapted
+        data.notes.extend(spec.check(spec.build()))
     meta = _metadata(config, data, spec, validation, distill_x)
     prepared = Prepared(data, parts, spec, meta, strategy, validation, distill_x)
     from fedavg.display import natural_note
@@ -289,7 +297,7 @@ def _metadata(config: RunConfig, data: LoadedData, spec, validation, distill_x) 
     if source != "digits" and Path(source).expanduser().exists():
         source = str(Path(source).expanduser().resolve())
     return {
-        "model": spec.as_dict(),
+        "model": None if spec is None else spec.as_dict(),
         "classes": data.classes,
         "input": data.input_spec(),
         "dataset": {

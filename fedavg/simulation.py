@@ -146,22 +146,28 @@ def simulate(
     from fedavg.tracking import tracked
 
     with tracked(tracking, config.to_flat()) as trackers:
-        prepared = run.prepare(config)
-        out = run.make_output(output, lock=True)
-        from fedavg.display import show_plan
+        return _prepare_and_run(config, ckpt, output, backend, console, trackers, started)
 
-        show_plan(console, prepared, config)
-        if ckpt is not None and console is not None:
-            console.print(f"resuming {out} after round {ckpt.round} of {config.merge.rounds}")
-        state = run.RunState()
-        try:
-            trackers.open(out)
-            _run_on_ray(config, prepared, out, state, backend, console, ckpt, trackers)
-        except BaseException:
-            run.remove_if_empty(out)
-            raise
-        return run.finish(state, prepared, config, out, started,
-                          num_nodes=config.merge.num_nodes, console=console)
+
+def _prepare_and_run(config: RunConfig, ckpt, output, backend: dict[str, Any], console,
+                     trackers, started: float) -> run.RunResult:
+    """Prepare the data, make the run folder, run the rounds and finish the run."""
+    prepared = run.prepare(config)
+    out = run.make_output(output, lock=True)
+    from fedavg.display import show_plan
+
+    show_plan(console, prepared, config)
+    if ckpt is not None and console is not None:
+        console.print(f"resuming {out} after round {ckpt.round} of {config.merge.rounds}")
+    state = run.RunState()
+    try:
+        trackers.open(out)
+        _run_on_ray(config, prepared, out, state, backend, console, ckpt, trackers)
+    except BaseException:
+        run.remove_if_empty(out)
+        raise
+    return run.finish(state, prepared, config, out, started,
+                      num_nodes=config.merge.num_nodes, console=console)
 
 
 def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run.RunState,

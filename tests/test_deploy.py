@@ -212,6 +212,47 @@ def test_node_training_error_reported_within_seconds(cluster, tmp_path):
     assert "task failed, reported to the coordinator" in cluster.log("bad")
 
 
+#: A user builder that leaves a mark beside the file it was loaded from.
+OWN_MODEL = """
+from pathlib import Path
+from torch import nn
+
+
+def build(input_shape, num_classes, hidden=8):
+    Path(__file__).with_name("built").touch()
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(),
+                         nn.Linear(hidden, num_classes))
+"""
+
+
+def test_nodes_run_user_code_only_when_started_with_the_same_model(cluster, tmp_path):
+    """A user-code model: a node given --model trains its own copy; one without refuses it."""
+    coordinator_copy, node_copy = tmp_path / "coordinator", tmp_path / "node"
+    for folder in (coordinator_copy, node_copy):
+        folder.mkdir()
+        (folder / "my_models.py").write_text(OWN_MODEL)
+    out = tmp_path / "run"
+    coord = cluster.coordinator("--rounds", "2", "--min-nodes", "2", "--min-nodes-per-round",
+                                "1", "--insecure", "--model",
+                                f"{coordinator_copy / 'my_models.py'}:build", "--model-arg",
+                                "hidden=16", "--output", out)
+    good = cluster.node("good", "--insecure", "--once", "--model",
+                        f"{node_copy / 'my_models.py'}:build")
+    bad = cluster.node("bad", "--insecure")
+    assert cluster.wait(coord) == 0, cluster.log("coordinator")
+    assert cluster.wait(good, 60) == 0, cluster.log("good")
+    text = cluster.log("coordinator")
+    assert re.search(r"node \d+ failed: UserError: the run's model \S+my_models.py:build is "
+                     r"code this node was not told to run: start the node with --model "
+                     r"my_models.py:build", text), text
+    assert [r["num_nodes"] for r in rounds_of(out)] == [1, 1]
+    assert "task failed, reported to the coordinator" in cluster.log("bad")
+    assert (node_copy / "built").exists()  # the node ran its own copy of the code
+    meta = json.loads((out / "model.json").read_text())
+    assert meta["model"]["args"] == {"hidden": 16}
+    assert bad.poll() is None
+
+
 def test_a_failed_run_is_told_to_its_nodes(cluster, tmp_path):
     """A run that fails: its --once nodes exit 1 at once, saying why."""
     out = tmp_path / "run"

@@ -146,7 +146,7 @@ def stand_ins():
     def prepare(config):  # simulate checks every option, then prepares: stop there
         raise UserError(REACHED)
 
-    def coordinate(config, *, console=None, **options):
+    def coordinate(config, *, console=None, tracking=None, **options):
         deploy._check_options(config, **options)  # the coordinator's own checks, in full
         raise UserError(REACHED)
 

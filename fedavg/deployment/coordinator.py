@@ -148,7 +148,6 @@ def coordinate(
         Too few nodes in time, or a round without enough usable models; finished rounds
         stay saved.
     """
-    from fedavg.run import RunState, finish, prepare, quiet_logs
     from fedavg.tracking import tracked
 
     started = time.monotonic()
@@ -159,13 +158,20 @@ def coordinate(
     flower_compat.check_flower_internals()
     flower_compat.patch_pull_backoff()
     with tracked(tracking, opts.config.to_flat()) as trackers:
-        prepared = prepare(opts.config)
-        check_port_free(opts.host, opts.port)
-        quiet_logs(verbose)
-        state = RunState()
-        out, run_id = _run_keeping_nothing_empty(opts, prepared, state, console, trackers)
-        return finish(state, prepared, opts.config, out, started, num_nodes=min_nodes,
-                      run_id=run_id, console=console)
+        return _prepare_and_run(opts, console, trackers, started)
+
+
+def _prepare_and_run(opts: _Options, console, trackers, started: float) -> RunResult:
+    """Prepare the data, run the rounds across machines and finish the run."""
+    from fedavg.run import RunState, finish, prepare, quiet_logs
+
+    prepared = prepare(opts.config)
+    check_port_free(opts.host, opts.port)
+    quiet_logs(opts.verbose)
+    state = RunState()
+    out, run_id = _run_keeping_nothing_empty(opts, prepared, state, console, trackers)
+    return finish(state, prepared, opts.config, out, started, num_nodes=opts.min_nodes,
+                  run_id=run_id, console=console)
 
 
 def _run_keeping_nothing_empty(opts: _Options, prepared, state, console,

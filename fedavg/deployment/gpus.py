@@ -53,14 +53,15 @@ def plan_gpu_nodes(gpus: str, partition_id: int | None, num_partitions: int | No
 def serve_gpu_nodes(gpus: str, *, coordinator: str, dataset: str, partition_id: int | None,
                     num_partitions: int | None, device: str, certs: Path | None,
                     insecure: bool, auth_key: Path | None, once: bool,
-                    max_wait_time: float | None, console=None) -> int:
+                    max_wait_time: float | None, model: str | None = None,
+                    console=None) -> int:
     """Start one ``fedavg node`` process per GPU and wait for them all.
 
     Parameters
     ----------
     gpus : str
         Comma-separated CUDA device indices (see :func:`plan_gpu_nodes`).
-    coordinator, dataset, partition_id, num_partitions, certs, insecure, once, max_wait_time
+    coordinator, dataset, partition_id, num_partitions, certs, insecure, once, max_wait_time, model
         As for :func:`fedavg.deployment.serve_node`; each node gets its own partition.
     device, auth_key
         Must be ``"auto"`` and ``None``: each node gets its own GPU, and one key fits one node.
@@ -94,6 +95,8 @@ def serve_gpu_nodes(gpus: str, *, coordinator: str, dataset: str, partition_id: 
         base.append("--once")
     if max_wait_time is not None:
         base += ["--max-wait-time", str(max_wait_time)]
+    if model is not None:
+        base += ["--model", model]
     try:
         procs = []
         for dev, pid in plan:

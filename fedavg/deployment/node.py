@@ -48,6 +48,7 @@ def serve_node(
     auth_key: Path | None = None,
     once: bool = False,
     max_wait_time: float | None = None,
+    model: str | None = None,
     console=None,
 ) -> int:
     """Run one node: a Flower SuperNode plus a warm process that trains every task.
@@ -72,8 +73,9 @@ def serve_node(
     once : bool
         Exit after the first run ends; by default the node serves runs until stopped.
     max_wait_time : float, optional
-        Give up after this many seconds without reaching the coordinator (default: retry
-        for ever, with backoff).
+        Seconds without reaching the coordinator before giving up (default: retry forever).
+    model : str, optional
+        The run's user-code ``--model`` (a file: this machine's copy); needed to run it.
     console : rich.console.Console, optional
         Where to print progress.
 
@@ -85,7 +87,7 @@ def serve_node(
     Raises
     ------
     UserError
-        Bad options, missing data or certificates, or the coordinator refused the node.
+        Bad options, missing data, code or certificates, or the coordinator refused the node.
     RunError
         The SuperNode stopped for another reason.
     """
@@ -93,8 +95,8 @@ def serve_node(
     from fedavg.run import quiet_logs
 
     host, port = split_address(coordinator, "--coordinator")
-    certs = _check_node_options(dataset, partition_id, num_partitions, device, certs, insecure,
-                                auth_key, max_wait_time)
+    certs, model = _check_node_options(dataset, partition_id, num_partitions, device, certs,
+                                       insecure, auth_key, max_wait_time, model)
     flower_compat.check_flower_internals()
     flower_compat.patch_pull_backoff()
     quiet_logs(False)
@@ -102,12 +104,13 @@ def serve_node(
     tmp = PrivateDir("fedavg-node-")
     node = None
     try:
-        node = _Node(f"{host}:{port}", _node_config(dataset, device, partition_id, num_partitions),
+        node = _Node(f"{host}:{port}",
+                     _node_config(dataset, device, partition_id, num_partitions, model),
                      certs, auth_key, once, max_wait_time, say, Path(tmp.name))
         say(f"node: data [bold]{dataset}[/]"
             + (f" partition {partition_id}/{num_partitions}" if partition_id is not None else "")
-            + f", device {device}; connecting to {host}:{port}"
-            + (" (TLS)" if certs else " (NO TLS)"))
+            + f", device {device}" + (f", model code {escape(model)}" if model else "")
+            + f"; connecting to {host}:{port}" + (" (TLS)" if certs else " (NO TLS)"))
         return node.serve()
     finally:
         if node is not None:
@@ -117,9 +120,13 @@ def serve_node(
 
 def _check_node_options(dataset: str, partition_id: int | None, num_partitions: int | None,
                         device: str, certs: Path | None, insecure: bool, auth_key: Path | None,
-                        max_wait_time: float | None) -> Path | None:
-    """Check the options of :func:`serve_node`; return the certificate folder to use."""
+                        max_wait_time: float | None, model: str | None = None):
+    """Check the options of :func:`serve_node`; return the certificate folder and model code.
+
+    The model code (``--model``) is this machine's, checked before connecting.
+    """
     from fedavg.data import looks_like_path
+    from fedavg.model_sources import node_model
     from fedavg.train import resolve_device
 
     if (partition_id is None) != (num_partitions is None):
@@ -138,11 +145,11 @@ def _check_node_options(dataset: str, partition_id: int | None, num_partitions: 
         check_node_key(auth_key)
     if max_wait_time is not None and max_wait_time <= 0:
         raise UserError(f"--max-wait-time must be > 0 seconds, got {max_wait_time:g}")
-    return certs
+    return certs, node_model(model)
 
 
 def _node_config(dataset: str, device: str, partition_id: int | None,
-                 num_partitions: int | None) -> list[str]:
+                 num_partitions: int | None, model: str | None = None) -> list[str]:
     """List the SuperNode's ``--node-config`` items (read by :mod:`fedavg.apps`)."""
     from fedavg.data import looks_like_path
 
@@ -150,6 +157,8 @@ def _node_config(dataset: str, device: str, partition_id: int | None,
               if looks_like_path(dataset) else f'dataset="{dataset}"', f'device="{device}"']
     if partition_id is not None:
         config += [f"partition-id={partition_id}", f"num-partitions={num_partitions}"]
+    if model is not None:
+        config.append(f'model="{model}"')
     return config
 
 

@@ -1,0 +1,82 @@
+"""Strict conversion of setting values (from the CLI, TOML or Flower's run config) to types.
+
+Used by :meth:`fedavg.config.RunConfig.from_flat`: no silent truncation (``1.5`` is not an
+``int``), no empty names, booleans only from their usual spellings, and ``model-args`` as
+a JSON object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from typing import Any, Mapping
+
+from fedavg.errors import UserError
+
+#: The flat key of the model's builder arguments (one JSON object in Flower's run config).
+MODEL_ARGS = "model-args"
+
+
+def convert(key: str, value: Any, f: dataclasses.Field, hint: Any) -> Any:
+    """Return ``value`` as the field's type: strict (no silent truncation, no empty names)."""
+    kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+    optional = type(None) in typing.get_args(hint)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        if optional:
+            return None
+        raise UserError(f"setting {key!r} needs a value (default: {f.default!r})")
+    try:
+        if kind is bool:
+            return _to_bool(value)
+        if kind is int:
+            return _to_int(value)
+        if kind is float and isinstance(value, bool):
+            raise ValueError(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        raise UserError(f"setting {key!r} expects {kind.__name__}, got {value!r}") from None
+
+
+def model_args_value(value: Any) -> dict[str, Any]:
+    """Return ``model-args`` as a dict: from JSON text (Flower's run config) or a mapping."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise UserError(f"setting {MODEL_ARGS!r} must be a JSON object, got {value[:60]!r}") \
+                from None
+    if not isinstance(value, Mapping):
+        raise UserError(f"setting {MODEL_ARGS!r} must be a JSON object of builder arguments, "
+                        f"got {type(value).__name__}")
+    try:
+        json.dumps(dict(value))
+    except (TypeError, ValueError):
+        raise UserError(f"setting {MODEL_ARGS!r} must hold JSON values") from None
+    return dict(value)
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(value)
+        return value.lower() in ("true", "1", "yes")
+    if value not in (True, False, 0, 1):
+        raise ValueError(value)
+    return bool(value)
+
+
+def _to_int(value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(value)
+    return int(value)
+
+
+def convert_option(option, value: Any) -> Any:
+    """Return ``value`` converted by a strategy ``option``; its ValueError as a UserError."""
+    try:
+        return option.convert(value)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None

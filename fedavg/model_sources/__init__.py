@@ -1,0 +1,259 @@
+"""Models from outside the registry: ``torchvision:NAME``, ``hf:PATH`` and your own code.
+
+:func:`fedavg.models.build_model` sends every model name holding a ``:`` here:
+
+- ``torchvision:NAME``: ``torchvision.models.get_model(NAME, weights=None, num_classes=K)``,
+  any classification model (``torchvision.models.list_models(module=torchvision.models)``).
+  With ``--pretrained`` the run's initial model is built with ``weights="DEFAULT"``
+  (downloaded once into torch's cache) and its last ``Linear`` replaced by one with K outputs.
+- ``hf:PATH``: a local Hugging Face ``transformers`` folder (``config.json``, optionally
+  ``model.safetensors``), built by :mod:`fedavg.model_sources.hf`.
+- ``package.module:function`` or ``path/to/file.py:function``: ``function(input_shape,
+  num_classes, **args) -> torch.nn.Module`` from your own code.
+
+Image models from torchvision and Hugging Face are wrapped in
+:class:`~fedavg.model_sources.images.ImageAdapter`, which
+repeats a 1-channel input to the 3 channels their stem takes (no new parameters) and resizes
+inputs (bilinear) only when a trial forward pass at the data's size fails; what was adapted
+is said in the model's ``fedavg_notes`` (shown with the run's plan, kept in ``model.json``).
+
+Builder arguments (``--model-arg KEY=VALUE``) are checked against what the builder takes
+before it is called. ``vocab_size`` and ``pad_id`` (:data:`DATA_ARGS`) describe text data;
+they are passed to a builder only when it takes them.
+
+Only the run's initial model loads weights (pretrained torchvision weights, an ``hf:``
+folder's); nodes and later loads build the architecture and receive the weights as a state
+dict. A node imports model code only when its operator named it (:func:`node_model_name`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from fedavg.errors import UserError
+from fedavg.model_sources.args import DATA_ARGS, Takes, first_line, parse_model_args
+from fedavg.model_sources.images import ImageAdapter, adapt_images, build_torchvision, trial
+from fedavg.model_sources.user_code import build_user, code_ref, user_builder
+
+__all__ = [
+    "DATA_ARGS", "FORMS", "ImageAdapter", "Takes", "absolute_name", "adapt_images", "build",
+    "build_torchvision", "build_user", "canonical", "check_output", "first_line",
+    "node_model", "node_model_name", "parse_model_args", "source_kind", "source_notes",
+    "stored_args", "trial", "user_builder",
+]
+
+#: ``fedavg models``: the forms beside the registered names, with an example each.
+FORMS = (
+    ("torchvision:NAME", "any torchvision classification model by name, head sized to the "
+     "classes; --pretrained starts from its ImageNet weights (downloaded). "
+     "Example: --model torchvision:mobilenet_v3_small"),
+    ("hf:PATH", "a local Hugging Face transformers folder (config.json, optional "
+     "model.safetensors): image or text classification; needs pip install 'fedavg[hf]'. "
+     "Example: --model hf:models/tiny-vit"),
+    ("module:function", "your own builder function(input_shape, num_classes, **args) -> "
+     "nn.Module, in an importable module or a .py file. Example: --model my_models.py:build "
+     "--model-arg hidden=64 (fedavg node needs the same --model to run it)"),
+)
+
+
+def source_kind(name: str) -> str:
+    """Say where model ``name`` comes from.
+
+    Returns
+    -------
+    str
+        ``"registry"`` (no colon), ``"torchvision"``, ``"hf"`` or ``"code"``
+        (``module:function`` or ``file.py:function``).
+    """
+    if ":" not in name:
+        return "registry"
+    prefix = name.split(":", 1)[0]
+    return prefix if prefix in ("torchvision", "hf") else "code"
+
+
+def canonical(name: str) -> str:
+    """Return ``name`` as stored in the model spec: a file or ``hf:`` folder made absolute.
+
+    Raises
+    ------
+    UserError
+        A ``module:function`` name that names no function, or an empty ``hf:`` path.
+    """
+    kind = source_kind(name)
+    if kind == "hf":
+        path = name[3:]
+        if not path.strip():
+            raise UserError("--model hf:PATH needs the model folder, e.g. hf:models/tiny-vit")
+        return "hf:" + str(Path(path).expanduser().resolve())
+    if kind == "code":
+        where, func, is_file = code_ref(name)
+        if is_file:
+            return f"{Path(where).expanduser().resolve()}:{func}"
+    return name
+
+
+def absolute_name(name: str) -> str:
+    """Like :func:`canonical` for an existing file or folder; ``name`` unchanged otherwise."""
+    try:
+        full = canonical(name)
+    except UserError:
+        return name
+    path = full[3:] if source_kind(full) == "hf" else full.rpartition(":")[0]
+    return full if full != name and Path(path).exists() else name
+
+
+def stored_args(name: str, input_shape: tuple[int, ...], num_classes: int,
+                args: Mapping[str, Any]) -> dict[str, Any]:
+    """Return the builder arguments to store in the spec of model ``name``.
+
+    An ``hf:`` model adds its whole configuration (``hf_config``), so that it can be rebuilt
+    where the folder is not; the others store ``args`` as given.
+    """
+    if source_kind(name) == "hf":
+        from fedavg.model_sources.hf import stored_config
+
+        return stored_config(name, num_classes, args)
+    return dict(args)
+
+
+def source_notes(name: str, pretrained: bool = False) -> list[str]:
+    """Say which weights the run's initial model of ``name`` starts from, when not random.
+
+    Raises
+    ------
+    UserError
+        An ``hf:`` folder whose weights are pickled (never loaded).
+    """
+    kind = source_kind(name)
+    if kind == "torchvision" and pretrained:
+        return [f"model {name}: the initial model loads torchvision's pretrained weights "
+                "(DEFAULT, downloaded once), with a new last Linear layer for the classes"]
+    if kind == "hf":
+        from fedavg.model_sources.hf import weights_note
+
+        return [weights_note(name)]
+    return []
+
+
+def build(name: str, input_shape: tuple[int, ...], num_classes: int, args: Mapping[str, Any],
+          *, initial: bool = False, pretrained: bool = False) -> nn.Module:
+    """Build a ``torchvision:``, ``hf:`` or user-code model.
+
+    Parameters
+    ----------
+    name : str
+        ``torchvision:NAME``, ``hf:PATH``, ``module:function`` or ``file.py:function``.
+    input_shape : tuple of int
+        ``(C, H, W)`` images, ``(D,)`` features or ``(L,)`` token ids.
+    num_classes : int
+        Output width K.
+    args : mapping
+        Builder arguments (and :data:`DATA_ARGS` for text).
+    initial : bool
+        The run's initial model: the only one that loads weights (an ``hf:`` folder's, or
+        torchvision's with ``pretrained``).
+    pretrained : bool
+        With ``initial``: torchvision's ``weights="DEFAULT"``.
+
+    Returns
+    -------
+    torch.nn.Module
+        Maps a ``(N, *input_shape)`` batch to ``(N, K)`` logits.
+
+    Raises
+    ------
+    UserError
+        Unknown names, missing folders or code, arguments the builder does not take, or
+        inputs the model cannot take (one line each).
+    """
+    kind = source_kind(name)
+    if kind == "torchvision":
+        return build_torchvision(name[len("torchvision:"):], input_shape, num_classes, args,
+                                 pretrained=initial and pretrained)
+    if kind == "hf":
+        from fedavg.model_sources.hf import build_hf
+
+        return build_hf(name, input_shape, num_classes, args, initial=initial)
+    return build_user(name, input_shape, num_classes, args)
+
+
+def node_model(spec: str | None) -> str | None:
+    """Check the ``--model SPEC`` a node's operator started ``fedavg node`` with.
+
+    Returns
+    -------
+    str or None
+        The spec with a file made absolute (the code this node may run), or ``None``.
+
+    Raises
+    ------
+    UserError
+        User code that does not import or has no such function.
+    """
+    if spec is None or not spec.strip():
+        return None
+    spec = canonical(spec.strip())
+    if source_kind(spec) == "code":
+        user_builder(spec)
+    return spec
+
+
+def node_model_name(run_model: str, allowed: str | None) -> str:
+    """Return the model name this node builds the run's ``run_model`` with.
+
+    A node never imports code named over the network: a ``module:function`` model needs the
+    node started with the same ``--model``; a file model the same file name and function,
+    and the node loads its own copy (``allowed``). Other models need no opt-in.
+
+    Raises
+    ------
+    UserError
+        User code the node's operator did not name (saying how to start the node).
+    """
+    if source_kind(run_model) != "code":
+        return run_model
+    where, func, is_file = code_ref(run_model)
+    if allowed is not None and source_kind(allowed) == "code":
+        own, own_func, own_file = code_ref(allowed)
+        same = own_func == func and own_file == is_file and (
+            Path(own).name == Path(where).name if is_file else own == where)
+        if same:
+            return allowed
+    shown = f"{Path(where).name}:{func}" if is_file else run_model
+    started = f" (it was started with --model {allowed})" if allowed else ""
+    raise UserError(f"the run's model {run_model} is code this node was not told to run"
+                    f"{started}: start the node with --model {shown} (nodes import only "
+                    "code installed on their machine)")
+
+
+def check_output(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, what: str,
+                 text: bool = False) -> None:
+    """Check that ``model`` maps a ``(2, *input_shape)`` batch to ``(2, K)`` logits.
+
+    Raises
+    ------
+    UserError
+        The forward pass fails, or gives another shape.
+    """
+    if next((p.is_meta for p in model.parameters()), False):
+        return
+    dtype = torch.int64 if text else torch.float32
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros(2, *input_shape, dtype=dtype))
+    except Exception as exc:  # noqa: BLE001 - the model cannot take the data
+        raise UserError(f"model {what} fails on a batch of shape {(2, *input_shape)}: "
+                        f"{first_line(exc)}") from None
+    finally:
+        model.train(was)
+    out = getattr(out, "logits", out)
+    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if shape != (2, num_classes):
+        raise UserError(f"model {what} maps a batch of shape {(2, *input_shape)} to {shape}; it "
+                        f"must give (2, {num_classes}) logits, one per class")

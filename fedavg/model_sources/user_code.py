@@ -1,0 +1,118 @@
+"""Models from your own code: ``package.module:function`` or ``path/to/file.py:function``.
+
+The function is called as ``function(input_shape, num_classes, **args)`` and must return a
+``torch.nn.Module``. A file is loaded on its own (once per process); a module is imported
+as usual, so it must be importable (installed, or its folder on ``PYTHONPATH``).
+
+Nodes of a deployment never import code named over the network: they build a user-code
+model only when their operator started them with the same ``--model`` (see
+:func:`fedavg.model_sources.node_model_name`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Mapping
+
+from torch import nn
+
+from fedavg.errors import UserError
+from fedavg.model_sources.args import Takes, first_line
+
+_LOADED: dict[str, ModuleType] = {}
+
+
+def code_ref(name: str) -> tuple[str, str, bool]:
+    """Split ``module:function`` / ``file.py:function``: ``(module or path, function, is_file)``."""
+    where, _, func = name.rpartition(":")
+    if not where or not func.isidentifier():
+        raise UserError(f"--model {name}: name the builder function after the colon, e.g. "
+                        "my_models.py:build or my_package.models:build")
+    is_file = where.endswith(".py") or "/" in where or "\\" in where
+    if not is_file and not all(part.isidentifier() for part in where.split(".")):
+        raise UserError(f"--model {name}: {where!r} is neither a module (package.module) nor "
+                        "a .py file")
+    return where, func, is_file
+
+
+def _import(where: str, is_file: bool, name: str) -> ModuleType:
+    """Import the module of a ``module:function`` or ``file.py:function`` model (once)."""
+    if not is_file:
+        try:
+            return importlib.import_module(where)
+        except ModuleNotFoundError as exc:
+            if exc.name and (where == exc.name or where.startswith(exc.name + ".")):
+                raise UserError(f"the model is built by {name}, but module {where} is not "
+                                "importable here: install it or add its folder to "
+                                "PYTHONPATH") from None
+            raise UserError(f"importing {where} (model {name}) failed: {first_line(exc)}") \
+                from None
+        except Exception as exc:  # noqa: BLE001 - the user's module raised
+            raise UserError(f"importing {where} (model {name}) failed: {first_line(exc)}") \
+                from None
+    path = Path(where).expanduser().resolve()
+    if not path.is_file():
+        raise UserError(f"the model is built by {name}, but {path} does not exist here: put "
+                        "the file there, or pass --model with its path")
+    key = str(path)
+    if key not in _LOADED:
+        module_name = f"_fedavg_user_{path.stem}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # classes defined in it resolve their module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - SyntaxError, NameError ... in user code
+            del sys.modules[module_name]
+            raise UserError(f"importing {path} (model {name}) failed: {first_line(exc)}") \
+                from None
+        _LOADED[key] = module
+    return _LOADED[key]
+
+
+def user_builder(name: str) -> Callable[..., nn.Module]:
+    """Import and return the builder function of a ``module:function`` / ``file.py:function``.
+
+    Raises
+    ------
+    UserError
+        A module that does not import, a file that is not there, or no such function.
+    """
+    where, func, is_file = code_ref(name)
+    module = _import(where, is_file, name)
+    fn = getattr(module, func, None)
+    if fn is None:
+        defined = sorted(k for k, v in vars(module).items()
+                         if callable(v) and not k.startswith("_"))[:8]
+        raise UserError(f"{where} has no function {func!r} (model {name}); it defines: "
+                        f"{', '.join(defined) or 'nothing callable'}")
+    if not callable(fn):
+        raise UserError(f"model {name}: {func} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def build_user(name: str, input_shape: tuple[int, ...], num_classes: int,
+               args: Mapping[str, Any]) -> nn.Module:
+    """Call your builder: ``function(input_shape, num_classes, **args)``.
+
+    Raises
+    ------
+    UserError
+        See :func:`user_builder`; arguments it does not take; the builder raised; or it
+        returned something other than a ``torch.nn.Module``.
+    """
+    fn = user_builder(name)
+    kwargs = Takes.of(fn, f"{name}").kwargs(name, args)
+    try:
+        net = fn(tuple(input_shape), int(num_classes), **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the user's builder raised
+        raise UserError(f"{name}{(tuple(input_shape), int(num_classes))} failed: "
+                        f"{first_line(exc)}") from None
+    if not isinstance(net, nn.Module):
+        raise UserError(f"{name} returned a {type(net).__name__}, not a torch.nn.Module")
+    return net
