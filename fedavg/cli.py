@@ -202,7 +202,8 @@ def models() -> None:
         table.add_column(column, overflow="fold")
     for name, desc in available_models().items():
         table.add_row(name, desc)
-    table.add_row("auto", "mlp for tabular or < 16x16 inputs, cnn for grey, cnn-cifar for colour")
+    table.add_row("auto", "fasttext for text, mlp for tabular or < 16x16 inputs, cnn for grey, "
+                  "cnn-cifar for colour")
     console.print(table)
     console.print("Or bring your own with --model (and --model-arg KEY=VALUE, repeatable, for "
                   "any model's builder, e.g. --model mlp --model-arg hidden=64; kept in "

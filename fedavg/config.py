@@ -99,11 +99,13 @@ class TrainConfig:
     batch_size : int
         Samples per SGD step.
     lr : float
-        SGD learning rate.
+        Learning rate of the optimizer.
     momentum : float
-        SGD momentum, in [0, 1).
+        SGD momentum, in [0, 1) (unused by Adam).
     weight_decay : float
         L2 penalty.
+    optimizer : str
+        ``sgd`` or ``adam`` (:data:`OPTIMIZERS`), fresh each round on each node.
     device : str
         ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
     """
@@ -115,9 +117,10 @@ class TrainConfig:
                                "(downloaded)")
     local_epochs: int = setting(1, "Local epochs per round")
     batch_size: int = setting(32, "Samples per SGD step")
-    lr: float = setting(0.05, "SGD learning rate")
+    lr: float = setting(0.05, "Learning rate (of --optimizer)")
     momentum: float = setting(0.9, "SGD momentum")
     weight_decay: float = setting(0.0, "L2 penalty")
+    optimizer: str = setting("sgd", "Node optimizer: sgd (with --momentum) or adam")
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
 
 
@@ -179,6 +182,8 @@ class MergeConfig:
     options: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
 
 
+#: Node optimizers (:func:`fedavg.train.train`).
+OPTIMIZERS = ("sgd", "adam")
 #: Seeds are below 2**31: nodes derive their own seeds from the run's without overflow.
 MAX_SEED = 2**31
 
@@ -364,6 +369,8 @@ def _check_train(c: RunConfig) -> str | None:
         return f"--momentum must be in [0, 1) (got {t.momentum})"
     if not 0 <= t.weight_decay < math.inf:
         return f"--weight-decay must be >= 0 and finite (got {t.weight_decay})"
+    if t.optimizer not in OPTIMIZERS:
+        return f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {t.optimizer!r})"
     return None
 
 

@@ -99,6 +99,7 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
         # distinct, reproducible batch order per node and round
         seed=cfg.seed * 1_000_003 + partition_id * 1009 + cfg.server_round,
         proximal_mu=cfg.proximal_mu,
+        optimizer=cfg.optimizer,
     )
     metrics = MetricRecord({keys.NUM_EXAMPLES: stats["num_examples"],
                             keys.TRAIN_LOSS: stats["train_loss"],

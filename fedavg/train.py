@@ -60,8 +60,9 @@ def train(
     device: str | torch.device = "cpu",
     seed: int = 0,
     proximal_mu: float = 0.0,
+    optimizer: str = "sgd",
 ) -> dict[str, float]:
-    """Train ``model`` in place with SGD on one node's samples.
+    """Train ``model`` in place with SGD (or Adam) on one node's samples.
 
     Parameters
     ----------
@@ -82,6 +83,10 @@ def train(
     proximal_mu : float
         FedProx (Li et al. 2020, arXiv:1812.06127): adds ``mu/2 * ||w - w_start||^2`` to
         the loss, ``w_start`` being the weights the node received. 0 is plain SGD.
+    optimizer : str
+        ``sgd`` (with ``momentum``) or ``adam`` (Kingma and Ba 2015, arXiv:1412.6980;
+        ``momentum`` unused), started afresh each call: a node's optimizer state does not
+        outlive its round.
 
     Returns
     -------
@@ -93,8 +98,13 @@ def train(
     device = torch.device(device)
     model.to(device).train()
     xt, yt = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.long)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
-                          weight_decay=weight_decay)
+    if optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+    elif optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
+                              weight_decay=weight_decay)
+    else:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use sgd or adam")
     loss_fn = nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(seed)
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None

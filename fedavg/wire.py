@@ -42,7 +42,9 @@ class TrainSettings:
     local_epochs, batch_size : int
         Passes over the partition, samples per step.
     lr, momentum, weight_decay : float
-        SGD settings.
+        Optimizer settings.
+    optimizer : str
+        ``sgd`` or ``adam``.
     seed : int
         Run seed (each node and round derives its own batch order from it).
     proximal_mu : float
@@ -61,6 +63,7 @@ class TrainSettings:
     weight_decay: float
     seed: int
     proximal_mu: float = 0.0
+    optimizer: str = "sgd"
     server_round: int = 0
 
     _JSON = ("model", "input", "classes")
@@ -72,7 +75,7 @@ class TrainSettings:
         return cls(model=meta["model"], input=meta["input"], classes=list(meta["classes"]),
                    local_epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr,
                    momentum=t.momentum, weight_decay=t.weight_decay, seed=config.data.seed,
-                   **strategy.node_config)
+                   optimizer=t.optimizer, **strategy.node_config)
 
     def to_record(self):
         """Return the ``flwr.app.ConfigRecord`` sent with each round's model."""
@@ -129,6 +132,7 @@ class TrainSettings:
             ("momentum", 0 <= self.momentum < 1, "in [0, 1)"),
             ("weight-decay", 0 <= self.weight_decay < math.inf, "a finite number >= 0"),
             ("proximal-mu", 0 <= self.proximal_mu < math.inf, "a finite number >= 0"),
+            ("optimizer", self.optimizer in ("sgd", "adam"), "sgd or adam"),
         ]
         for key, ok, need in problems:
             if not ok:

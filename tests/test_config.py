@@ -31,6 +31,7 @@ def test_nodes_per_round_from_fraction():
         ({"fraction": 1.5}, "--fraction"),
         ({"lr": 0}, "--lr"),
         ({"momentum": 1.0}, "--momentum"),
+        ({"optimizer": "lbfgs"}, "--optimizer"),
         ({"local_epochs": 0}, "--local-epochs"),
         ({"partitioner": "random"}, "partitioner"),
         ({"partitioner": "natural"}, "--partition-by"),

@@ -50,6 +50,24 @@ def test_fedprox_term_pulls_local_weights_to_the_start():
     assert drift[2.0] < 0.5 * drift[0.0]
 
 
+def test_adam_first_local_step_moves_each_weight_by_lr():
+    # Adam's bias-corrected first step is lr * g / (|g| + eps): lr against the gradient's sign
+    x = torch.tensor([[2.0], [4.0]])
+    y = torch.tensor([0, 1])
+    spec = {"scale": 1.0, "mean": [0.0], "std": [1.0]}
+    model = nn.Linear(1, 2)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[0.5], [-0.5]]))
+        model.bias.zero_()
+    before = model.weight.detach().clone()
+    train(model, x, y, spec, epochs=1, batch_size=2, lr=0.01, optimizer="adam")
+    # class 0's logit is too high on the class-1 sample (x = 4) more than it helps x = 2
+    torch.testing.assert_close(model.weight.detach() - before,
+                               torch.tensor([[-0.01], [0.01]]), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        train(model, x, y, spec, optimizer="lbfgs")
+
+
 def test_fedavgm_momentum_by_hand():
     s = strategies.get("fedavgm", server_lr=1.0, server_momentum=0.9)
     # round 1: w = 1, average 3 -> grad -2, u = -2, w = 1 + 2 = 3

@@ -85,3 +85,39 @@ def test_one_shot_ensemble_of_text_models_with_a_tokenizer_file(tmp_path, no_lea
     ev = json.loads(run_cli("evaluate", out, "--json").stdout)
     assert ev["accuracy"] == pytest.approx(summary["accuracy"], abs=1e-3)
     assert ev["accuracy"] > 0.5
+
+
+def _tiny_bert_folder(folder):
+    """A 2-layer BERT (config only) and a WordPiece tokenizer trained on AG News."""
+    import pyarrow.parquet as pq
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertConfig, BertTokenizerFast
+
+    corpus = pq.read_table(AG_NEWS / "train.parquet").column("text").to_pylist()
+    wordpiece = BertWordPieceTokenizer(lowercase=True)
+    wordpiece.train_from_iterator(corpus, vocab_size=3000)
+    folder.mkdir()
+    wordpiece.save_model(str(folder))  # vocab.txt
+    BertTokenizerFast(str(folder / "vocab.txt")).save_pretrained(str(folder))
+    BertConfig(vocab_size=3000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+               intermediate_size=64, max_position_embeddings=64).save_pretrained(str(folder))
+
+
+def test_a_tiny_transformers_model_on_ag_news(tmp_path, no_leaks):
+    import shutil
+
+    bert = tmp_path / "tiny-bert"
+    _tiny_bert_folder(bert)
+    out = tmp_path / "run"
+    run_cli("simulate", "--dataset", AG_NEWS, "--model", f"hf:{bert}", "--tokenizer", bert,
+            "--max-tokens", "64", "--num-nodes", "2", "--rounds", "2", "--optimizer", "adam",
+            "--lr", "0.001", "--output", out)
+    meta = json.loads((out / "model.json").read_text())
+    assert meta["model"]["args"]["hf_config"]["model_type"] == "bert"
+    assert meta["input"]["tokenizer"]["kind"] == "file" and meta["input"]["pad_id"] == 0
+    rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rounds[-1]["train_loss"] < rounds[0]["train_loss"]  # the nodes really trained it
+    assert rounds[-1]["accuracy"] > 0.4  # 4 balanced classes: chance is 0.25
+    shutil.rmtree(bert)  # the run folder holds the config and the tokenizer
+    (row,) = _predict_texts(out, SPORTS)
+    assert row["prediction"] in meta["classes"]

@@ -56,6 +56,7 @@ def test_for_run_takes_the_strategy_node_settings():
     ("batch-size", -5, "'batch-size' must be >= 1"),
     ("lr", float("inf"), "'lr' must be a finite number > 0"),
     ("momentum", 5.0, "'momentum' must be in [0, 1)"),
+    ("optimizer", "lbfgs", "'optimizer' must be sgd or adam"),
     ("local-epochs", 1.7, "'local-epochs' is not int"),
     ("lr", "fast", "'lr' is not float"),
     ("model", "{bad json", "'model' is not JSON"),
