@@ -88,7 +88,7 @@ def test_one_shot_ensemble_of_text_models_with_a_tokenizer_file(tmp_path, no_lea
 
 
 def _tiny_bert_folder(folder):
-    """A 2-layer BERT (config only) and a WordPiece tokenizer trained on AG News."""
+    """Write a 2-layer BERT (config only) and a WordPiece tokenizer trained on AG News."""
     import pyarrow.parquet as pq
     from tokenizers import BertWordPieceTokenizer
     from transformers import BertConfig, BertTokenizerFast
