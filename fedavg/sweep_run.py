@@ -237,9 +237,9 @@ class Runner:
                     self._start(self.queue.pop(0))
                 self._reap()
                 time.sleep(0.2)
-            if self.stop_signal is not None:
-                self._stop_all()
         finally:
+            if self.running:  # a signal (or an error here): stop the points' processes
+                self._stop_all()
             for sig, handler in saved.items():
                 signal.signal(sig, handler)
         failed = any(r["status"] == "failed" for r in self.records.values())
