@@ -390,6 +390,15 @@ def test_resolved_model_name_and_bad_inputs(tmp_path, runs):
     assert proc.returncode == 2 and "is not a folder" in assert_one_error_line(proc.stderr)
 
 
+def test_report_names_sweep_points_without_results(runs):
+    (runs / "sweep.json").write_text(json.dumps({"points": [
+        {"name": "a", "status": "done"}, {"name": "lr=9.0", "status": "failed"},
+        {"name": "lr=8.0", "status": "interrupted"}]}))
+    notes = write_report(runs)["notes"]
+    assert any(n.startswith("2 sweep point(s) have no results") and "lr=9.0, lr=8.0" in n
+               for n in notes), notes
+
+
 # --- end to end ---------------------------------------------------------------------------
 
 
