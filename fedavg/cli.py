@@ -18,6 +18,7 @@ import typer
 
 from fedavg.cli_options import ModelArgOption, given, model_args, pop_tracking, with_settings
 from fedavg.cli_support import console, err_console, guard, interrupted, on_signal, run_app
+from fedavg.cli_sweep import report, sweep
 from fedavg.config import RunConfig
 from fedavg.errors import UserError
 
@@ -416,6 +417,8 @@ def build_app() -> typer.Typer:
                                                   tracking=True))
     app.command(name="node")(node)
     app.command(name="certs")(certs)
+    app.command(name="sweep")(sweep)
+    app.command(name="report")(report)
     return app
 
 

@@ -1,0 +1,180 @@
+"""The ``fedavg sweep`` and ``fedavg report`` commands (their bodies; :mod:`fedavg.cli` adds them).
+
+``sweep`` runs the points of a sweep config (:mod:`fedavg.sweep`), each as its own ``fedavg
+simulate`` process (:mod:`fedavg.sweep_run`), under a progress display; ``report`` turns run
+folders into tables and plots (:mod:`fedavg.report`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from fedavg.cli_support import console, err_console, guard
+from fedavg.errors import UserError
+
+_SAID = {"run": "run", "rerun": "run again from scratch (stopped half-way)",
+         "skip": "skip (finished earlier)", "failed": "failed earlier (--retry-failed reruns)"}
+
+
+@contextlib.contextmanager
+def _guard():
+    """:func:`fedavg.cli_support.guard`, for messages that hold ``[grid]`` or ``[[points]]``."""
+    from rich.markup import escape
+
+    with guard():
+        try:
+            yield
+        except UserError as exc:
+            raise UserError(escape(str(exc))) from None
+
+
+def sweep(
+    config: Annotated[Path, typer.Argument(help="Sweep config (TOML: [base], [grid], "
+                                                "[[points]])")],
+    output: Annotated[Optional[Path], typer.Option(
+        help="Sweep folder, one run folder per point (default runs/<config name>)")] = None,
+    parallel: Annotated[int, typer.Option(help="Points running at once")] = 1,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="List the points and what would happen; run nothing")] = False,
+    retry_failed: Annotated[bool, typer.Option(
+        "--retry-failed", help="Run points that failed in an earlier sweep again")] = False,
+) -> None:
+    """Run every point of a sweep config as its own `fedavg simulate`; resumable."""
+    from fedavg.sweep import load_sweep
+    from fedavg.sweep_run import Runner, cpu_note, locked, plan
+
+    out = output if output is not None else Path("runs") / config.stem
+    with _guard():
+        if parallel < 1:
+            raise UserError(f"--parallel must be >= 1 (got {parallel})")
+        spec = load_sweep(config)
+        planned = plan(spec, out, retry_failed)
+    if dry_run:
+        _show_plan(spec, planned, out)
+        return
+    note = cpu_note([p.point for p in planned if p.action in ("run", "rerun")], parallel)
+    if note:
+        err_console.print(f"[yellow]note:[/] {note}", highlight=False)
+    with _guard(), locked(out):
+        planned = plan(spec, out, retry_failed)  # again, now that no other sweep can write
+        runner = Runner(spec, planned, out, parallel)
+        code = _run_with_progress(runner, len(planned))
+    _say_end(runner, out, code)
+    raise typer.Exit(code)
+
+
+def _show_plan(spec, planned, out: Path) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from fedavg.sweep import format_value
+
+    shared = spec.shared()
+    if shared:
+        console.print("shared: " + escape(" ".join(f"{k}={format_value(v)}"
+                                                   for k, v in shared.items())), highlight=False)
+    table = Table(title=f"{len(planned)} points into {escape(str(out))}")
+    table.add_column("point", overflow="fold")
+    for key in spec.varying:
+        table.add_column(key, overflow="fold")
+    table.add_column("what the sweep does", overflow="fold")
+    for p in planned:
+        values = [format_value(p.point.config.to_flat().get(key, p.point.settings.get(key, "")))
+                  for key in spec.varying]
+        table.add_row(escape(p.point.name), *map(escape, values), _SAID[p.action])
+    console.print(table)
+    todo = sum(p.action in ("run", "rerun") for p in planned)
+    console.print(f"dry run: {todo} of {len(planned)} points would run; nothing was run")
+
+
+def _run_with_progress(runner, total: int) -> int:
+    from rich.markup import escape
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    progress = Progress(SpinnerColumn(), TextColumn("sweep"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[counts]}"), TimeElapsedColumn(),
+                        console=console, transient=True)
+    task = progress.add_task("sweep", total=total, counts="")
+
+    def event(record: dict[str, Any]) -> None:
+        name, status = escape(record["name"]), record["status"]
+        if status == "running":
+            line = f"started {name}"
+        elif status == "skipped":
+            line = f"[dim]skipped {name} (finished earlier)[/]"
+        elif status == "done":
+            acc = record.get("accuracy")
+            line = (f"[green]done[/] {name} in {record['wall_s']:.1f} s"
+                    + (f": accuracy {acc:.4f}" if isinstance(acc, float) else ""))
+        else:
+            again = "" if record["ran"] else " in an earlier sweep (--retry-failed reruns it)"
+            line = (f"[red]{status}[/] {name}{again} (exit {record['exit_code']}): "
+                    f"{escape(record.get('error') or '')}")
+        progress.console.print(line, highlight=False)
+        counts = runner.counts()
+        finished = sum(counts.get(s, 0) for s in ("done", "skipped", "failed", "interrupted"))
+        progress.update(task, completed=finished, counts=", ".join(
+            f"{counts.get(s, 0)} {s}" for s in ("done", "failed", "running")))
+
+    runner.on_event = event
+    with progress:
+        return runner.run()
+
+
+def _say_end(runner, out: Path, code: int) -> None:
+    from rich.markup import escape
+
+    counts = runner.counts()
+    took = time.time() - runner.started
+    parts = [f"{counts.get('done', 0)} done", f"{counts.get('skipped', 0)} skipped",
+             f"{counts.get('failed', 0)} failed"]
+    for extra in ("interrupted", "pending"):
+        if counts.get(extra):
+            parts.append(f"{counts[extra]} {'not started' if extra == 'pending' else extra}")
+    line = (f"sweep of {len(runner.records)} points: {', '.join(parts)} in {took:.1f} s; "
+            f"record in {escape(str(out / 'sweep.json'))}")
+    if code == 130:
+        err_console.print(f"interrupted: {line}; run the same command again to go on",
+                          highlight=False)
+        return
+    console.print(line, highlight=False)
+    if counts.get("failed"):
+        console.print("logs of failed points: " + ", ".join(
+            escape(str(out / r["name"] / "sweep.log")) for r in runner.records.values()
+            if r["status"] == "failed"), highlight=False)
+    console.print(f"tables and plots: fedavg report {escape(str(out))}", highlight=False)
+
+
+def report(
+    runs_dir: Annotated[Path, typer.Argument(
+        help="Folder holding run folders (searched recursively)")],
+    target: Annotated[float, typer.Option(
+        help="Accuracy whose first round the table shows")] = 0.9,
+    output: Annotated[Optional[Path], typer.Option(
+        help="Where results.md, results.csv, runs.csv and plots/ go (default RUNS_DIR)")] = None,
+) -> None:
+    """Tables (Markdown, CSV) and plots of the runs under a folder, grouped over seeds."""
+    from rich.markdown import Markdown
+    from rich.markup import escape
+
+    from fedavg.report import write_report
+
+    with _guard():
+        res = write_report(runs_dir, target=target, output=output)
+    console.print(Markdown(res["table"]))
+    for note in res["notes"]:
+        err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    console.print(f"{res['num_runs']} runs in {res['num_groups']} groups; wrote "
+                  + ", ".join(escape(str(p)) for p in res["written"]), highlight=False)

@@ -1,0 +1,359 @@
+"""Tables and plots of finished runs: ``fedavg report RUNS_DIR``.
+
+Every folder under ``RUNS_DIR`` holding ``summary.json``, ``model.json`` and
+``metrics.jsonl`` is a run (made by ``fedavg sweep``, ``fedavg simulate`` or ``fedavg
+coordinator``). Runs whose settings are the same but for ``seed`` form a group; each group
+is one row of the table, with the mean and the sample standard deviation (``ddof=1``) over
+its runs. Written: ``results.md`` and ``results.csv`` (the groups), ``runs.csv`` (one row per
+run, numbers exactly as in the run folders) and the plots of :mod:`fedavg.report_plots`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedavg.errors import UserError
+
+REQUIRED = ("summary.json", "model.json", "metrics.jsonl")
+
+#: Settings shown first when they vary; the others follow in the config's order.
+FIRST = ("strategy", "partitioner", "alpha", "num-nodes", "local-epochs", "lr", "model",
+         "dataset")
+
+
+@dataclass
+class Run:
+    """One finished run, as its folder records it.
+
+    Attributes
+    ----------
+    path : pathlib.Path
+        The run folder.
+    settings : dict
+        Flat kebab-case settings (``model`` as resolved, ``num-nodes`` as run).
+    accuracy, best_accuracy : float
+        Final and best test accuracy (fractions).
+    rounds : int
+        Rounds run.
+    wall_s : float
+        Seconds the whole command took.
+    curve : list of (int, float)
+        ``(round, test accuracy)`` per round, from ``metrics.jsonl``.
+    """
+
+    path: Path
+    settings: dict[str, Any]
+    accuracy: float
+    best_accuracy: float
+    rounds: int
+    wall_s: float
+    curve: list[tuple[int, float]]
+    round_walls: list[float]
+
+    def target_round(self, target: float) -> int | None:
+        """Return the first round whose test accuracy is >= ``target``, or ``None``."""
+        return target_round(self.curve, target)
+
+    @property
+    def round_s(self) -> float | None:
+        """Median seconds per round (``metrics.jsonl``'s ``wall_s``), ``None`` without any."""
+        return statistics.median(self.round_walls) if self.round_walls else None
+
+
+def target_round(curve: list[tuple[int, float]], target: float) -> int | None:
+    """Return the first ``round`` of ``curve`` (``(round, accuracy)`` pairs) reaching ``target``."""
+    return next((r for r, acc in curve if acc >= target), None)
+
+
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Return the mean and the sample standard deviation (``None`` for one value)."""
+    mean = statistics.fmean(values)
+    return mean, (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def find_runs(root: str | Path) -> tuple[list[Run], list[str]]:
+    """Return the runs under ``root`` (sorted by folder) and notes on folders left out.
+
+    A folder holding the three files of :data:`REQUIRED` is a run; its subfolders are not
+    searched (``nodes/`` models are parts of it).
+
+    Raises
+    ------
+    UserError
+        ``root`` is not a folder, or holds no readable run.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"{root} is not a folder; give the folder holding the run folders")
+    runs, notes, stack = [], [], [root]
+    while stack:
+        folder = stack.pop()
+        if all((folder / name).is_file() for name in REQUIRED):
+            try:
+                runs.append(read_run(folder))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                notes.append(f"{folder} left out: cannot read it ({exc})")
+            continue
+        try:
+            stack += sorted((p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()),
+                            reverse=True)
+        except OSError as exc:
+            notes.append(f"{folder} left out: {exc.strerror}")
+    if not runs:
+        raise UserError(f"no runs under {root} (folders holding summary.json, model.json and "
+                        "metrics.jsonl); run `fedavg sweep` or `fedavg simulate` first")
+    return sorted(runs, key=lambda r: str(r.path)), notes
+
+
+def read_run(folder: Path) -> Run:
+    """Read one run folder (``summary.json`` and ``metrics.jsonl``)."""
+    summary = json.loads((folder / "summary.json").read_text())
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    return Run(path=folder, settings=flat_settings(summary),
+               accuracy=float(summary["accuracy"]),
+               best_accuracy=float(summary["best_accuracy"]), rounds=int(summary["rounds"]),
+               wall_s=float(summary["wall_s"]),
+               curve=[(int(r["round"]), float(r["accuracy"])) for r in rows],
+               round_walls=[float(r["wall_s"]) for r in rows if r.get("wall_s") is not None])
+
+
+def flat_settings(summary: dict[str, Any]) -> dict[str, Any]:
+    """Flatten a ``summary.json``'s config to kebab-case settings, as the CLI names them."""
+    flat: dict[str, Any] = {}
+    config = summary.get("config") or {}
+    for section in ("data", "train", "merge"):
+        for key, value in (config.get(section) or {}).items():
+            if key == "options":
+                flat.update({k.replace("_", "-"): v for k, v in (value or {}).items()})
+            else:
+                flat[key.replace("_", "-")] = value
+    flat["model"] = summary.get("model", flat.get("model"))  # "auto" resolved
+    flat["num-nodes"] = summary.get("num_nodes", flat.get("num-nodes"))
+    flat.setdefault("strategy", summary.get("strategy"))
+    return flat
+
+
+def varying(runs: list[Run]) -> list[str]:
+    """Return the settings whose values differ across ``runs`` (:data:`FIRST` first)."""
+    keys = list(dict.fromkeys(k for r in runs for k in r.settings))
+    out = [k for k in keys if len({json.dumps(r.settings.get(k)) for r in runs}) > 1]
+    return sorted(out, key=lambda k: (FIRST.index(k) if k in FIRST else len(FIRST),
+                                      keys.index(k)))
+
+
+@dataclass
+class Group:
+    """Runs identical but for ``seed``: one row of the table.
+
+    Attributes
+    ----------
+    values : dict
+        The group's value of each varying setting (``seed`` left out).
+    runs : list of Run
+    """
+
+    values: dict[str, Any]
+    runs: list[Run]
+
+    @property
+    def label(self) -> str:
+        """``strategy=fedprox, alpha=0.1``, or ``all runs`` without varying settings."""
+        return ", ".join(f"{k}={_fmt(v)}" for k, v in self.values.items()) or "all runs"
+
+    @property
+    def seeds(self) -> list[Any]:
+        """The seeds of the group's runs."""
+        return [r.settings.get("seed") for r in self.runs]
+
+    def stats(self, target: float) -> dict[str, Any]:
+        """Mean and std of final / best accuracy and wall time; the target round's mean."""
+        out: dict[str, Any] = {"n": len(self.runs)}
+        for name in ("accuracy", "best_accuracy", "wall_s"):
+            out[f"{name}_mean"], out[f"{name}_std"] = mean_std(
+                [getattr(r, name) for r in self.runs])
+        reached = [r.target_round(target) for r in self.runs]
+        reached = [r for r in reached if r is not None]
+        out["target_round_mean"] = statistics.fmean(reached) if reached else None
+        out["target_reached"] = len(reached)
+        out["rounds"] = max(r.rounds for r in self.runs)
+        round_s = [r.round_s for r in self.runs if r.round_s is not None]
+        out["round_s_mean"] = statistics.fmean(round_s) if round_s else None
+        return out
+
+
+def group_runs(runs: list[Run], keys: list[str], over: tuple[str, ...] = ("seed",)
+               ) -> list[Group]:
+    """Group ``runs`` by every setting but ``over``; each group's values of ``keys``.
+
+    Groups keep the order of their first run.
+    """
+    groups: dict[str, Group] = {}
+    for run in runs:
+        key = json.dumps({k: v for k, v in run.settings.items() if k not in over},
+                         sort_keys=True)
+        if key not in groups:
+            groups[key] = Group({k: run.settings.get(k) for k in keys if k not in over}, [])
+        groups[key].runs.append(run)
+    return list(groups.values())
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return "" if value is None else str(value)
+
+
+def _pm(mean: float | None, std: float | None, digits: int) -> str:
+    if mean is None:
+        return ""
+    return f"{mean:.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}")
+
+
+def markdown_table(groups: list[Group], keys: list[str], target: float) -> str:
+    """Return the groups as one Markdown table (mean ± std over seeds, ``n`` runs each)."""
+    head = [*keys, "n", "seeds", "final accuracy", "best accuracy", f"round ≥ {target:g}",
+            "rounds", "wall s", "round s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in groups:
+        s = g.stats(target)
+        reached = ("" if s["target_round_mean"] is None else
+                   f"{s['target_round_mean']:g} ({s['target_reached']}/{s['n']})")
+        row = [*(_fmt(g.values.get(k)) for k in keys), str(s["n"]),
+               " ".join(_fmt(x) for x in g.seeds), _pm(s["accuracy_mean"], s["accuracy_std"], 4),
+               _pm(s["best_accuracy_mean"], s["best_accuracy_std"], 4), reached,
+               str(s["rounds"]), _pm(s["wall_s_mean"], s["wall_s_std"], 1),
+               _pm(s["round_s_mean"], None, 2)]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
+    return "\n".join(lines)
+
+
+def _csv_value(value: Any) -> Any:
+    if value is None:
+        return ""
+    return json.dumps(value) if isinstance(value, (list, dict, bool)) else value
+
+
+def write_csvs(groups: list[Group], runs: list[Run], keys: list[str], target: float,
+               out: Path, root: Path) -> list[Path]:
+    """Write ``results.csv`` (one row per group) and ``runs.csv`` (one row per run)."""
+    stats = ["n", "accuracy_mean", "accuracy_std", "best_accuracy_mean", "best_accuracy_std",
+             "target_round_mean", "target_reached", "rounds", "wall_s_mean", "wall_s_std",
+             "round_s_mean"]
+    results = out / "results.csv"
+    with open(results, "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow([*keys, "seeds", *stats, "target"])
+        for g in groups:
+            s = g.stats(target)
+            writer.writerow([*(_csv_value(g.values.get(k)) for k in keys),
+                             " ".join(_fmt(x) for x in g.seeds),
+                             *(_csv_value(s[name]) for name in stats), target])
+    per_run = out / "runs.csv"
+    seed = [] if "seed" in keys else ["seed"]
+    with open(per_run, "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["run", *keys, *seed, "accuracy", "best_accuracy", "target_round",
+                         "rounds", "wall_s", "round_s", "target"])
+        for r in runs:
+            writer.writerow([_relative(r.path, root),
+                             *(_csv_value(r.settings.get(k)) for k in [*keys, *seed]),
+                             r.accuracy, r.best_accuracy, _csv_value(r.target_round(target)),
+                             r.rounds, r.wall_s, _csv_value(r.round_s), target])
+    return [results, per_run]
+
+
+def _relative(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root)) or "."
+    except ValueError:
+        return str(path)
+
+
+def write_report(runs_dir: str | Path, *, target: float = 0.9,
+                 output: str | Path | None = None) -> dict[str, Any]:
+    """Write the tables and plots of the runs under ``runs_dir``.
+
+    Parameters
+    ----------
+    runs_dir : path
+        Folder searched (recursively) for run folders.
+    target : float
+        Test accuracy (a fraction in (0, 1]) whose first round the table shows.
+    output : path, optional
+        Folder for ``results.md``, ``results.csv``, ``runs.csv`` and ``plots/``
+        (default ``runs_dir``).
+
+    Returns
+    -------
+    dict
+        ``table`` (the Markdown table), ``notes``, ``written`` (paths), ``num_runs``,
+        ``num_groups``.
+
+    Raises
+    ------
+    UserError
+        A ``target`` outside (0, 1], ``runs_dir`` missing or without runs, an unwritable
+        ``output``.
+    """
+    from fedavg import report_plots
+
+    if not (isinstance(target, (int, float)) and 0 < target <= 1 and math.isfinite(target)):
+        raise UserError(f"--target must be an accuracy in (0, 1] (got {target})")
+    root = Path(runs_dir)
+    runs, notes = find_runs(root)
+    out = Path(output) if output is not None else root
+    try:
+        (out / "plots").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot write the report into {out}: {exc.strerror}") from None
+    keys = varying(runs)
+    shown = [k for k in keys if k != "seed"]
+    groups = group_runs(runs, shown)
+    table = markdown_table(groups, shown, target)
+    written = write_csvs(groups, runs, shown, target, out, root)
+    plots, plot_notes = report_plots.write_plots(runs, keys, out / "plots")
+    notes += plot_notes + _sweep_notes(root)
+    written.insert(0, _write_markdown(out, root, runs, groups, table, target, plots, notes))
+    return {"table": table, "notes": notes, "written": written + plots,
+            "num_runs": len(runs), "num_groups": len(groups)}
+
+
+def _sweep_notes(root: Path) -> list[str]:
+    """Name the points an earlier ``fedavg sweep`` into ``root`` did not finish."""
+    try:
+        record = json.loads((root / "sweep.json").read_text())
+    except (OSError, ValueError):
+        return []
+    missing = [p.get("name") for p in record.get("points", [])
+               if p.get("status") not in ("done", "skipped")]
+    if not missing:
+        return []
+    return [f"{len(missing)} sweep point(s) have no results (see {root / 'sweep.json'}): "
+            + ", ".join(map(str, missing[:5])) + (" ..." if len(missing) > 5 else "")]
+
+
+def _write_markdown(out: Path, root: Path, runs: list[Run], groups: list[Group], table: str,
+                    target: float, plots: list[Path], notes: list[str]) -> Path:
+    shared = {k: v for k, v in runs[0].settings.items()
+              if all(r.settings.get(k) == v for r in runs) and v is not None}
+    text = [f"# Results: {root}", "",
+            f"{len(runs)} runs in {len(groups)} groups (runs identical but for `seed`); "
+            f"mean ± sample std over a group's runs; round ≥ {target:g}: the first round "
+            "reaching that test accuracy (mean over the runs that did, and how many did).", "",
+            "Shared settings: " + ", ".join(f"`{k}={_fmt(v)}`" for k, v in shared.items()), "",
+            table, ""]
+    text += [f"![{p.stem.replace('_', ' ')}]({_relative(p, out)})" for p in plots]
+    if notes:
+        text += ["", *[f"- {n}" for n in notes]]
+    path = out / "results.md"
+    path.write_text("\n".join(text) + "\n")
+    return path

@@ -1,0 +1,523 @@
+"""Sweeps and reports: config parsing, point names, resume decisions, tables, CSV and plots.
+
+Unit tests read configs and fake run folders written here in the exact format fedavg writes
+(``summary.json`` as :func:`fedavg.run.write_summary`, ``metrics.jsonl`` one round a line);
+the end-to-end ones (marker ``e2e``) run ``fedavg sweep`` and ``fedavg report`` for real.
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, assert_one_error_line, engine_processes, run_cli
+from PIL import Image
+from typer.testing import CliRunner
+
+from fedavg.config import RunConfig
+from fedavg.errors import UserError
+from fedavg.report import find_runs, write_report
+from fedavg.sweep import load_sweep
+from fedavg.sweep_run import KEEP_FAILED, RERUN, RUN, SKIP, cpu_note, last_error, plan
+
+TINY = ROOT / "experiments" / "configs" / "tiny.toml"
+
+
+def toml(tmp_path: Path, text: str, name: str = "sweep.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# --- the config ---------------------------------------------------------------------------
+
+BAD = [
+    ("[base]\nfoo = 1\n[grid]\nseed = [0, 1]\n", "[base]: unknown setting 'foo'"),
+    ("[[points]]\nfoo = 1\n", "[[points]] 1: unknown setting 'foo'"),
+    ("[grid]\nalpha = [0.5, \"x\"]\n", "[grid] alpha: setting 'alpha' expects float, got 'x'"),
+    ("[base]\nrounds = \"ten\"\n[grid]\nseed = [0, 1]\n", "setting 'rounds' expects int"),
+    ("[base]\nrounds = 2.5\n[grid]\nseed = [0, 1]\n", "setting 'rounds' expects int"),
+    ("[base]\ndataset = 5\n[grid]\nseed = [0, 1]\n", "[base] dataset expects a string"),
+    ("[grid]\nseed = []\n", "[grid] seed is an empty list"),
+    ("[grid]\nseed = 1\n", "[grid] seed must be a list of values"),
+    ("[grid]\nseed = [0, 0]\n", "[grid] seed lists a value twice"),
+    ("[base]\nrounds = 2\n", "no points"),
+    ("", "no points"),
+    ("[sweep]\nx = 1\n", "unknown key 'sweep'"),
+    ("points = [1, 2]\n", "points must be tables"),
+    ("[base]\nseed = [0, 1]\n", "[base] seed is a list, not a single value"),
+    ("[base]\nseed = 0\n[grid]\nseed = [0, 1]\n", "[grid] seed is also set in [base]"),
+    ("[base]\noutput = \"x\"\n[grid]\nseed = [0, 1]\n", "[base] output: the sweep sets"),
+    ("[base]\ntest-fraction = 0.3\n[grid]\nseed = [0, 1]\n",
+     "[base] test-fraction is not an option of `fedavg simulate`"),
+    ("[base]\ncpus-per-node = \"two\"\n[grid]\nseed = [0, 1]\n",
+     "[base] cpus-per-node expects a number"),
+    ("[grid]\nalpha = [0.5, -1.0]\n", "point alpha=-1.0: --alpha must be > 0"),
+    ("[base]\nmu = 0.1\n[grid]\nstrategy = [\"fedavg\", \"fedprox\"]\n",
+     "point strategy=fedavg: strategy fedavg does not take --mu"),
+    ("[base]\nstrategy = \"fedprox\"\n[grid]\nmu = [0.1, -1.0]\n", "point mu=-1.0: fedprox:"),
+    ("[grid]\nstrategy = [\"nope\", \"fedavg\"]\n", "point strategy=nope: unknown strategy"),
+    ("[grid]\nseed = [0]\n[[points]]\nseed = 0\n", "has the same settings as point"),
+    ("[grid\nseed = [0]\n", "is not valid TOML"),
+]
+
+
+@pytest.mark.parametrize("text, message", BAD)
+def test_every_bad_config_is_one_line_naming_the_key(tmp_path, text, message):
+    path = toml(tmp_path, text)
+    with pytest.raises(UserError) as err:
+        load_sweep(path)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+def test_a_missing_config_is_one_line(tmp_path):
+    with pytest.raises(UserError, match="sweep config .*nope.toml not found"):
+        load_sweep(tmp_path / "nope.toml")
+
+
+def test_the_grid_is_the_cartesian_product_named_by_what_varies():
+    sweep = load_sweep(TINY)
+    assert [p.name for p in sweep.points] == [
+        "strategy=fedavg_seed=0", "strategy=fedavg_seed=1",
+        "strategy=fedprox_seed=0", "strategy=fedprox_seed=1"]
+    assert sweep.varying == ("strategy", "seed")
+    assert sweep.shared() == {"dataset": "digits", "num-nodes": 3, "rounds": 2}
+    point = sweep.points[3]
+    assert point.settings == {"dataset": "digits", "num-nodes": 3, "rounds": 2,
+                              "strategy": "fedprox", "seed": 1}
+    assert point.config == RunConfig().replace(dataset="digits", num_nodes=3, rounds=2,
+                                               strategy="fedprox", seed=1)
+    assert [p.name for p in load_sweep(TINY).points] == [p.name for p in sweep.points]
+
+
+def test_the_experiment_configs_load():
+    configs = ROOT / "experiments" / "configs"
+    compare = load_sweep(configs / "compare_strategies.toml")
+    assert [p.name for p in compare.points] == [
+        "strategy=fedavg", "strategy=fedprox", "strategy=fedadam", "strategy=fedmedian"]
+    assert all(p.config.data.partitioner == "dirichlet" and p.config.merge.num_nodes == 10
+               for p in compare.points)
+    mnist = load_sweep(configs / "mnist_fedavg.toml")
+    assert [p.name for p in mnist.points] == ["partitioner=iid", "partitioner=dirichlet"]
+    assert mnist.points[1].config.data.alpha == 0.5
+    assert sorted(p.name for p in configs.glob("*.toml")) == [
+        "compare_strategies.toml", "mnist_fedavg.toml", "tiny.toml"]
+
+
+def test_grid_and_points_together_and_only_varying_keys_in_names(tmp_path):
+    sweep = load_sweep(toml(tmp_path, """
+[base]
+rounds = 3
+[grid]
+strategy = ["fedavg", "fedprox"]
+local_epochs = [2]
+[[points]]
+strategy = "fedadam"
+server-lr = 0.1
+"""))
+    # points sit on [base] only, so local-epochs varies: 2 in the grid, 1 (default) here
+    assert [p.name for p in sweep.points] == [
+        "strategy=fedavg_local-epochs=2", "strategy=fedprox_local-epochs=2",
+        "strategy=fedadam_local-epochs=1_server-lr=0.1"]
+    assert dict(sweep.points[2].config.merge.options) == {"server_lr": 0.1}
+    assert sweep.shared() == {"rounds": 3}
+    one_value = load_sweep(toml(tmp_path, "[grid]\nrounds = [3]\nseed = [0, 1]\n", "b.toml"))
+    assert [p.name for p in one_value.points] == ["seed=0", "seed=1"]
+    assert all(p.config.merge.rounds == 3 for p in one_value.points)
+
+
+def test_points_only_and_default_values_do_not_make_a_setting_vary(tmp_path):
+    sweep = load_sweep(toml(tmp_path, """
+[[points]]
+partitioner = "iid"
+[[points]]
+partitioner = "dirichlet"
+alpha = 0.5
+"""))
+    assert [p.name for p in sweep.points] == ["partitioner=iid", "partitioner=dirichlet"]
+
+
+def test_names_are_filesystem_safe_and_unique(tmp_path):
+    sweep = load_sweep(toml(tmp_path, """
+[grid]
+dataset = ["data/a/mnist", "data/b/mnist", "../data/cifar 10/", "x:y*z"]
+lr = [0.1, 1e-05]
+"""))
+    names = [p.name for p in sweep.points]
+    assert len(set(names)) == len(names) == 8
+    assert "dataset=cifar-10_lr=0.1" in names and "dataset=x-y-z_lr=1e-05" in names
+    mnist = [n for n in names if n.startswith("dataset=mnist_lr=0.1_")]
+    assert len(mnist) == 2  # same last path part: a hash of the settings tells them apart
+    for name in names:
+        assert all(c.isalnum() or c in "._+-=" for c in name), name
+        assert not name.startswith(".")
+    assert names == [p.name for p in load_sweep(tmp_path / "sweep.toml").points]
+
+
+def test_simulate_command_line_of_a_point(tmp_path):
+    sweep = load_sweep(toml(tmp_path, """
+[base]
+save-node-models = true
+cpus-per-node = 2
+lr = 1
+[grid]
+seed = [0, 1]
+"""))
+    assert sweep.points[1].simulate_args() == [
+        "--save-node-models", "--cpus-per-node=2.0", "--lr=1.0", "--seed=1"]
+    assert sweep.points[1].cpus_per_node == 2.0
+
+
+# --- what a sweep does with each point ----------------------------------------------------
+
+
+def _finish(folder: Path, config: RunConfig, wall_s: float = 5.0) -> None:
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps({"accuracy": 0.9, "wall_s": wall_s,
+                                                     "config": config.as_dict()}))
+
+
+def test_plan_skips_finished_reruns_half_finished_keeps_failed(tmp_path):
+    sweep = load_sweep(TINY)
+    out = tmp_path / "out"
+    done, half, failed, fresh = sweep.points
+    _finish(out / done.name, done.config)
+    (out / half.name).mkdir(parents=True)
+    (out / half.name / "metrics.jsonl").write_text("{}\n")
+    (out / "sweep.json").write_text(json.dumps({"points": [
+        {"name": failed.name, "settings": failed.settings, "status": "failed",
+         "exit_code": 2, "error": "error: boom", "wall_s": 3.0},
+        {"name": fresh.name, "settings": {**fresh.settings, "rounds": 9}, "status": "failed"},
+    ]}))
+    actions = [p.action for p in plan(sweep, out)]
+    assert actions == [SKIP, RERUN, KEEP_FAILED, RUN]
+    assert plan(sweep, out)[2].record == {"exit_code": 2, "error": "error: boom", "wall_s": 3.0}
+    assert [p.action for p in plan(sweep, out, retry_failed=True)] == [SKIP, RERUN, RUN, RUN]
+
+
+def test_plan_refuses_a_finished_run_with_other_settings(tmp_path):
+    sweep = load_sweep(TINY)
+    point = sweep.points[0]
+    _finish(tmp_path / point.name, point.config.replace(rounds=3))
+    with pytest.raises(UserError, match=r"holds a finished run with other settings \(rounds 3 "
+                                        r"there, 2 here\)"):
+        plan(sweep, tmp_path)
+
+
+def test_cpu_note_when_parallel_points_want_more_cores():
+    points = list(load_sweep(TINY).points)  # 3 nodes x 1 core each
+    assert "--parallel 2 x up to 2 cores" in cpu_note(points, 2, cores=2)
+    assert "--parallel 2 x up to 3 cores" in cpu_note(points, 2, cores=4)
+    assert cpu_note(points, 2, cores=6) is None
+    assert cpu_note(points, 1, cores=1) is None
+
+
+def test_last_error_line_of_a_log(tmp_path):
+    log = tmp_path / "sweep.log"
+    log.write_text("# fedavg simulate\nround 1/2\n\x1b[31merror:\x1b[0m no dataset x\nbye\n")
+    assert last_error(log) == "error: no dataset x"
+    log.write_text("# fedavg simulate\nTraceback\nValueError: boom\n")
+    assert last_error(log) == "ValueError: boom"
+
+
+def test_dry_run_lists_points_and_runs_nothing(tmp_path):
+    out = tmp_path / "out"
+    res = CliRunner().invoke(_app(), ["sweep", str(TINY), "--output", str(out), "--dry-run"],
+                             env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "shared: dataset=digits num-nodes=3 rounds=2" in res.output
+    assert "strategy=fedprox_seed=1" in res.output and "4 of 4 points would run" in res.output
+    assert not out.exists()
+
+
+def test_a_bad_config_on_the_command_line_is_one_line(tmp_path):
+    path = toml(tmp_path, "[grid]\nalpha = []\n")
+    proc = run_cli("sweep", path, "--output", tmp_path / "out", check=False, timeout=120)
+    assert proc.returncode == 2
+    assert "[grid] alpha is an empty list" in assert_one_error_line(proc.stderr)
+    proc = run_cli("sweep", TINY, "--parallel", "0", check=False, timeout=120)
+    assert proc.returncode == 2 and "--parallel must be >= 1" in proc.stderr
+
+
+def _app():
+    from fedavg.cli import build_app
+
+    return build_app()
+
+
+# --- the report ---------------------------------------------------------------------------
+
+
+def fake_run(folder: Path, accuracies: list[float], wall_s: float, model: str = "mlp",
+             **settings) -> Path:
+    """Write a finished run folder as ``fedavg simulate`` does."""
+    config = RunConfig().replace(dataset="digits", rounds=len(accuracies), **settings)
+    folder.mkdir(parents=True)
+    rows = [{"round": i, "accuracy": a, "loss": 1.0 - a, "train_loss": 1.1 - a,
+             "num_nodes": config.merge.num_nodes, "num_failed": 0, "wall_s": 0.5 * i,
+             "train_s": 0.1} for i, a in enumerate(accuracies, start=1)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"accuracy": accuracies[-1], "loss": 1.0 - accuracies[-1],
+               "best_accuracy": max(accuracies), "rounds": len(accuracies),
+               "num_nodes": config.merge.num_nodes, "wall_s": wall_s,
+               "strategy": config.merge.strategy, "model": model, "dataset": "digits",
+               "train_samples": 1438, "test_samples": 359, "failures": [],
+               "config": config.as_dict()}
+    (folder / "summary.json").write_text(json.dumps(summary, indent=2))
+    (folder / "model.json").write_text(json.dumps({
+        "format": "fedavg-model/1", "model": {"name": model, "input_shape": [1, 8, 8],
+                                              "num_classes": 10, "args": {}},
+        "classes": [str(i) for i in range(10)], "strategy": config.merge.strategy,
+        "config": config.as_dict(), "rounds": len(accuracies),
+        "metrics": {"accuracy": accuracies[-1], "loss": 1.0 - accuracies[-1]}}))
+    return folder
+
+
+@pytest.fixture
+def runs(tmp_path):
+    root = tmp_path / "runs"
+    fake_run(root / "a" / "fedavg-0", [0.5, 0.8], 10.0, strategy="fedavg", seed=0)
+    fake_run(root / "a" / "fedavg-1", [0.6, 0.9], 20.0, strategy="fedavg", seed=1)
+    fake_run(root / "b" / "deep" / "fedavg-2", [0.7, 0.7], 30.0, strategy="fedavg", seed=2)
+    fake_run(root / "fedprox-0", [0.4, 0.95], 12.5, strategy="fedprox", seed=0)
+    (root / "not-a-run").mkdir()
+    (root / "not-a-run" / "summary.json").write_text("{}")  # no model.json, metrics.jsonl
+    return root
+
+
+def _csv(path: Path) -> list[dict]:
+    import csv
+
+    with open(path) as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_report_groups_over_seeds_with_mean_and_std(runs):
+    res = write_report(runs, target=0.85)
+    assert res["num_runs"] == 4 and res["num_groups"] == 2
+    rows = {r["strategy"]: r for r in _csv(runs / "results.csv")}
+    fedavg, fedprox = rows["fedavg"], rows["fedprox"]
+    # final accuracies 0.8, 0.9, 0.7: mean 0.8, sample std sqrt((0 + 0.01 + 0.01) / 2) = 0.1
+    assert float(fedavg["accuracy_mean"]) == pytest.approx(0.8)
+    assert float(fedavg["accuracy_std"]) == pytest.approx(0.1)
+    assert float(fedavg["best_accuracy_mean"]) == pytest.approx(0.8)
+    assert float(fedavg["wall_s_mean"]) == pytest.approx(20.0)
+    assert float(fedavg["wall_s_std"]) == pytest.approx(10.0)
+    # target 0.85: only seed 1 gets there, in round 2
+    assert float(fedavg["target_round_mean"]) == 2 and fedavg["target_reached"] == "1"
+    assert fedavg["n"] == "3" and fedavg["seeds"] == "0 1 2"
+    assert float(fedavg["round_s_mean"]) == pytest.approx(0.75)  # median of 0.5 and 1.0
+    assert fedprox["n"] == "1" and fedprox["accuracy_std"] == ""
+    assert float(fedprox["accuracy_mean"]) == 0.95 and float(fedprox["target_round_mean"]) == 2
+    md = (runs / "results.md").read_text()
+    assert "| fedavg | 3 | 0 1 2 | 0.8000 ± 0.1000 | 0.8000 ± 0.1000 | 2 (1/3) | 2 |" in md
+    assert "| fedprox | 1 | 0 | 0.9500 | 0.9500 | 2 (1/1) | 2 |" in md
+    assert "![accuracy per round](plots/accuracy_per_round.png)" in md
+
+
+def test_runs_csv_numbers_equal_the_summary_files(runs):
+    write_report(runs, target=0.99)
+    rows = _csv(runs / "runs.csv")
+    assert [r["run"] for r in rows] == ["a/fedavg-0", "a/fedavg-1", "b/deep/fedavg-2",
+                                        "fedprox-0"]
+    for row in rows:
+        summary = json.loads((runs / row["run"] / "summary.json").read_text())
+        assert float(row["accuracy"]) == summary["accuracy"]
+        assert float(row["best_accuracy"]) == summary["best_accuracy"]
+        assert float(row["wall_s"]) == summary["wall_s"]
+        assert int(row["rounds"]) == summary["rounds"]
+        assert int(row["seed"]) == summary["config"]["data"]["seed"]
+        assert row["target_round"] == ""  # 0.99 is never reached
+
+
+def test_target_round_is_the_first_round_reaching_it(tmp_path):
+    fake_run(tmp_path / "r" / "x", [0.3, 0.91, 0.89, 0.95], 1.0)
+    (run,), _ = find_runs(tmp_path / "r")
+    assert run.target_round(0.9) == 2 and run.target_round(0.95) == 4
+    assert run.target_round(0.3) == 1 and run.target_round(0.96) is None
+
+
+def _valid_png(path: Path) -> None:
+    assert path.stat().st_size > 0
+    with Image.open(path) as img:
+        img.verify()
+    with Image.open(path) as img:
+        assert img.format == "PNG" and img.size[0] > 100 and img.size[1] > 100
+
+
+def test_every_plot_is_a_valid_png_and_skipped_ones_say_so(tmp_path, runs):
+    write_report(runs)
+    assert sorted(p.name for p in (runs / "plots").iterdir()) == ["accuracy_per_round.png"]
+    _valid_png(runs / "plots" / "accuracy_per_round.png")
+    grid = tmp_path / "grid"
+    for alpha in (0.1, 1.0):
+        for nodes in (2, 4):
+            for seed in (0, 1):
+                fake_run(grid / f"a{alpha}-n{nodes}-s{seed}", [0.5, 0.6 + alpha / 10],
+                         10.0 * nodes + seed, partitioner="dirichlet", alpha=alpha,
+                         num_nodes=nodes, seed=seed)
+    res = write_report(grid, output=tmp_path / "report")
+    names = sorted(p.name for p in (tmp_path / "report" / "plots").iterdir())
+    assert names == ["accuracy_per_round.png", "accuracy_vs_alpha.png",
+                     "wall_time_vs_nodes.png"]
+    for name in names:
+        _valid_png(tmp_path / "report" / "plots" / name)
+    assert res["notes"] == [] and not (grid / "results.csv").exists()
+    # a plot whose setting no longer varies is removed, with a note
+    (tmp_path / "report" / "plots" / "accuracy_vs_alpha.png").rename(
+        runs / "plots" / "accuracy_vs_alpha.png")
+    res = write_report(runs)
+    assert not (runs / "plots" / "accuracy_vs_alpha.png").exists()
+    assert any("alpha does not vary" in n for n in res["notes"])
+    assert any("num-nodes does not vary" in n for n in res["notes"])
+
+
+def test_resolved_model_name_and_bad_inputs(tmp_path, runs):
+    (run, *_), _ = find_runs(runs)
+    assert run.settings["model"] == "mlp"  # summary's resolved model, not the config's auto
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no runs under"):
+        write_report(tmp_path / "empty")
+    with pytest.raises(UserError, match="--target must be an accuracy"):
+        write_report(runs, target=1.5)
+    proc = run_cli("report", tmp_path / "empty", check=False, timeout=120)
+    assert proc.returncode == 2 and "no runs under" in assert_one_error_line(proc.stderr)
+    proc = run_cli("report", tmp_path / "missing", check=False, timeout=120)
+    assert proc.returncode == 2 and "is not a folder" in assert_one_error_line(proc.stderr)
+
+
+def test_report_names_sweep_points_without_results(runs):
+    (runs / "sweep.json").write_text(json.dumps({"points": [
+        {"name": "a", "status": "done"}, {"name": "lr=9.0", "status": "failed"},
+        {"name": "lr=8.0", "status": "interrupted"}]}))
+    notes = write_report(runs)["notes"]
+    assert any(n.startswith("2 sweep point(s) have no results") and "lr=9.0, lr=8.0" in n
+               for n in notes), notes
+
+
+# --- end to end ---------------------------------------------------------------------------
+
+
+def _record(out: Path) -> dict:
+    return {p["name"]: p for p in json.loads((out / "sweep.json").read_text())["points"]}
+
+
+@pytest.mark.e2e
+def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path, no_leaks):
+    config = toml(tmp_path, """
+[base]
+num-nodes = 2
+rounds = 1
+[[points]]
+dataset = "no-such-dataset-folder"
+[[points]]
+dataset = "digits"
+""")
+    out = tmp_path / "sweep"
+    proc = run_cli("sweep", config, "--output", out, check=False, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    record = _record(out)
+    bad = record["dataset=no-such-dataset-folder"]
+    assert bad["status"] == "failed" and bad["exit_code"] == 2 and bad["ran"] is True
+    assert bad["error"].startswith("error:") and "no-such-dataset-folder" in bad["error"]
+    assert bad["wall_s"] > 0
+    assert record["dataset=digits"]["status"] == "done"
+    assert (out / "dataset=digits" / "summary.json").exists()
+    log = out / "dataset=no-such-dataset-folder" / "sweep.log"
+    stamp = log.stat().st_mtime
+    again = run_cli("sweep", config, "--output", out, check=False, timeout=300)
+    assert again.returncode == 1 and "in an earlier sweep (--retry-failed" in again.stdout
+    assert log.stat().st_mtime == stamp  # not run again
+    assert _record(out)["dataset=no-such-dataset-folder"]["ran"] is False
+    retry = run_cli("sweep", config, "--output", out, "--retry-failed", check=False,
+                    timeout=300)
+    assert retry.returncode == 1 and "1 skipped, 1 failed" in retry.stdout
+    assert log.stat().st_mtime > stamp and _record(out)[bad["name"]]["ran"] is True
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1800)
+def test_twenty_points_in_parallel_resume_report_and_leave_no_engine_process(tmp_path,
+                                                                           no_leaks):
+    config = toml(tmp_path, "[base]\nnum-nodes = 2\nrounds = 1\n[grid]\nstrategy = "
+                            f'["fedavg", "fedprox"]\nseed = {list(range(10))}\n')
+    out = tmp_path / "sweep"
+    started = time.monotonic()
+    proc = run_cli("sweep", config, "--output", out, "--parallel", "2", timeout=1700)
+    print(f"20 points, 2 at a time: {time.monotonic() - started:.0f} s")
+    assert "20 done, 0 skipped, 0 failed" in proc.stdout, proc.stdout
+    assert engine_processes() == []  # nothing of Ray or Flower outlives its point
+    record, sweep = _record(out), load_sweep(config)
+    assert [r["status"] for r in record.values()] == ["done"] * 20
+    for point in sweep.points:
+        summary = json.loads((out / point.name / "summary.json").read_text())
+        assert summary["config"] == json.loads(json.dumps(point.config.as_dict()))
+        assert record[point.name]["accuracy"] == summary["accuracy"]
+        assert (out / point.name / "sweep.log").read_text().startswith("# fedavg simulate ")
+    stamps = {p.name: (out / p.name / "summary.json").stat().st_mtime for p in sweep.points}
+    again = run_cli("sweep", config, "--output", out, "--parallel", "2", timeout=300)
+    assert "0 done, 20 skipped, 0 failed" in again.stdout
+    assert again.stdout.count("(finished earlier)") == 20
+    assert stamps == {p.name: (out / p.name / "summary.json").stat().st_mtime
+                      for p in sweep.points}
+    assert [r["status"] for r in _record(out).values()] == ["skipped"] * 20
+    report = run_cli("report", out, timeout=300)
+    assert "fedprox" in report.stdout and "20 runs in 2 groups" in report.stdout
+    rows = _csv(out / "runs.csv")
+    assert {r["run"] for r in rows} == {p.name for p in sweep.points}
+    _valid_png(out / "plots" / "accuracy_per_round.png")
+
+
+def _wait_for(predicate, timeout_s: float, what: str, proc=None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert proc is None or proc.poll() is None, f"exited {proc.returncode} before {what}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s} s"
+        time.sleep(0.3)
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.e2e
+def test_sigterm_stops_the_running_points_and_exits_130(tmp_path, no_leaks):
+    import psutil
+
+    config = toml(tmp_path, "[base]\nnum-nodes = 2\nrounds = 1000\n[grid]\nseed = [0, 1, 2]\n")
+    out = tmp_path / "sweep"
+    sweep = subprocess.Popen([sys.executable, "-m", "fedavg.cli", "sweep", str(config),
+                              "--output", str(out), "--parallel", "2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        names = ["seed=0", "seed=1"]
+        _wait_for(lambda: all((out / n / "metrics.jsonl").exists() for n in names), 300,
+                  "first round of both running points", sweep)
+        pids = [_record(out)[n]["pid"] for n in names]
+        assert all(psutil.pid_exists(pid) for pid in pids)
+        sweep.send_signal(signal.SIGTERM)
+        _, err = sweep.communicate(timeout=120)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+            sweep.wait()
+    assert sweep.returncode == 130, err
+    assert "interrupted" in err
+    record = _record(out)
+    assert [record[n]["status"] for n in names] == ["interrupted", "interrupted"]
+    assert record["seed=2"]["status"] == "pending"
+    assert json.loads((out / "sweep.json").read_text())["status"] == "interrupted"
+    assert not [pid for pid in pids if _alive(pid)]
+    _wait_for(lambda: engine_processes() == [], 20, "end of the engine processes")
+    dry = run_cli("sweep", config, "--output", out, "--dry-run", timeout=120)
+    assert dry.stdout.count("run again from scratch") == 2
+    assert sorted(p.name for p in out.glob("seed=*")) == names
