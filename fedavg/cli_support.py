@@ -18,6 +18,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fedavg.errors import RunError, UserError
 
@@ -36,14 +37,16 @@ def guard():
     try:
         yield
     except UserError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False,
+                          soft_wrap=True)
         raise typer.Exit(2) from None
     except RunError as exc:
         from fedavg.output import RUN_OUTPUT
 
         hint = resume_hint(RUN_OUTPUT[0]) if RUN_OUTPUT else None
-        err_console.print(f"[bold red]run failed:[/] {exc}" + (f"; {hint}" if hint else ""),
-                          highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]run failed:[/] {escape(str(exc))}"
+                          + (f"; {escape(hint)}" if hint else ""), highlight=False,
+                          soft_wrap=True)
         raise typer.Exit(1) from None
 
 
@@ -59,7 +62,7 @@ def on_signal(message, cleanup=None):
         if stopping:  # a second signal while stopping: the first one finishes the job
             return
         stopping.append(signum)
-        err_console.print(message() if callable(message) else message, soft_wrap=True)
+        err_console.print(escape(message() if callable(message) else message), soft_wrap=True)
         sys.stdout.flush()
         sys.stderr.flush()
         if cleanup is not None:
@@ -117,7 +120,7 @@ def run_app(app: typer.Typer) -> None:
             where = f"fedavg {sys.argv[1]}"
         message = exc.format_message()
         message = message[:1].lower() + message[1:]  # like our own errors
-        err_console.print(f"[bold red]error:[/] {message} (see `{where} --help`)",
+        err_console.print(f"[bold red]error:[/] {escape(message)} (see `{where} --help`)",
                           highlight=False)
         code = exc.exit_code
     except click.Abort:

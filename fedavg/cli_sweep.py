@@ -7,7 +7,6 @@ folders into tables and plots (:mod:`fedavg.report`).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -19,18 +18,6 @@ from fedavg.errors import UserError
 
 _SAID = {"run": "run", "rerun": "run again from scratch (stopped half-way)",
          "skip": "skip (finished earlier)", "failed": "failed earlier (--retry-failed reruns)"}
-
-
-@contextlib.contextmanager
-def _guard():
-    """:func:`fedavg.cli_support.guard`, for messages that hold ``[grid]`` or ``[[points]]``."""
-    from rich.markup import escape
-
-    with guard():
-        try:
-            yield
-        except UserError as exc:
-            raise UserError(escape(str(exc))) from None
 
 
 def sweep(
@@ -49,7 +36,7 @@ def sweep(
     from fedavg.sweep_run import Runner, cpu_note, locked, plan
 
     out = output if output is not None else Path("runs") / config.stem
-    with _guard():
+    with guard():
         if parallel < 1:
             raise UserError(f"--parallel must be >= 1 (got {parallel})")
         spec = load_sweep(config)
@@ -60,7 +47,7 @@ def sweep(
     note = cpu_note([p.point for p in planned if p.action in ("run", "rerun")], parallel)
     if note:
         err_console.print(f"[yellow]note:[/] {note}", highlight=False)
-    with _guard(), locked(out):
+    with guard(), locked(out):
         planned = plan(spec, out, retry_failed)  # again, now that no other sweep can write
         runner = Runner(spec, planned, out, parallel)
         code = _run_with_progress(runner, len(planned))
@@ -171,7 +158,7 @@ def report(
 
     from fedavg.report import write_report
 
-    with _guard():
+    with guard():
         res = write_report(runs_dir, target=target, output=output)
     console.print(Markdown(res["table"]))
     for note in res["notes"]:

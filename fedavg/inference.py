@@ -283,15 +283,15 @@ def predict(
     model = load_model(directory, device="cpu")
     meta = model.fedavg_meta
     dev = resolve_device(device)
+    note = on_note or (lambda n: warnings.warn(n, UserWarning, stacklevel=3))
     if meta["input"].get("kind") == "text":
-        batches = _text_batches(inputs, text, split, meta, directory)
+        batches = _text_batches(inputs, text, split, meta, directory, note)
     elif text:
         raise UserError(f"this model takes {meta['input'].get('kind', 'image')} inputs, not "
                         "text: pass image files, folders or a dataset")
     else:
         items = _collect(inputs)
-        batches = [_image_batch([p for kind, p in items if kind == "image"], meta, on_note or (
-            lambda n: warnings.warn(n, UserWarning, stacklevel=3)))]
+        batches = [_image_batch([p for kind, p in items if kind == "image"], meta, note)]
         batches += [_dataset_batch(source, split, meta) for kind, source in items
                     if kind == "dataset"]
     rows = []
@@ -323,10 +323,14 @@ def _image_batch(images: list[Path], meta: dict[str, Any], on_note: Callable[[st
 
 
 def _text_batches(inputs: Sequence[str], literal: bool, split: str, meta: dict[str, Any],
-                  directory: str | Path) -> list:
+                  directory: str | Path, on_note: Callable[[str], None]) -> list:
     """Tokenize texts (and load datasets) for a text model: ``[(x, names), ...]``."""
     from fedavg.text import from_spec, text_inputs
 
+    files = [t for t in inputs if literal and len(t) < 4096 and Path(t).expanduser().is_file()]
+    if files:
+        on_note(f"{files[0]} is a file, classified as the text of its name because of --text; "
+                "leave --text out to classify the lines of a .txt file")
     tokenizer = from_spec(meta["input"]["tokenizer"], directory)
     items = text_inputs(inputs, literal)
     texts = [t for kind, t in items if kind == "text"]

@@ -161,7 +161,7 @@ def _prepare_and_run(config: RunConfig, ckpt, output, backend: dict[str, Any], c
         console.print(f"resuming {out} after round {ckpt.round} of {config.merge.rounds}")
     state = run.RunState()
     try:
-        trackers.open(out)
+        trackers.open(out, 1 if ckpt is None else ckpt.round + 1)
         _run_on_ray(config, prepared, out, state, backend, console, ckpt, trackers)
     except BaseException:
         run.remove_if_empty(out)

@@ -128,7 +128,7 @@ class FileTokenizer:
             from tokenizers import Tokenizer
         except ImportError:
             raise UserError("--tokenizer PATH needs the tokenizers package: "
-                            "pip install 'fedavg[text]'") from None
+                            "pip install tokenizers (the project's [text] extra)") from None
         if max_length < 1:
             raise UserError(f"--max-tokens must be >= 1 (got {max_length})")
         try:
@@ -251,7 +251,7 @@ def _transformers_json(folder: Path) -> str:
         from transformers import AutoTokenizer
     except ImportError:
         raise UserError(f"--tokenizer {folder}: it has no tokenizer.json, and reading a "
-                        "transformers tokenizer folder needs: pip install 'fedavg[hf]'") from None
+                        "transformers tokenizer folder needs: pip install transformers") from None
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, use_fast=True)
     except Exception as exc:  # transformers raises many types for unusable folders

@@ -1,6 +1,6 @@
 """Experiment tracking: per-round scalars to TensorBoard, params, metrics and the model to MLflow.
 
-Both are optional extras (``pip install 'fedavg[tensorboard]'`` / ``'fedavg[mlflow]'``) and
+Both are optional extras (``tensorboard``, ``mlflow``: the packages they name) and
 both only observe a run: :func:`tracked` opens them for a run folder, the round progress
 hands every finished round to :meth:`Trackers.on_round`, and the end of the run closes them
 with its status. A tracker that fails mid-run (a full disk, a locked database) is switched off
@@ -64,11 +64,13 @@ def default_mlflow_uri(folder: str | Path = "mlruns") -> str:
 class _TensorBoard:
     """Per-round scalars under ``fedavg/<name>`` as TensorBoard event files."""
 
-    def __init__(self, logdir: Path, run_name: str, params: dict[str, Any]) -> None:
+    def __init__(self, logdir: Path, run_name: str, params: dict[str, Any],
+                 first_round: int = 1) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        try:
-            self.writer = SummaryWriter(log_dir=str(Path(logdir) / run_name))
+        try:  # purge_step: a rerun (--overwrite) or resumed run hides rounds logged before
+            self.writer = SummaryWriter(log_dir=str(Path(logdir) / run_name),
+                                        purge_step=first_round)
         except OSError as exc:
             raise UserError(f"--tensorboard {logdir}: cannot write there ({exc.strerror})") \
                 from None
@@ -155,12 +157,15 @@ class Trackers:
         self.options, self.params, self.sinks = options, params, []
         self.out: Path | None = None
         if options is not None and options.tensorboard is not None:
-            _require("torch.utils.tensorboard", "--tensorboard", "tensorboard")
+            _require("torch.utils.tensorboard", "--tensorboard", "tensorboard", "tensorboard")
         if options is not None and options.mlflow_uri is not None:
-            _require("mlflow", "--mlflow", "mlflow")
+            _require("mlflow", "--mlflow", "mlflow", "mlflow-skinny sqlalchemy alembic")
 
-    def open(self, out: Path) -> None:
+    def open(self, out: Path, first_round: int = 1) -> None:
         """Start tracking the run in folder ``out`` (its name names the run).
+
+        ``first_round`` is the round the run starts with (a resumed run's next one):
+        TensorBoard hides what an earlier run in the same folder logged from there on.
 
         Raises
         ------
@@ -171,7 +176,8 @@ class Trackers:
         if opts is None or not opts.enabled or self.sinks:
             return
         if opts.tensorboard is not None:
-            self.sinks.append(_TensorBoard(opts.tensorboard, self.out.name, self.params))
+            self.sinks.append(_TensorBoard(opts.tensorboard, self.out.name, self.params,
+                                           first_round))
         if opts.mlflow_uri is not None:
             os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
             self.sinks.append(_MLflow(opts.mlflow_uri, self.out.name, self.params))
@@ -198,14 +204,14 @@ class Trackers:
                               RuntimeWarning, stacklevel=2)
 
 
-def _require(module: str, flag: str, extra: str) -> None:
+def _require(module: str, flag: str, extra: str, packages: str) -> None:
     import importlib
 
     try:
         importlib.import_module(module)
     except ImportError:
-        raise UserError(f"{flag} needs the {extra} package: pip install "
-                        f"'fedavg[{extra}]'") from None
+        raise UserError(f"{flag} needs the {extra} package: pip install {packages} (the "
+                        f"project's [{extra}] extra)") from None
 
 
 @contextlib.contextmanager

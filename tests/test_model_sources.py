@@ -581,7 +581,7 @@ def test_hf_text_model_takes_token_ids_and_masks_padding(tmp_path):
     ("no-config", "has no config.json; save the model there with save_pretrained()"),
     ("bad-arg", "does not take argument 'hiden_size': hf: models take entries of their "
      "config.json; did you mean hidden_size"),
-    ("no-transformers", "hf: models need the transformers package: pip install 'fedavg[hf]'"),
+    ("no-transformers", "hf: models need the transformers package: pip install transformers"),
     ("image-as-text", "is not a text model (its config has no vocab_size)"),
 ])
 def test_bad_hf_models_are_one_line(tmp_path, monkeypatch, case, words):
@@ -634,7 +634,7 @@ def test_models_lists_every_form_with_an_example(invoke):
     for words in ("mlp", "torchvision:NAME", "--model torchvision:mobilenet_v3_small",
                   "hf:PATH", "--model hf:models/tiny-vit", "module:function",
                   "--model my_models.py:build", "--model-arg hidden=64",
-                  "pip install 'fedavg[hf]'"):
+                  "needs transformers (the [hf] extra)"):
         assert words in out, words
 
 

@@ -83,14 +83,14 @@ def test_the_grid_is_the_cartesian_product_named_by_what_varies():
     sweep = load_sweep(TINY)
     assert [p.name for p in sweep.points] == [
         "strategy=fedavg_seed=0", "strategy=fedavg_seed=1",
-        "strategy=fedprox_seed=0", "strategy=fedprox_seed=1"]
+        "strategy=fedavgm_seed=0", "strategy=fedavgm_seed=1"]
     assert sweep.varying == ("strategy", "seed")
     assert sweep.shared() == {"dataset": "digits", "num-nodes": 3, "rounds": 2}
     point = sweep.points[3]
     assert point.settings == {"dataset": "digits", "num-nodes": 3, "rounds": 2,
-                              "strategy": "fedprox", "seed": 1}
+                              "strategy": "fedavgm", "seed": 1}
     assert point.config == RunConfig().replace(dataset="digits", num_nodes=3, rounds=2,
-                                               strategy="fedprox", seed=1)
+                                               strategy="fedavgm", seed=1)
     assert [p.name for p in load_sweep(TINY).points] == [p.name for p in sweep.points]
 
 
@@ -230,7 +230,7 @@ def test_dry_run_lists_points_and_runs_nothing(tmp_path):
                              env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     assert "shared: dataset=digits num-nodes=3 rounds=2" in res.output
-    assert "strategy=fedprox_seed=1" in res.output and "4 of 4 points would run" in res.output
+    assert "strategy=fedavgm_seed=1" in res.output and "4 of 4 points would run" in res.output
     assert not out.exists()
 
 

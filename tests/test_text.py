@@ -285,3 +285,19 @@ def test_distilling_text_models_on_unlabeled_texts(tmp_path):
     assert result["num_models"] == 2 and 0 <= result["accuracy"] <= 1
     meta = json.loads((tmp_path / "student" / "model.json").read_text())
     assert meta["input"]["tokenizer"]["buckets"] == 4096
+
+
+def test_predict_text_notes_an_input_that_is_a_file(tmp_path):
+    from fedavg.data import load
+    from fedavg.inference import predict
+
+    data = load(str(AG_NEWS), max_tokens=16, hash_buckets=512)
+    (folder,) = _text_model_folders(tmp_path, data, count=1)
+    lines = tmp_path / "news.txt"
+    lines.write_text("stocks fall\nteam wins\n")
+    notes = []
+    rows = predict(folder, [str(lines), "stocks fall"], text=True, on_note=notes.append)
+    assert [r["input"] for r in rows] == [str(lines), "stocks fall"]
+    assert len(notes) == 1 and "is a file, classified as the text of its name" in notes[0]
+    rows = predict(folder, [str(lines)], on_note=notes.append)  # without --text: its lines
+    assert [r["input"] for r in rows] == ["stocks fall", "team wins"] and len(notes) == 1

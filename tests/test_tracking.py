@@ -44,6 +44,22 @@ def test_tensorboard_scalars_per_round_read_back(tmp_path):
     assert scalars["fedavg/train_loss"] == [(1, 2.0)]  # None is left out, not logged as 0
 
 
+def test_a_rerun_or_resumed_run_hides_the_rounds_logged_before(tmp_path):
+    out = tmp_path / "run-a"
+    out.mkdir()
+    options = TrackingOptions(tensorboard=tmp_path / "tb")
+    for first, rounds in ((1, ROUNDS), (1, ROUNDS[:1]), (2, ROUNDS[1:])):
+        # a run of 2 rounds; the same folder again (--overwrite) stopped after round 1;
+        # that one resumed at round 2
+        with tracked(options, {}) as trackers:
+            trackers.open(out, first_round=first)
+            for record in rounds:
+                trackers.on_round({**record, "accuracy": record["accuracy"] + first / 10})
+    # round 1 of the second run (+0.1), round 2 of the resumed one (+0.2); no duplicates
+    assert _scalars(tmp_path / "tb" / "run-a")["fedavg/accuracy"] == [
+        (1, pytest.approx(0.6)), (2, pytest.approx(0.95))]
+
+
 def test_mlflow_params_metrics_model_and_status_read_back(tmp_path):
     out = tmp_path / "run-b"
     out.mkdir()
@@ -106,7 +122,8 @@ def test_a_missing_package_is_one_line_before_anything_runs(monkeypatch):
 
     monkeypatch.setattr(importlib, "import_module", no_mlflow)
     with pytest.raises(UserError, match=r"--mlflow needs the mlflow package: pip install "
-                                        r"'fedavg\[mlflow\]'"):
+                                        r"mlflow-skinny sqlalchemy alembic \(the project's "
+                                        r"\[mlflow\] extra\)"):
         Trackers(TrackingOptions(mlflow_uri="sqlite:///x.db"), {})
 
 

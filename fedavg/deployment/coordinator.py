@@ -214,7 +214,7 @@ def _run(opts: _Options, prepared, state, console, trackers) -> tuple[Path, int]
             f"for {opts.min_nodes} node(s) (up to {opts.wait_timeout:g} s)")
         endpoint = flower_compat.Endpoint(
             opts.connect, None if opts.ca_cert is None else opts.ca_cert.read_bytes(), secret)
-        trackers.open(out)
+        trackers.open(out, 1 if opts.resume_from is None else opts.resume_from.round + 1)
         _run_rounds(link, endpoint, run_id, opts, prepared, out, state, console, say,
                     trackers)
     finally:

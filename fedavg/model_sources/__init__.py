@@ -52,7 +52,7 @@ FORMS = (
      "classes; --pretrained starts from its ImageNet weights (downloaded). "
      "Example: --model torchvision:mobilenet_v3_small"),
     ("hf:PATH", "a local Hugging Face transformers folder (config.json, optional "
-     "model.safetensors): image or text classification; needs pip install 'fedavg[hf]'. "
+     "model.safetensors): image or text classification; needs transformers (the [hf] extra). "
      "Example: --model hf:models/tiny-vit"),
     ("module:function", "your own builder function(input_shape, num_classes, **args) -> "
      "nn.Module, in an importable module or a .py file. Example: --model my_models.py:build "

@@ -10,7 +10,7 @@ The whole configuration is stored in the model spec's ``hf_config`` argument, so
 the folder. No remote code is ever run (``trust_remote_code=False``) and no pickle is loaded
 (``model.safetensors`` only). Only the run's initial model loads the folder's weights.
 Builder arguments (``--model-arg hidden_dropout_prob=0.2``) override configuration entries.
-Needs the optional ``transformers`` package (``pip install 'fedavg[hf]'``).
+Needs the optional ``transformers`` package (the ``hf`` extra).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def transformers_module():
         import transformers
     except ImportError:
         raise UserError("hf: models need the transformers package: pip install "
-                        "'fedavg[hf]' (or pip install transformers)") from None
+                        "transformers (the project's [hf] extra)") from None
     return transformers
 
 
