@@ -295,3 +295,11 @@ def test_predict_unsupported_input(invoke, model_dir, tmp_path):
     code, stderr = invoke("predict", model_dir, "notes.docx")
     assert code == 2
     assert "neither an image" in assert_one_error_line(stderr)
+
+
+def test_an_error_line_keeps_square_brackets(invoke):
+    code, err = invoke("simulate", "--dataset", "runs/x[old]/data.csv")
+    assert code == 2
+    assert assert_one_error_line(err) == "error: no such file or folder: runs/x[old]/data.csv"
+    code, err = invoke("evaluate", "no[such]model")
+    assert code == 2 and "no[such]model" in assert_one_error_line(err)
