@@ -18,10 +18,14 @@ def _predict_texts(run, *texts):
     return json.loads((run / "pred.json").read_text())
 
 
-def test_ag_news_federated_with_the_default_text_model_then_predict(tmp_path, no_leaks):
+def test_ag_news_federated_then_predict_a_one_shot_ensemble_and_tracking(tmp_path, no_leaks):
+    from fedavg.tracking import default_mlflow_uri
+
     out = tmp_path / "run"
+    uri = default_mlflow_uri(tmp_path / "mlruns")
     run_cli("simulate", "--dataset", AG_NEWS, "--num-nodes", "3", "--rounds", "2",
-            "--local-epochs", "2", "--lr", "0.02", "--output", out)
+            "--local-epochs", "2", "--save-node-models", "--output", out,
+            "--tensorboard", tmp_path / "tb", "--mlflow-uri", uri)
     meta = json.loads((out / "model.json").read_text())
     assert meta["model"]["name"] == "fasttext"
     assert meta["model"]["args"] == {"vocab_size": 131072, "pad_id": 0}
@@ -54,37 +58,36 @@ def test_ag_news_federated_with_the_default_text_model_then_predict(tmp_path, no
     proc = run_cli("predict", out, png, check=False)
     assert proc.returncode == 2 and "this model takes text" in assert_one_error_line(proc.stderr)
 
-
-def test_one_shot_ensemble_of_text_models_with_a_tokenizer_file(tmp_path, no_leaks):
-    import pyarrow.parquet as pq
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    corpus = pq.read_table(AG_NEWS / "train.parquet").column("text").to_pylist()
-    tok.train_from_iterator(corpus, trainers.WordLevelTrainer(
-        vocab_size=8000, special_tokens=["[UNK]", "[PAD]"]))
-    tok_file = tmp_path / "words.json"
-    tok.save(str(tok_file))
-
-    out = tmp_path / "ens"
-    run_cli("simulate", "--dataset", AG_NEWS, "--num-nodes", "3", "--rounds", "1",
-            "--local-epochs", "2", "--lr", "0.05", "--strategy", "ensemble",
-            "--tokenizer", tok_file, "--max-tokens", "64", "--output", out)
-    meta = json.loads((out / "model.json").read_text())
-    assert meta["kind"] == "ensemble" and meta["members"] == 3
-    assert meta["input"]["tokenizer"]["kind"] == "file"
-    assert meta["input"]["vocab_size"] == tok.get_vocab_size()
-    assert meta["model"]["args"]["pad_id"] == tok.token_to_id("[PAD]") == 1
-    assert (out / "tokenizer.json").read_text() == tok_file.read_text()
-    tok_file.unlink()  # predict needs only the run folder
-    (row,) = _predict_texts(out, SPORTS)
+    # the nodes' text models merged once into an output ensemble, saved and reloaded
+    ens = tmp_path / "ensemble"
+    run_cli("merge", out / "nodes", "--strategy", "ensemble", "--output", ens,
+            "--dataset", AG_NEWS)
+    ens_meta = json.loads((ens / "model.json").read_text())
+    assert ens_meta["kind"] == "ensemble" and ens_meta["members"] == 3
+    assert ens_meta["input"] == meta["input"]
+    (row,) = _predict_texts(ens, SPORTS)
     assert row["prediction"] in meta["classes"]
-    summary = json.loads((out / "summary.json").read_text())
-    ev = json.loads(run_cli("evaluate", out, "--json").stdout)
-    assert ev["accuracy"] == pytest.approx(summary["accuracy"], abs=1e-3)
-    assert ev["accuracy"] > 0.5
+    ev = json.loads(run_cli("evaluate", ens, "--json").stdout)
+    assert ev["accuracy"] == pytest.approx(
+        json.loads((ens / "summary.json").read_text())["accuracy"], abs=1e-3)
+    assert ev["accuracy"] > 0.6
+
+    # the same run, tracked: TensorBoard scalars and an MLflow run, read back
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(tmp_path / "tb" / "run"))
+    events.Reload()
+    assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("fedavg/accuracy")] == \
+        [(r["round"], r["accuracy"]) for r in rounds]
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    (tracked,) = client.search_runs([client.get_experiment_by_name("fedavg").experiment_id])
+    assert tracked.info.status == "FINISHED" and tracked.data.params["num-nodes"] == "3"
+    assert tracked.data.metrics["accuracy"] == pytest.approx(rounds[-1]["accuracy"])
+    files = {a.path for a in client.list_artifacts(tracked.info.run_id, "model")}
+    assert {"model/model.safetensors", "model/model.json", "model/summary.json"} <= files
 
 
 def _tiny_bert_folder(folder):
@@ -115,6 +118,8 @@ def test_a_tiny_transformers_model_on_ag_news(tmp_path, no_leaks):
     meta = json.loads((out / "model.json").read_text())
     assert meta["model"]["args"]["hf_config"]["model_type"] == "bert"
     assert meta["input"]["tokenizer"]["kind"] == "file" and meta["input"]["pad_id"] == 0
+    assert meta["input"]["vocab_size"] == 3000
+    assert json.loads((out / "tokenizer.json").read_text())["model"]["type"] == "WordPiece"
     rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rounds[-1]["train_loss"] < rounds[0]["train_loss"]  # the nodes really trained it
     assert rounds[-1]["accuracy"] > 0.4  # 4 balanced classes: chance is 0.25

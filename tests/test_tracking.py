@@ -1,10 +1,12 @@
-"""Tracking: TensorBoard event files and MLflow runs, read back through their own APIs."""
+"""Tracking: TensorBoard event files and MLflow runs, read back through their own APIs.
 
-import json
+A real run tracked to both is in ``tests/test_text_e2e.py``; the coordinator's, in
+``tests/test_deploy.py``.
+"""
+
 import warnings
 
 import pytest
-from conftest import run_cli
 
 from fedavg.errors import UserError
 from fedavg.tracking import Trackers, TrackingOptions, default_mlflow_uri, tracked
@@ -125,21 +127,3 @@ def test_a_missing_package_is_one_line_before_anything_runs(monkeypatch):
                                         r"mlflow-skinny sqlalchemy alembic \(the project's "
                                         r"\[mlflow\] extra\)"):
         Trackers(TrackingOptions(mlflow_uri="sqlite:///x.db"), {})
-
-
-@pytest.mark.e2e
-def test_simulate_with_tensorboard_and_mlflow(tmp_path, no_leaks):
-    out = tmp_path / "run"
-    uri = default_mlflow_uri(tmp_path / "mlruns")
-    run_cli("simulate", "--rounds", "2", "--num-nodes", "3", "--output", out,
-            "--tensorboard", tmp_path / "tb", "--mlflow-uri", uri)
-    rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    scalars = _scalars(tmp_path / "tb" / "run")
-    assert scalars["fedavg/accuracy"] == [(r["round"], pytest.approx(r["accuracy"]))
-                                          for r in rounds]
-    assert [v for _, v in scalars["fedavg/num_nodes"]] == [3.0, 3.0]
-    client, run = _mlflow_run(uri)
-    assert run.info.status == "FINISHED" and run.data.params["num-nodes"] == "3"
-    assert run.data.metrics["accuracy"] == pytest.approx(rounds[-1]["accuracy"])
-    files = {a.path for a in client.list_artifacts(run.info.run_id, "model")}
-    assert {"model/model.safetensors", "model/model.json", "model/summary.json"} <= files
