@@ -180,6 +180,11 @@ class Trackers:
                                            first_round))
         if opts.mlflow_uri is not None:
             os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+            # a tracking server that is down: a one-line error in seconds, not MLflow's
+            # default of 7 retries with exponential back-off (minutes)
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
             self.sinks.append(_MLflow(opts.mlflow_uri, self.out.name, self.params))
 
     def on_round(self, record) -> None:

@@ -127,3 +127,22 @@ def test_a_missing_package_is_one_line_before_anything_runs(monkeypatch):
                                         r"mlflow-skinny sqlalchemy alembic \(the project's "
                                         r"\[mlflow\] extra\)"):
         Trackers(TrackingOptions(mlflow_uri="sqlite:///x.db"), {})
+
+
+def test_an_unreachable_tracking_server_is_one_line_in_seconds(tmp_path, monkeypatch):
+    import socket
+    import time
+
+    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as sock:  # a free port that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "run"
+    out.mkdir()
+    started = time.monotonic()
+    with pytest.raises(UserError, match=f"--mlflow: cannot use the tracking store "
+                                        f"http://127.0.0.1:{port}"):
+        Trackers(TrackingOptions(mlflow_uri=f"http://127.0.0.1:{port}"), {}).open(out)
+    assert time.monotonic() - started < 30
