@@ -46,6 +46,23 @@ def _batches(n: int, batch_size: int, generator: torch.Generator | None):
         yield order[start : start + batch_size]
 
 
+def make_optimizer(model: nn.Module, name: str, *, lr: float, momentum: float,
+                   weight_decay: float) -> torch.optim.Optimizer:
+    """Return a fresh ``sgd`` (with ``momentum``) or ``adam`` optimizer over ``model``.
+
+    Raises
+    ------
+    ValueError
+        Another name.
+    """
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
+                               weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; use sgd or adam")
+
+
 def train(
     model: nn.Module,
     x: np.ndarray | torch.Tensor,
@@ -84,27 +101,19 @@ def train(
         FedProx (Li et al. 2020, arXiv:1812.06127): adds ``mu/2 * ||w - w_start||^2`` to
         the loss, ``w_start`` being the weights the node received. 0 is plain SGD.
     optimizer : str
-        ``sgd`` (with ``momentum``) or ``adam`` (Kingma and Ba 2015, arXiv:1412.6980;
-        ``momentum`` unused), started afresh each call: a node's optimizer state does not
-        outlive its round.
+        ``sgd`` or ``adam`` (Kingma and Ba 2015, arXiv:1412.6980; no ``momentum``), fresh
+        each call: a node's optimizer state does not outlive its round.
 
     Returns
     -------
     dict
         ``train_loss`` (mean cross-entropy over all steps, nats, without the proximal
-        term), ``num_examples``
-        (samples in the partition), ``steps``.
+        term), ``num_examples`` (samples in the partition), ``steps``.
     """
     device = torch.device(device)
     model.to(device).train()
     xt, yt = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.long)
-    if optimizer == "adam":
-        opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
-    elif optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
-                              weight_decay=weight_decay)
-    else:
-        raise ValueError(f"unknown optimizer {optimizer!r}; use sgd or adam")
+    opt = make_optimizer(model, optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay)
     loss_fn = nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(seed)
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None

@@ -204,7 +204,7 @@ def test_node_training_error_reported_within_seconds(cluster, tmp_path):
         time.sleep(0.1)
     started = time.monotonic()
     while not re.search(r"node \d+ failed:.*shape", text := cluster.log("coordinator")):
-        assert time.monotonic() - started < 15, text
+        assert time.monotonic() - started < 30, text  # not the 600 s round timeout
         time.sleep(0.2)
     assert "UserError: node data" in text and "(10,)" in text and "(1, 8, 8)" in text
     assert cluster.wait(coord) == 0, text
