@@ -161,7 +161,8 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
     if not isinstance(shape, list) or not shape or \
             not all(isinstance(s, int) and s > 0 for s in shape):
         return "'input.shape' must be a list of positive integers"
-    problem = _text_problem(spec) if spec.get("kind") == "text" else _scale_problem(spec)
+    problem = _text_problem(spec, model) if spec.get("kind") == "text" else \
+        _scale_problem(spec)
     if problem:
         return problem
     if isinstance(model.get("input_shape"), list) and model["input_shape"] != shape:
@@ -187,7 +188,7 @@ def _scale_problem(spec: dict[str, Any]) -> str | None:
     return None
 
 
-def _text_problem(spec: dict[str, Any]) -> str | None:
+def _text_problem(spec: dict[str, Any], model: dict[str, Any]) -> str | None:
     """Return what is wrong with a text model's input description, or ``None``."""
     tok = spec.get("tokenizer")
     if len(spec["shape"]) != 1:
@@ -197,8 +198,17 @@ def _text_problem(spec: dict[str, Any]) -> str | None:
     if tok.get("max_length") != spec["shape"][0]:
         return "'input.tokenizer.max_length' differs from 'input.shape'"
     for key in ("vocab_size", "pad_id"):
-        if not isinstance(spec.get(key), int) or spec[key] < 0:
+        if not isinstance(spec.get(key), int) or isinstance(spec[key], bool) or spec[key] < 0:
             return f"'input.{key}' must be an integer >= 0"
+    if spec["pad_id"] >= spec["vocab_size"]:
+        return "'input.pad_id' must be below 'input.vocab_size'"
+    if tok["kind"] == "hashed" and (tok.get("buckets") != spec["vocab_size"]
+                                    or tok.get("ngrams") not in (1, 2)):
+        return "'input.tokenizer' (buckets, ngrams) does not match 'input.vocab_size'"
+    args = model.get("args") if isinstance(model.get("args"), dict) else {}
+    for key in ("vocab_size", "pad_id"):
+        if key in args and args[key] != spec[key]:
+            return f"'model.args.{key}' differs from 'input.{key}'"
     return None
 
 

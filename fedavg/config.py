@@ -342,8 +342,8 @@ def _check_data(c: RunConfig) -> str | None:
         return f"--seed must be >= 0 and < {MAX_SEED} (got {d.seed})"
     if not 0 < d.test_fraction < 1:
         return f"test fraction must be in (0, 1) (got {d.test_fraction})"
-    if d.max_tokens < 1:
-        return f"--max-tokens must be >= 1 (got {d.max_tokens})"
+    if not 1 <= d.max_tokens <= 8192:
+        return f"--max-tokens must be in 1..8192 (got {d.max_tokens})"
     if d.hash_buckets < 2:
         return f"hash-buckets must be >= 2 (got {d.hash_buckets})"
     if d.image_column and d.text_column:

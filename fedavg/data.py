@@ -383,7 +383,8 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text) -> 
             if name == train_name:
                 raise UserError(f"split {name!r} lacks column(s) {missing}")
             continue
-        x = tokenizer.encode(ds[image[0]]) if tokenizer else input_array(ds, image, source)
+        x = _tokenized(tokenizer, ds, image[0], source) if tokenizer else \
+            input_array(ds, image, source)
         y = label_array(ds[label], mapping, classes, label, name)
         groups = None
         if partition_by is not None and partition_by in ds.features:
@@ -397,3 +398,12 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text) -> 
     else:
         cols = {"features": image, "label": label}
     return LoadedData(splits, classes, source, cols, tokenizer=tokenizer)
+
+
+def _tokenized(tokenizer, ds, column: str, source: str) -> np.ndarray:
+    """Tokenize a text column; text that is not UTF-8 is one line naming the data."""
+    try:
+        return tokenizer.encode(ds[column])
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{source} holds text that is not UTF-8 ({exc.reason} at byte "
+                        f"{exc.start}): save it as UTF-8") from None

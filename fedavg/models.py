@@ -125,9 +125,15 @@ def make_model(name: str, input_shape: tuple[int, ...], num_classes: int,
     from fedavg import model_sources
 
     shape, args = tuple(int(s) for s in input_shape), dict(args or {})
-    if ":" in name:
-        return model_sources.build(name, shape, int(num_classes), args, initial=initial,
-                                   pretrained=pretrained)
+    try:
+        if ":" in name:
+            return model_sources.build(name, shape, int(num_classes), args, initial=initial,
+                                       pretrained=pretrained)
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a library's own check of a builder argument
+        raise UserError(f"model {name!r} cannot be built with {dict(args)}: "
+                        f"{type(exc).__name__}: {_first_line(exc)}") from None
     name = resolve_model(name, shape, _kind(name, args))
     fn = _MODELS[name][0]
     what = f"model {name!r}"
@@ -135,8 +141,16 @@ def make_model(name: str, input_shape: tuple[int, ...], num_classes: int,
     try:
         return fn(shape, int(num_classes), **kwargs)
     except (ValueError, RuntimeError) as exc:
-        raise UserError(f"model {name!r} cannot take inputs of shape {shape}: "
-                        f"{str(exc).splitlines()[0]}") from None
+        raise UserError(f"model {name!r} cannot take inputs of shape {shape}"
+                        + (f" with {kwargs}" if kwargs else "")
+                        + f": {_first_line(exc)}") from None
+    except (TypeError, ArithmeticError, AssertionError) as exc:  # a bad builder argument
+        raise UserError(f"model {name!r} cannot be built with {kwargs}: "
+                        f"{type(exc).__name__}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return ((str(exc).strip().splitlines() or [type(exc).__name__])[0])[:200]
 
 
 def _kind(name: str, args: dict) -> str | None:

@@ -229,6 +229,10 @@ def prepare(config: RunConfig, *, model: bool = True) -> Prepared:
     spec = None
     if model:
         t = config.train
+        given = sorted(set(t.model_args) & set(text_model_args(data)))
+        if given:
+            raise UserError(f"--model-arg {', '.join(given)}: for text these come from the "
+                            "tokenizer; leave them out (see --tokenizer, --max-tokens)")
         spec = ModelSpec.resolve(t.model, data.input_shape, len(data.classes),
                                  {**t.model_args, **text_model_args(data)},
                                  pretrained=t.pretrained, kind=data.kind)

@@ -27,6 +27,8 @@ import numpy as np
 
 from fedavg.errors import UserError
 
+#: Most tokens per text (``--max-tokens``): an (N, L) int64 batch must fit in memory.
+MAX_TOKENS = 8192
 #: Name of the tokenizer file kept in a run folder.
 TOKENIZER_FILE = "tokenizer.json"
 #: Words: runs of letters and digits, or single punctuation marks.
@@ -65,8 +67,8 @@ class HashedTokenizer:
     def __init__(self, buckets: int = 131072, max_length: int = 256, ngrams: int = 2) -> None:
         if buckets < 2:
             raise UserError(f"--hash-buckets must be >= 2 (got {buckets})")
-        if max_length < 1:
-            raise UserError(f"--max-tokens must be >= 1 (got {max_length})")
+        if not 1 <= max_length <= MAX_TOKENS:
+            raise UserError(f"--max-tokens must be in 1..{MAX_TOKENS} (got {max_length})")
         if ngrams not in (1, 2):
             raise UserError(f"hashed tokenizer ngrams must be 1 or 2 (got {ngrams})")
         self.buckets, self.max_length, self.ngrams = int(buckets), int(max_length), int(ngrams)
@@ -129,8 +131,8 @@ class FileTokenizer:
         except ImportError:
             raise UserError("--tokenizer PATH needs the tokenizers package: "
                             "pip install tokenizers (the project's [text] extra)") from None
-        if max_length < 1:
-            raise UserError(f"--max-tokens must be >= 1 (got {max_length})")
+        if not 1 <= max_length <= MAX_TOKENS:
+            raise UserError(f"--max-tokens must be in 1..{MAX_TOKENS} (got {max_length})")
         try:
             self._tok = Tokenizer.from_str(json_text)
         except Exception as exc:  # tokenizers raises its own Exception subclass
@@ -141,6 +143,10 @@ class FileTokenizer:
         self.sha256 = hashlib.sha256(json_text.encode()).hexdigest()
         _KNOWN[self.sha256] = json_text
         self.pad_id = self._pad_id()
+        if self._tok.get_vocab_size(with_added_tokens=False) < 2:
+            raise UserError(f"{source or 'the tokenizer'} has no vocabulary (it would map every "
+                            "word to one id): give a tokenizer.json or a folder with its "
+                            "vocabulary (vocab.txt, merges)")
         self._tok.no_padding()
         self._tok.enable_truncation(self.max_length)
 
@@ -282,8 +288,12 @@ def from_spec(spec: dict[str, Any], folder: str | Path | None = None) -> Tokeniz
     """
     kind = spec.get("kind") if isinstance(spec, dict) else None
     if kind == "hashed":
-        return HashedTokenizer(int(spec["buckets"]), int(spec["max_length"]),
-                               int(spec.get("ngrams", 2)))
+        try:
+            return HashedTokenizer(int(spec["buckets"]), int(spec["max_length"]),
+                                   int(spec.get("ngrams", 2)))
+        except (KeyError, TypeError, ValueError, UserError):
+            raise UserError(f"the hashed tokenizer in model.json ({spec}) is unusable; the "
+                            "artifact is damaged") from None
     if kind != "file":
         raise UserError(f"unknown tokenizer {spec!r} in model.json; the artifact is damaged")
     path = Path(folder or ".") / str(spec.get("file", TOKENIZER_FILE))
@@ -293,7 +303,7 @@ def from_spec(spec: dict[str, Any], folder: str | Path | None = None) -> Tokeniz
         raise UserError(f"{path} is missing or unreadable: the model's tokenizer is kept "
                         "there; copy the whole run folder") from None
     tok = FileTokenizer(text, int(spec["max_length"]), source=str(path))
-    if tok.sha256 != spec.get("sha256"):
+    if tok.sha256 != spec.get("sha256") or tok.vocab_size != spec.get("vocab_size"):
         raise UserError(f"{path} differs from the tokenizer the model was trained with "
                         "(SHA-256 mismatch); the artifact is damaged")
     return tok

@@ -95,8 +95,10 @@ class _MLflow:
 
         logging.getLogger("mlflow").setLevel(logging.WARNING)
         logging.getLogger("alembic").setLevel(logging.WARNING)
-        self.client = mlflow.MlflowClient(tracking_uri=uri)
         try:
+            if uri.startswith("sqlite:///"):
+                Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+            self.client = mlflow.MlflowClient(tracking_uri=uri)
             found = self.client.get_experiment_by_name(EXPERIMENT)
             exp_id = found.experiment_id if found else self.client.create_experiment(
                 EXPERIMENT, artifact_location=_artifact_root(uri))

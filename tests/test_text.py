@@ -301,3 +301,81 @@ def test_predict_text_notes_an_input_that_is_a_file(tmp_path):
     assert len(notes) == 1 and "is a file, classified as the text of its name" in notes[0]
     rows = predict(folder, [str(lines)], on_note=notes.append)  # without --text: its lines
     assert [r["input"] for r in rows] == ["stocks fall", "team wins"] and len(notes) == 1
+
+
+def test_a_tokenizer_without_vocabulary_and_too_many_tokens_are_refused(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    empty = tmp_path / "empty.json"
+    Tokenizer(models.WordLevel(unk_token="[UNK]")).save(str(empty))
+    with pytest.raises(UserError, match="has no vocabulary"):
+        make_tokenizer(str(empty))
+    with pytest.raises(UserError, match=r"--max-tokens must be in 1\.\.8192"):
+        HashedTokenizer(max_length=10**20)
+    from fedavg.config import RunConfig
+
+    with pytest.raises(UserError, match=r"--max-tokens must be in 1\.\.8192"):
+        RunConfig().replace(max_tokens=100_000_000).validate()
+
+
+def test_tampered_text_descriptions_say_the_artifact_is_damaged():
+    from fedavg.checkpoint import _meta_problem
+
+    spec = {"kind": "text", "shape": [8], "dtype": "int64", "vocab_size": 10, "pad_id": 0,
+            "tokenizer": {"kind": "hashed", "buckets": 10, "max_length": 8, "ngrams": 2}}
+    model = {"name": "fasttext", "num_classes": 2, "input_shape": [8],
+             "args": {"vocab_size": 10, "pad_id": 0}}
+    meta = {"model": model, "classes": ["a", "b"], "input": spec}
+    assert _meta_problem(meta) is None
+    bigger = {**spec, "tokenizer": {**spec["tokenizer"], "buckets": 10**7}}
+    assert "buckets" in _meta_problem({**meta, "input": bigger})
+    assert "pad_id" in _meta_problem({**meta, "input": {**spec, "pad_id": 99999}})
+    other = {**model, "args": {"vocab_size": 10, "pad_id": 3}}
+    assert "model.args.pad_id" in _meta_problem({**meta, "model": other})
+    with pytest.raises(UserError, match="damaged"):
+        from_spec({"kind": "hashed", "buckets": "x", "max_length": 8})
+
+
+def test_bad_builder_arguments_of_built_in_models_are_one_line():
+    from fedavg.models import build_model
+
+    for args, words in (({"hidden": "abc"}, "cannot be built with {'hidden': 'abc'}"),
+                        ({"dim": 0}, "cannot be built with")):
+        name, shape = ("mlp", (1, 8, 8)) if "hidden" in args else ("fasttext", (8,))
+        extra = {} if name == "mlp" else {"vocab_size": 10, "pad_id": 0}
+        with pytest.raises(UserError, match=words.replace("{", r"\{").replace("}", r"\}")):
+            build_model(name, shape, 2, **args, **extra)
+    with pytest.raises(UserError, match="cannot be built with"):
+        build_model("text-transformer", (8,), 2, vocab_size=10, heads=3)
+
+
+def test_vocab_size_and_pad_id_come_from_the_tokenizer():
+    from fedavg.config import RunConfig
+    from fedavg.run import prepare
+
+    config = RunConfig().replace(dataset=str(AG_NEWS), max_tokens=16, hash_buckets=256,
+                                 num_nodes=2, model_args={"vocab_size": 5})
+    with pytest.raises(UserError, match="--model-arg vocab_size: for text these come from"):
+        prepare(config)
+
+
+def test_resume_refuses_texts_tokenized_otherwise(tmp_path):
+    from fedavg.coordinator import _check_same_tokenizer
+
+    spec = {"kind": "text", "tokenizer": {"kind": "file", "sha256": "aa", "max_length": 8}}
+    (tmp_path / "model.json").write_text(json.dumps({"input": spec}))
+    _check_same_tokenizer(tmp_path, spec)  # the same: fine
+    changed = {**spec, "tokenizer": {**spec["tokenizer"], "sha256": "bb"}}
+    with pytest.raises(UserError, match="tokenized otherwise.*sha256 'aa' vs 'bb'"):
+        _check_same_tokenizer(tmp_path, changed)
+
+
+def test_text_that_is_not_utf8_is_one_line(tmp_path):
+    from fedavg.data import load
+
+    bad = tmp_path / "t.jsonl"
+    bad.write_bytes(b'{"text": "caf\xe9 au lait", "label": 0}\n{"text": "tea", "label": 1}\n'
+                    * 3)
+    with pytest.raises(UserError) as caught:
+        load(str(bad))
+    assert "\n" not in str(caught.value)
