@@ -97,7 +97,7 @@ def find_runs(root: str | Path) -> tuple[list[Run], list[str]]:
         if all((folder / name).is_file() for name in REQUIRED):
             try:
                 runs.append(read_run(folder))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 notes.append(f"{folder} left out: cannot read it ({exc})")
             continue
         try:
@@ -116,6 +116,10 @@ def read_run(folder: Path) -> Run:
     summary = json.loads((folder / "summary.json").read_text())
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()
             if line.strip()]
+    numbers = [summary["accuracy"], summary["best_accuracy"], summary["wall_s"],
+               *(r["accuracy"] for r in rows)]
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in numbers):
+        raise ValueError("an accuracy or time that is not a finite number")
     return Run(path=folder, settings=flat_settings(summary),
                accuracy=float(summary["accuracy"]),
                best_accuracy=float(summary["best_accuracy"]), rounds=int(summary["rounds"]),
@@ -333,8 +337,10 @@ def _sweep_notes(root: Path) -> list[str]:
         record = json.loads((root / "sweep.json").read_text())
     except (OSError, ValueError):
         return []
-    missing = [p.get("name") for p in record.get("points", [])
-               if p.get("status") not in ("done", "skipped")]
+    if not isinstance(record, dict) or not isinstance(record.get("points"), list):
+        return [f"{root / 'sweep.json'} is not a sweep record; left out"]
+    missing = [p.get("name") for p in record["points"] if isinstance(p, dict)
+               and p.get("status") not in ("done", "skipped")]
     if not missing:
         return []
     return [f"{len(missing)} sweep point(s) have no results (see {root / 'sweep.json'}): "

@@ -277,6 +277,21 @@ def fake_run(folder: Path, accuracies: list[float], wall_s: float, model: str = 
     return folder
 
 
+def test_corrupt_run_files_are_left_out_with_a_note(tmp_path):
+    fake_run(tmp_path / "good", [0.5, 0.9], 10.0)
+    (fake_run(tmp_path / "listed", [0.5], 5.0) / "summary.json").write_text("[1, 2]")
+    nan = fake_run(tmp_path / "nan", [0.5, 0.6], 5.0)
+    (nan / "metrics.jsonl").write_text('{"round": 1, "accuracy": NaN, "wall_s": 1.0}\n')
+    (tmp_path / "sweep.json").write_text("[]")
+    runs, notes = find_runs(tmp_path)
+    assert [r.path.name for r in runs] == ["good"]
+    assert sorted(n.split(" left out")[0].rsplit("/", 1)[-1] for n in notes) == ["listed",
+                                                                                 "nan"]
+    result = write_report(tmp_path)
+    assert result["num_runs"] == 1
+    assert any("sweep.json is not a sweep record" in n for n in result["notes"])
+
+
 @pytest.fixture
 def runs(tmp_path):
     root = tmp_path / "runs"
