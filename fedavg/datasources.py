@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from fedavg.errors import UserError
+from fedavg.errors import UserError, first_line
 
 BUILTIN = ("digits",)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -133,9 +133,7 @@ def _quiet_hub_logs() -> None:
 
 def _one_line(exc: BaseException) -> str:
     """Shorten ``exc`` to its first line, at most 300 characters."""
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else type(exc).__name__
-    return first[:300]
+    return first_line(exc, 300)
 
 
 def _check_column(features, col: str, flag: str, source: str) -> str:

@@ -11,3 +11,8 @@ class UserError(Exception):
 
 class RunError(Exception):
     """A run could not finish (e.g. no node replied in a round); artifacts so far are kept."""
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """Return the first line of ``exc``'s message (its type name when empty), cut to ``limit``."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]

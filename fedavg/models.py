@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fedavg.errors import UserError
+from fedavg.errors import UserError, first_line
 
 _MODELS: dict[str, tuple[Callable[..., nn.Module], str, tuple[str, ...]]] = {}
 
@@ -133,7 +133,7 @@ def make_model(name: str, input_shape: tuple[int, ...], num_classes: int,
         raise
     except Exception as exc:  # noqa: BLE001 - a library's own check of a builder argument
         raise UserError(f"model {name!r} cannot be built with {dict(args)}: "
-                        f"{type(exc).__name__}: {_first_line(exc)}") from None
+                        f"{type(exc).__name__}: {first_line(exc)}") from None
     name = resolve_model(name, shape, _kind(name, args))
     fn = _MODELS[name][0]
     what = f"model {name!r}"
@@ -143,14 +143,11 @@ def make_model(name: str, input_shape: tuple[int, ...], num_classes: int,
     except (ValueError, RuntimeError) as exc:
         raise UserError(f"model {name!r} cannot take inputs of shape {shape}"
                         + (f" with {kwargs}" if kwargs else "")
-                        + f": {_first_line(exc)}") from None
+                        + f": {first_line(exc)}") from None
     except (TypeError, ArithmeticError, AssertionError) as exc:  # a bad builder argument
         raise UserError(f"model {name!r} cannot be built with {kwargs}: "
-                        f"{type(exc).__name__}: {_first_line(exc)}") from None
+                        f"{type(exc).__name__}: {first_line(exc)}") from None
 
-
-def _first_line(exc: BaseException) -> str:
-    return ((str(exc).strip().splitlines() or [type(exc).__name__])[0])[:200]
 
 
 def _kind(name: str, args: dict) -> str | None:

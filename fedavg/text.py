@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedavg.errors import UserError
+from fedavg.errors import UserError, first_line
 
 #: Most tokens per text (``--max-tokens``): an (N, L) int64 batch must fit in memory.
 MAX_TOKENS = 8192
@@ -136,7 +136,7 @@ class FileTokenizer:
         try:
             self._tok = Tokenizer.from_str(json_text)
         except Exception as exc:  # tokenizers raises its own Exception subclass
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            first = first_line(exc)
             raise UserError(f"{source or 'the tokenizer'} is not a tokenizers JSON file "
                             f"({first})") from None
         self.json_text, self.max_length, self.source = json_text, int(max_length), source
@@ -261,7 +261,7 @@ def _transformers_json(folder: Path) -> str:
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, use_fast=True)
     except Exception as exc:  # transformers raises many types for unusable folders
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        first = first_line(exc)
         raise UserError(f"--tokenizer {folder}: not a tokenizer folder ({first})") from None
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from fedavg.errors import UserError
+from fedavg.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class _MLflow:
             self.client.log_batch(self.run_id, params=[
                 mlflow.entities.Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
         except Exception as exc:  # mlflow raises its own and the store's exceptions
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            first = first_line(exc)
             raise UserError(f"--mlflow: cannot use the tracking store {uri} ({first})") \
                 from None
 
@@ -206,7 +206,7 @@ class Trackers:
                 getattr(sink, method)(*args)
             except Exception as exc:  # noqa: BLE001 - tracking must never stop a run
                 self.sinks.remove(sink)
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+                first = first_line(exc)
                 warnings.warn(f"{type(sink).__name__.strip('_')} tracking stopped: {first}",
                               RuntimeWarning, stacklevel=2)
 
