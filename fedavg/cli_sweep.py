@@ -30,16 +30,19 @@ def sweep(
         "--dry-run", help="List the points and what would happen; run nothing")] = False,
     retry_failed: Annotated[bool, typer.Option(
         "--retry-failed", help="Run points that failed in an earlier sweep again")] = False,
+    only: Annotated[Optional[list[str]], typer.Option(
+        help="Only the points with this setting, KEY=VALUE (repeatable: all must match), "
+             "e.g. --only strategy=fedprox")] = None,
 ) -> None:
     """Run every point of a sweep config as its own `fedavg simulate`; resumable."""
-    from fedavg.sweep import load_sweep
+    from fedavg.sweep import load_sweep, select
     from fedavg.sweep_run import Runner, cpu_note, locked, plan
 
     out = output if output is not None else Path("runs") / config.stem
     with guard():
         if parallel < 1:
             raise UserError(f"--parallel must be >= 1 (got {parallel})")
-        spec = load_sweep(config)
+        spec = select(load_sweep(config), only or [])
         planned = plan(spec, out, retry_failed)
     if dry_run:
         _show_plan(spec, planned, out)

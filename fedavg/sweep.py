@@ -347,3 +347,52 @@ def _no_repeats(path: Path, points: list[Point], effective: list[dict[str, Any]]
             raise UserError(f"{path}: point {point.name} has the same settings as point "
                             f"{seen[key]}; remove one of them")
         seen[key] = point.name
+
+
+def select(spec: Sweep, only: list[str]) -> Sweep:
+    """Keep the points whose settings match every ``KEY=VALUE`` of ``only``.
+
+    A point's value of ``KEY`` is the one it runs with, given or default; ``VALUE`` is
+    compared as written on a command line (:func:`format_value`) or in point names (a path's
+    last part: ``dataset=cifar10``). Point names stay those of
+    the whole sweep, so a later run of all the points finds these finished.
+
+    Parameters
+    ----------
+    spec : Sweep
+        The loaded sweep.
+    only : list of str
+        ``KEY=VALUE`` filters, all of which must match (``partitioner=dirichlet``).
+
+    Returns
+    -------
+    Sweep
+        ``spec`` with the matching points (``spec`` itself when ``only`` is empty).
+
+    Raises
+    ------
+    UserError
+        A filter without ``=``, a key that no point has, or no point matching them all.
+    """
+    points = list(spec.points)
+    for item in only:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("_", "-")
+        if not sep or not key:
+            raise UserError(f"--only {item!r}: write KEY=VALUE, e.g. --only strategy=fedprox")
+        values = [_point_value(p, key) for p in spec.points]
+        if all(v is None for v in values):
+            raise UserError(f"--only {item!r}: no point of {spec.path} sets {key!r}")
+        points = [p for p in points if _matches(_point_value(p, key), value.strip())]
+    if not points:
+        raise UserError(f"--only {' '.join(only)}: no point of {spec.path} matches; "
+                        "see them with --dry-run")
+    return Sweep(spec.path, tuple(points), spec.varying)
+
+
+def _point_value(point: Point, key: str) -> Any:
+    return _effective(point.settings, point.config).get(key)
+
+
+def _matches(value: Any, wanted: str) -> bool:
+    return value is not None and wanted in (format_value(value), _safe(value))

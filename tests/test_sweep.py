@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from fedavg.config import RunConfig
 from fedavg.errors import UserError
 from fedavg.report import find_runs, write_report
-from fedavg.sweep import load_sweep
+from fedavg.sweep import load_sweep, select
 from fedavg.sweep_run import KEEP_FAILED, RERUN, RUN, SKIP, cpu_note, last_error, plan
 
 TINY = ROOT / "experiments" / "configs" / "tiny.toml"
@@ -105,7 +105,42 @@ def test_the_experiment_configs_load():
     assert [p.name for p in mnist.points] == ["partitioner=iid", "partitioner=dirichlet"]
     assert mnist.points[1].config.data.alpha == 0.5
     assert sorted(p.name for p in configs.glob("*.toml")) == [
-        "compare_strategies.toml", "mnist_fedavg.toml", "tiny.toml"]
+        "compare_strategies.toml", "mnist_fedavg.toml", "niid.toml", "niid_quick.toml",
+        "tiny.toml"]
+
+
+def test_the_niid_bench_configs_hold_its_settings_and_a_quick_variant():
+    configs = ROOT / "experiments" / "configs"
+    full, quick = load_sweep(configs / "niid.toml"), load_sweep(configs / "niid_quick.toml")
+    assert [p.name for p in full.points] == [p.name for p in quick.points]
+    federated = [p.config for p in full.points if p.config.merge.num_nodes == 10]
+    assert {(c.data.dataset.rsplit("/", 1)[-1], c.data.partitioner, c.merge.strategy)
+            for c in federated} == {(d, part, s) for d in ("mnist", "cifar10")
+                                    for part in ("iid", "dirichlet")
+                                    for s in ("fedavg", "fedprox")}
+    for c in [p.config for p in full.points]:
+        assert (c.merge.rounds, c.train.local_epochs, c.train.batch_size, c.train.lr,
+                c.train.momentum, c.train.model, c.merge.fraction) == \
+            (50, 10, 64, 0.01, 0.9, "cnn-cifar", 1.0)
+        assert c.data.alpha == 0.5 and c.merge.options.get("mu", 0.01) == 0.01
+    assert all((p.config.merge.rounds, p.config.train.local_epochs) == (10, 5)
+               for p in quick.points)
+    centralised = [p for p in full.points if p.config.merge.num_nodes == 1]
+    assert len(centralised) == 2 and all(p.cpus_per_node == 2 for p in centralised)
+
+
+def test_only_keeps_matching_points_by_value_or_name_part():
+    spec = load_sweep(ROOT / "experiments" / "configs" / "niid.toml")
+    pair = select(spec, ["dataset=cifar10", "partitioner=dirichlet"])
+    assert [p.name for p in pair.points] == [
+        "num-nodes=10_dataset=cifar10_partitioner=dirichlet_strategy=fedavg",
+        "num-nodes=10_dataset=cifar10_partitioner=dirichlet_strategy=fedprox_mu=0.01"]
+    assert len(select(spec, ["dataset=../shared/data/mnist", "num-nodes=1"]).points) == 1
+    assert select(spec, []) is spec
+    for only, message in ((["strategy"], "write KEY=VALUE"), (["foo=1"], "sets 'foo'"),
+                          (["strategy=scaffold"], "no point")):
+        with pytest.raises(UserError, match=message):
+            select(spec, only)
 
 
 def test_grid_and_points_together_and_only_varying_keys_in_names(tmp_path):
