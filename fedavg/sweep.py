@@ -21,7 +21,8 @@ Settings are the options of ``fedavg simulate``, spelled as on its command line 
 dashes (``local-epochs``, strategy options such as ``mu`` included), exactly as
 :meth:`fedavg.config.RunConfig.from_flat` reads them; every point is validated before
 anything runs. Each point is named from the settings that vary across the points only
-(``strategy=fedprox_seed=1``); the same config always gives the same names.
+(``strategy=fedprox_seed=1``), resources such as ``cpus-per-node`` left out; the same config
+always gives the same names.
 :mod:`fedavg.sweep_run` runs the points, one ``fedavg simulate`` process each.
 """
 
@@ -165,7 +166,7 @@ def load_sweep(path: str | Path) -> Sweep:
     configs = [_run_config(s) for s in settings]
     effective = [_effective(s, c) for s, c in zip(settings, configs)]
     varying = _varying(settings, effective)
-    names = point_names(effective, varying)
+    names = point_names(effective, [k for k in varying if k not in SIMULATE_OPTIONS])
     points = []
     for name, s, config in zip(names, settings, configs):
         _validate(path, name, config)
