@@ -368,7 +368,7 @@ def select(spec: Sweep, only: list[str]) -> Sweep:
     Returns
     -------
     Sweep
-        ``spec`` with the matching points (``spec`` itself when ``only`` is empty).
+        ``spec`` with the matching points (all of them when ``only`` is empty).
 
     Raises
     ------
