@@ -38,11 +38,14 @@ def simulate(
         help="Go on with the interrupted run in this folder (only --rounds, "
              "--round-timeout, --device, --max-update-norm may change)")] = None,
     model_arg: ModelArgOption = None,
+    ray_address: Annotated[Optional[str], typer.Option(
+        help="Run the nodes on this existing Ray cluster (HOST:PORT of `ray start --head`, "
+             "or auto) instead of this machine alone")] = None,
     **settings: Any,
 ) -> None:
-    """Train N nodes on one machine (Flower simulation engine) and save the merged model."""
+    """Train N nodes on one machine or a Ray cluster (Flower simulation engine); merge."""
+    from fedavg.ray_cleanup import abort_active_runs
     from fedavg.run import RUN_OUTPUT
-    from fedavg.simulation import abort_active_runs
     from fedavg.simulation import simulate as run
 
     tracking = pop_tracking(settings)
@@ -55,7 +58,7 @@ def simulate(
     with guard():
         run(config, output=output, console=console, verbose=verbose,
             cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, overwrite=overwrite,
-            resume=resume, tracking=tracking,
+            resume=resume, tracking=tracking, ray_address=ray_address,
             **({**given(settings), **chosen} if resume is not None else {}))
 
 

@@ -28,8 +28,15 @@ from fedavg.wire import TrainSettings
 
 
 @functools.lru_cache(maxsize=2)
-def load_node_data(path: str) -> dict[str, np.ndarray]:
-    """Load a prepared data file (see :func:`fedavg.simulation.write_node_data`) once per process.
+def load_node_data(source) -> dict[str, np.ndarray]:
+    """Load a run's node data once per process.
+
+    Parameters
+    ----------
+    source : str or ray.ObjectRef
+        A prepared data file (:func:`fedavg.simulation.write_node_data`), memory-mapped, or
+        the same arrays in the object store of a Ray cluster (``--ray-address``), fetched
+        once per machine and read without a copy.
 
     Returns
     -------
@@ -38,14 +45,18 @@ def load_node_data(path: str) -> dict[str, np.ndarray]:
         ``indices`` (concatenated partition index arrays: partition ``i`` is
         ``indices[offsets[i]:offsets[i + 1]]``).
     """
+    if not isinstance(source, str):
+        import ray
+
+        return ray.get(source)
     from safetensors.numpy import load_file
 
-    return load_file(path)
+    return load_file(source)
 
 
-def partition_arrays(path: str, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Return the inputs and labels of one partition of a prepared data file."""
-    data = load_node_data(path)
+def partition_arrays(source, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Return the inputs and labels of one partition of a run's node data (a file or ref)."""
+    data = load_node_data(source)
     offsets = data["offsets"]
     if not 0 <= partition_id < len(offsets) - 1:
         raise ValueError(f"partition-id {partition_id} outside 0..{len(offsets) - 2}")
@@ -109,13 +120,14 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
     return Message(reply, reply_to=message)
 
 
-def make_client_app(data_path: str, device: str = "auto") -> ClientApp:
-    """Build the node ClientApp for a prepared data file.
+def make_client_app(data_path, device: str = "auto") -> ClientApp:
+    """Build the node ClientApp for a run's node data.
 
     Parameters
     ----------
-    data_path : str
-        File written by :func:`fedavg.simulation.write_node_data`; each node trains on the
+    data_path : str or ray.ObjectRef
+        File written by :func:`fedavg.simulation.write_node_data`, or its arrays in a Ray
+        cluster's object store (see :func:`load_node_data`); each node trains on the
         partition named by its ``partition-id`` node config.
     device : str
         ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.

@@ -5,8 +5,10 @@ Only what is Ray lives here; the run lifecycle (prepare, run folder, summary) is
 The driver writes the partitioned training arrays to a temporary file that every node
 process memory-maps once, starts Ray in a folder of its own and runs Flower's
 ``run_simulation`` in this process: no SuperLink, no per-run dependency installation, and Ray
-is shut down on return, error or Ctrl-C. Both folders are private ones
-(:class:`fedavg.tempdirs.PrivateDir`): the next run removes those of a run killed outright.
+is shut down on return, error or Ctrl-C (:mod:`fedavg.ray_cleanup`). Both folders are
+private ones (:class:`fedavg.tempdirs.PrivateDir`): the next run removes those of a run killed
+outright. With ``--ray-address`` the run is a job of an existing Ray cluster instead: the node
+data goes through the cluster's object store, and the cluster is left running.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from fedavg import run
 from fedavg.config import RunConfig
-from fedavg.errors import RunError, UserError
+from fedavg.errors import RunError, UserError, first_line
+from fedavg.ray_cleanup import abortable, shutdown_ray
 from fedavg.tempdirs import PrivateDir
 
 log = logging.getLogger("fedavg")
@@ -44,17 +47,34 @@ def write_node_data(path: str | Path, x: np.ndarray, y: np.ndarray,
     """
     from safetensors.numpy import save_file
 
+    save_file(node_arrays(x, y, parts), str(path))
+
+
+def node_arrays(x: np.ndarray, y: np.ndarray, parts: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """Return the node data as flat arrays: ``x``, ``y``, ``offsets`` and ``indices``."""
     offsets = np.zeros(len(parts) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(p) for p in parts])
     indices = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-    save_file({"x": np.ascontiguousarray(x), "y": np.ascontiguousarray(y, dtype=np.int64),
-               "offsets": offsets, "indices": indices}, str(path))
+    return {"x": np.ascontiguousarray(x), "y": np.ascontiguousarray(y, dtype=np.int64),
+            "offsets": offsets, "indices": indices}
 
 
 def _backend_config(device: str, cpus_per_node: float, gpus_per_node: float | None,
-                    verbose: bool) -> dict[str, Any]:
+                    verbose: bool, ray_address: str | None = None) -> dict[str, Any]:
     import torch
 
+    logs = {"logging_level": logging.INFO if verbose else logging.ERROR,
+            "log_to_driver": verbose}
+    if ray_address is not None:  # the cluster's machines have the cores and GPUs
+        if not ray_address.strip():
+            raise UserError("--ray-address is empty; give HOST:PORT of the cluster's head "
+                            "(printed by `ray start --head`) or auto")
+        if not cpus_per_node > 0 or not (gpus_per_node or 0) >= 0:
+            raise UserError("--cpus-per-node must be > 0 and --gpus-per-node >= 0")
+        _check_reachable(ray_address.strip())
+        return {"client_resources": {"num_cpus": cpus_per_node,
+                                     "num_gpus": gpus_per_node or 0.0},
+                "init_args": {"address": ray_address.strip(), **logs}}
     cores = os.cpu_count() or 1
     use_gpu = device != "cpu" and torch.cuda.is_available()
     gpus = torch.cuda.device_count() if use_gpu else 0
@@ -68,14 +88,30 @@ def _backend_config(device: str, cpus_per_node: float, gpus_per_node: float | No
         raise UserError("--gpus-per-node > 0 needs a CUDA device; use --device cpu")
     return {
         "client_resources": {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node},
-        "init_args": {
-            "num_cpus": cores,
-            "num_gpus": gpus,
-            "include_dashboard": False,
-            "logging_level": logging.INFO if verbose else logging.ERROR,
-            "log_to_driver": verbose,
-        },
+        "init_args": {"num_cpus": cores, "num_gpus": gpus, "include_dashboard": False, **logs},
     }
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Refuse a ``HOST:PORT`` nothing answers at within ``timeout_s`` seconds.
+
+    Ray itself retries such an address for minutes; ``auto`` (the cluster ``ray start``
+    recorded on this machine) is left to Ray.
+    """
+    import socket
+
+    if address == "auto":
+        return
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit():
+        raise UserError(f"--ray-address {address!r}: write HOST:PORT of the cluster's head "
+                        "(e.g. 10.0.0.1:6379, printed by `ray start --head`) or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise UserError(f"no Ray cluster answers at {address} ({exc.strerror or exc}); start "
+                        "its head with `ray start --head --port PORT` or fix --ray-address")
 
 
 def simulate(
@@ -89,6 +125,7 @@ def simulate(
     overwrite: bool = False,
     resume: str | Path | None = None,
     tracking=None,
+    ray_address: str | None = None,
     **overrides: Any,
 ) -> run.RunResult:
     """Train ``num_nodes`` nodes on Flower's simulation engine and save the merged model.
@@ -115,6 +152,10 @@ def simulate(
         ``rounds`` may change.
     tracking : fedavg.tracking.TrackingOptions, optional
         Also log the rounds to TensorBoard and/or MLflow.
+    ray_address : str, optional
+        Run the nodes on this existing Ray cluster (``HOST:PORT`` of its head, or
+        ``auto``) instead of a Ray instance of the run's own; the node data goes through
+        the cluster's object store, and the cluster keeps running afterwards.
     **overrides
         Flat settings applied on top of ``config`` (``num_nodes=10``, ``alpha=0.1`` ...).
 
@@ -139,7 +180,8 @@ def simulate(
     from fedavg.train import resolve_device
 
     resolve_device(config.train.device)
-    backend = _backend_config(config.train.device, cpus_per_node, gpus_per_node, verbose)
+    backend = _backend_config(config.train.device, cpus_per_node, gpus_per_node, verbose,
+                              ray_address)
     run.quiet_logs(verbose)
     if output is not None and ckpt is None:
         run.check_output(Path(output), overwrite)
@@ -178,18 +220,28 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
     from fedavg.node import make_client_app
 
     with PrivateDir("fedavg-sim-") as tmp, _ray_folder(tmp) as (ray_dir, own), \
-            _abortable([tmp, own], ray_dir) as since:
+            abortable([tmp, own], ray_dir) as since:
+        cluster = "address" in backend["init_args"]
         data_path = str(Path(tmp) / "train.safetensors")
-        write_node_data(data_path, prepared.data.train.x, prepared.data.train.y, prepared.parts)
+        if not cluster:  # memory-mapped by every node process of this machine
+            write_node_data(data_path, prepared.data.train.x, prepared.data.train.y,
+                            prepared.parts)
         progress = Progress(console, config.merge.rounds,
                             0 if resume_from is None else resume_from.round, trackers)
         server = make_server_app(config, prepared, out, state, progress,
                                  resume_from=resume_from)
-        client = make_client_app(data_path, device=config.train.device)
         try:
             progress.start()
             _init_ray(backend, ray_dir)
+            if cluster:  # nodes on other machines read it from the cluster's object store
+                import ray
+
+                data_path = ray.put(node_arrays(prepared.data.train.x, prepared.data.train.y,
+                                                prepared.parts))
+            client = make_client_app(data_path, device=config.train.device)
             _run_engine(server, client, config.merge.num_nodes, backend, config.data.seed)
+        except UserError:
+            raise
         except Exception as exc:
             if state.error is not None:
                 raise state.error from None
@@ -251,8 +303,16 @@ def _init_ray(backend: dict[str, Any], temp_dir: str) -> None:
     os.environ["PYTHONPATH"] = pythonpath
     try:
         # A Ray folder of this run's own: its processes can be told from another run's.
-        ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, _temp_dir=temp_dir,
+        own = {} if "address" in backend["init_args"] else {"_temp_dir": temp_dir}
+        ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **own,
                  **backend["init_args"])
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        address = backend["init_args"].get("address")
+        if address is None:
+            raise
+        raise UserError(f"cannot use the Ray cluster at {address}: {first_line(exc)} (start "
+                        "it with `ray start --head`; every machine needs the same Ray, flwr "
+                        "and fedavg versions)") from None
     except SystemExit as exc:
         # A SIGTERM while Ray starts reaches Ray's handler (sys.exit(15)): stop as ours would.
         handler = saved.get(exc.code) if isinstance(exc.code, int) else None
@@ -273,157 +333,3 @@ def _run_engine(server, client, num_nodes: int, backend: dict[str, Any], seed: i
     with seeded_simulation_ids(seed):  # the same nodes sampled in every run of a seed
         run_simulation(server_app=server, client_app=client, num_supernodes=num_nodes,
                        backend_config=backend)
-
-
-_ACTIVE: list[Callable[[], None]] = []
-
-
-@contextlib.contextmanager
-def _abortable(folders: list[str], marker: str):
-    """Register how to clean up this run if the process must stop at once (signal).
-
-    ``folders`` are removed; ``marker`` is this run's Ray folder (see :func:`_ray_processes`).
-    """
-    since = time.time()
-
-    def abort() -> None:
-        # From a signal handler, while Flower's threads still use Ray: any Ray call now can
-        # make Ray's core worker end this process, and once the raylet is gone it will (with
-        # exit code 1). So: no Ray call; freeze every Ray process, remove the temporary data,
-        # and leave the killing to a child that waits for this process to exit first.
-        kill_after_exit(since, marker)
-        for folder in folders:
-            shutil.rmtree(folder, ignore_errors=True)
-
-    _ACTIVE.append(abort)
-    try:
-        yield since
-    finally:
-        _ACTIVE.remove(abort)
-
-
-def abort_active_runs() -> None:
-    """Stop the engines of runs in progress and remove their temporary files.
-
-    For signal handlers: after this the process can exit at once (``os._exit``) without
-    leaving Ray processes or temporary data behind. Finished rounds stay in the run folder.
-    """
-    for abort in reversed(list(_ACTIVE)):
-        with contextlib.suppress(Exception):
-            abort()
-
-
-def _ray_processes(since: float, marker: str) -> list:
-    """Return this run's Ray processes.
-
-    These are the processes started at or after ``since`` (epoch seconds), in our process
-    group, and using this run's Ray folder ``marker`` (command line or open files).
-
-    Ray's agents can be respawned by a raylet that is shutting down and then outlive it,
-    re-parented away from us; they keep our process group and their log files in our Ray
-    folder, which is how they are found without touching another run's Ray.
-    """
-    import psutil
-
-    me, pgid = os.getpid(), os.getpgid(0)
-    found = []
-    for proc in psutil.process_iter(["name", "cmdline", "create_time", "status"]):
-        info = proc.info
-        if proc.pid == me or info["status"] == psutil.STATUS_ZOMBIE:
-            continue
-        if (info["create_time"] or 0) < since:
-            continue
-        try:
-            if os.getpgid(proc.pid) != pgid:
-                continue
-        except OSError:
-            continue
-        name = info["name"] or ""
-        cmd = " ".join(info["cmdline"] or [])
-        if not (name.startswith(("ray::", "raylet", "gcs_server")) or "ray::" in cmd
-                or f"{os.sep}ray{os.sep}" in cmd):
-            continue
-        try:
-            if marker in cmd or any(f.path.startswith(marker) for f in proc.open_files()):
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
-
-
-def kill_after_exit(since: float, marker: str) -> None:
-    """Freeze this run's Ray processes now; kill them once this process has exited.
-
-    All are frozen at once (SIGSTOP), so that none can react (the raylet respawning its
-    agents, our own core worker noticing a dead raylet and ending this process with code
-    1). A forked child sends the SIGKILLs once this process has exited (at most 5 seconds
-    later), so that this process's exit code is its own.
-    """
-    import signal
-
-    import psutil
-
-    procs = {p.pid: p for p in psutil.Process().children(recursive=True)}
-    procs.update({p.pid: p for p in _ray_processes(since, marker)})
-    order = []
-    for pid, proc in procs.items():
-        with contextlib.suppress(psutil.Error):
-            if proc.create_time() >= since:
-                order.append(pid)
-    for pid in order:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGSTOP)
-    parent = os.getpid()
-    if os.fork() != 0:
-        return
-    try:  # the child: only plain system calls from here
-        deadline = time.monotonic() + 5.0
-        while os.getppid() == parent and time.monotonic() < deadline:
-            time.sleep(0.005)
-        for pid in order:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-    finally:
-        os._exit(0)
-
-
-def shutdown_ray(since: float, marker: str, timeout_s: float = 10.0) -> None:
-    """Stop Ray if this process started it, and wait until its processes are gone.
-
-    ``ray.shutdown()`` returns while the raylet and GCS server are still exiting, and Ray's
-    agents can outlive a raylet that died first. This shuts Ray down, waits up to
-    ``timeout_s`` seconds for the processes it started (our descendants, and the Ray
-    processes using this run's Ray folder ``marker``, started at or after ``since``, epoch
-    seconds) and kills whatever is still alive, so that nothing outlives the command.
-    """
-    import psutil
-
-    me = psutil.Process()
-
-    def ours() -> dict:
-        procs = {}
-        for p in me.children(recursive=True) + _ray_processes(since, marker):
-            with contextlib.suppress(psutil.Error):
-                if p.create_time() >= since:
-                    procs[p.pid] = p
-        return procs
-
-    procs = ours()
-    try:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
-    except Exception:  # noqa: BLE001 - clean up the processes below in any case
-        log.debug("ray.shutdown failed", exc_info=True)
-    for attempt in range(3):
-        procs.update(ours())
-        if not procs:
-            return
-        _, alive = psutil.wait_procs(list(procs.values()), timeout=timeout_s if attempt == 0 else 2)
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        psutil.wait_procs(alive, timeout=2.0)
-        time.sleep(0.3)  # let a respawn race show itself
-        procs = {}

@@ -48,7 +48,8 @@ def test_every_option_has_a_help_text(command):
 def test_coordinator_takes_the_training_options_of_simulate():
     options = {c: {p.name for p in get_command(app).commands[c].params}
                for c in ("simulate", "coordinator")}
-    shared = options["simulate"] - {"num_nodes", "cpus_per_node", "gpus_per_node", "verbose"}
+    shared = options["simulate"] - {"num_nodes", "cpus_per_node", "gpus_per_node", "verbose",
+                                    "ray_address"}
     assert shared <= options["coordinator"], shared - options["coordinator"]
     assert {"mu", "server_lr", "local_epochs", "alpha", "verbose"} <= options["coordinator"]
 
