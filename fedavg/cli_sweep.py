@@ -154,6 +154,10 @@ def report(
         help="Accuracy whose first round the table shows")] = 0.9,
     output: Annotated[Optional[Path], typer.Option(
         help="Where results.md, results.csv, runs.csv and plots/ go (default RUNS_DIR)")] = None,
+    published: Annotated[Optional[Path], typer.Option(
+        help="Published figures (TOML) to show beside the runs' best accuracy")] = None,
+    name: Annotated[str, typer.Option(
+        help="File stem: NAME.md, NAME.csv, NAME_runs.csv, NAME_plots/")] = "results",
 ) -> None:
     """Tables (Markdown, CSV) and plots of the runs under a folder, grouped over seeds."""
     from rich.markdown import Markdown
@@ -162,7 +166,8 @@ def report(
     from fedavg.report import write_report
 
     with guard():
-        res = write_report(runs_dir, target=target, output=output)
+        res = write_report(runs_dir, target=target, output=output, published=published,
+                           name=name)
     console.print(Markdown(res["table"]))
     for note in res["notes"]:
         err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)

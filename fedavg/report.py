@@ -222,10 +222,16 @@ def _pm(mean: float | None, std: float | None, digits: int) -> str:
     return f"{mean:.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}")
 
 
-def markdown_table(groups: list[Group], keys: list[str], target: float) -> str:
-    """Return the groups as one Markdown table (mean ± std over seeds, ``n`` runs each)."""
-    head = [*keys, "n", "seeds", "final accuracy", "best accuracy", f"round ≥ {target:g}",
-            "rounds", "wall s", "round s"]
+def markdown_table(groups: list[Group], keys: list[str], target: float,
+                   published=None) -> str:
+    """Return the groups as one Markdown table (mean ± std over seeds, ``n`` runs each).
+
+    With ``published`` (:class:`fedavg.report_published.Published`), a ``published`` column
+    follows ``best accuracy``.
+    """
+    pub = [] if published is None else ["published"]
+    head = [*keys, "n", "seeds", "final accuracy", "best accuracy", *pub,
+            f"round ≥ {target:g}", "rounds", "wall s", "round s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in groups:
         s = g.stats(target)
@@ -233,11 +239,16 @@ def markdown_table(groups: list[Group], keys: list[str], target: float) -> str:
                    f"{s['target_round_mean']:g} ({s['target_reached']}/{s['n']})")
         row = [*(_fmt(g.values.get(k)) for k in keys), str(s["n"]),
                " ".join(_fmt(x) for x in g.seeds), _pm(s["accuracy_mean"], s["accuracy_std"], 4),
-               _pm(s["best_accuracy_mean"], s["best_accuracy_std"], 4), reached,
+               _pm(s["best_accuracy_mean"], s["best_accuracy_std"], 4),
+               *([] if published is None else [_pm(_figure(published, g), None, 4)]), reached,
                str(s["rounds"]), _pm(s["wall_s_mean"], s["wall_s_std"], 1),
                _pm(s["round_s_mean"], None, 2)]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
     return "\n".join(lines)
+
+
+def _figure(published, group: Group) -> float | None:
+    return None if published is None else published.figure_for(group.runs[0].settings)
 
 
 def _csv_value(value: Any) -> Any:
@@ -247,21 +258,27 @@ def _csv_value(value: Any) -> Any:
 
 
 def write_csvs(groups: list[Group], runs: list[Run], keys: list[str], target: float,
-               out: Path, root: Path) -> list[Path]:
-    """Write ``results.csv`` (one row per group) and ``runs.csv`` (one row per run)."""
+               out: Path, root: Path, published=None, name: str = "results") -> list[Path]:
+    """Write ``results.csv`` (one row per group) and ``runs.csv`` (one row per run).
+
+    With another ``name``: ``NAME.csv`` and ``NAME_runs.csv``. With ``published``, a
+    ``published_best_accuracy`` column follows the stats.
+    """
     stats = ["n", "accuracy_mean", "accuracy_std", "best_accuracy_mean", "best_accuracy_std",
              "target_round_mean", "target_reached", "rounds", "wall_s_mean", "wall_s_std",
              "round_s_mean"]
-    results = out / "results.csv"
+    pub = [] if published is None else ["published_best_accuracy"]
+    results = out / f"{name}.csv"
     with open(results, "w", newline="") as fh:
         writer = csv.writer(fh)
-        writer.writerow([*keys, "seeds", *stats, "target"])
+        writer.writerow([*keys, "seeds", *stats, *pub, "target"])
         for g in groups:
             s = g.stats(target)
+            figure = [] if published is None else [_csv_value(_figure(published, g))]
             writer.writerow([*(_csv_value(g.values.get(k)) for k in keys),
                              " ".join(_fmt(x) for x in g.seeds),
-                             *(_csv_value(s[name]) for name in stats), target])
-    per_run = out / "runs.csv"
+                             *(_csv_value(s[stat]) for stat in stats), *figure, target])
+    per_run = out / ("runs.csv" if name == "results" else f"{name}_runs.csv")
     seed = [] if "seed" in keys else ["seed"]
     with open(per_run, "w", newline="") as fh:
         writer = csv.writer(fh)
@@ -283,7 +300,8 @@ def _relative(path: Path, root: Path) -> str:
 
 
 def write_report(runs_dir: str | Path, *, target: float = 0.9,
-                 output: str | Path | None = None) -> dict[str, Any]:
+                 output: str | Path | None = None, published: str | Path | None = None,
+                 name: str = "results") -> dict[str, Any]:
     """Write the tables and plots of the runs under ``runs_dir``.
 
     Parameters
@@ -295,6 +313,11 @@ def write_report(runs_dir: str | Path, *, target: float = 0.9,
     output : path, optional
         Folder for ``results.md``, ``results.csv``, ``runs.csv`` and ``plots/``
         (default ``runs_dir``).
+    published : path, optional
+        Published figures to show beside the runs' (:mod:`fedavg.report_published`).
+    name : str
+        Stem of the files: ``NAME.md``, ``NAME.csv``, ``NAME_runs.csv`` and ``NAME_plots/``
+        instead of the default names (for several reports in one folder).
 
     Returns
     -------
@@ -306,9 +329,14 @@ def write_report(runs_dir: str | Path, *, target: float = 0.9,
     ------
     UserError
         A ``target`` outside (0, 1], ``runs_dir`` missing or without runs, an unwritable
-        ``output``.
+        ``output``, a bad ``published`` file or ``name``.
     """
     from fedavg import report_plots
+    from fedavg.report_published import load_published
+
+    if not name or name != Path(name).name or name.startswith("."):
+        raise UserError(f"--name {name!r}: give a file stem such as niid, without folders")
+    figures = load_published(published) if published is not None else None
 
     if not (isinstance(target, (int, float)) and 0 < target <= 1 and math.isfinite(target)):
         raise UserError(f"--target must be an accuracy in (0, 1] (got {target})")
@@ -316,17 +344,23 @@ def write_report(runs_dir: str | Path, *, target: float = 0.9,
     runs, notes = find_runs(root)
     out = Path(output) if output is not None else root
     try:
-        (out / "plots").mkdir(parents=True, exist_ok=True)
+        plots_dir = out / ("plots" if name == "results" else f"{name}_plots")
+        plots_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot write the report into {out}: {exc.strerror}") from None
     keys = varying(runs)
     shown = [k for k in keys if k != "seed"]
     groups = group_runs(runs, shown)
-    table = markdown_table(groups, shown, target)
-    written = write_csvs(groups, runs, shown, target, out, root)
-    plots, plot_notes = report_plots.write_plots(runs, keys, out / "plots")
+    table = markdown_table(groups, shown, target, figures)
+    written = write_csvs(groups, runs, shown, target, out, root, figures, name)
+    plots, plot_notes = report_plots.write_plots(runs, keys, plots_dir)
     notes += plot_notes + _sweep_notes(root)
-    written.insert(0, _write_markdown(out, root, runs, groups, table, target, plots, notes))
+    if figures is not None:
+        notes += [f"no run has the settings of the published figure {f}"
+                  for f in figures.unmatched([r.settings for r in runs])]
+    md = _write_markdown(out / f"{name}.md", root, runs, groups, table, target, plots, notes,
+                         figures)
+    written.insert(0, md)
     return {"table": table, "notes": notes, "written": written + plots,
             "num_runs": len(runs), "num_groups": len(groups)}
 
@@ -347,8 +381,9 @@ def _sweep_notes(root: Path) -> list[str]:
             + ", ".join(map(str, missing[:5])) + (" ..." if len(missing) > 5 else "")]
 
 
-def _write_markdown(out: Path, root: Path, runs: list[Run], groups: list[Group], table: str,
-                    target: float, plots: list[Path], notes: list[str]) -> Path:
+def _write_markdown(path: Path, root: Path, runs: list[Run], groups: list[Group], table: str,
+                    target: float, plots: list[Path], notes: list[str], published=None
+                    ) -> Path:
     shared = {k: v for k, v in runs[0].settings.items()
               if all(r.settings.get(k) == v for r in runs) and v is not None}
     text = [f"# Results: {root}", "",
@@ -357,9 +392,13 @@ def _write_markdown(out: Path, root: Path, runs: list[Run], groups: list[Group],
             "reaching that test accuracy (mean over the runs that did, and how many did).", "",
             "Shared settings: " + ", ".join(f"`{k}={_fmt(v)}`" for k, v in shared.items()), "",
             table, ""]
-    text += [f"![{p.stem.replace('_', ' ')}]({_relative(p, out)})" for p in plots]
+    if published is not None:
+        text += [f"published: {published.metric}, {published.source}.", ""]
+        if published.differences:
+            text += ["How these runs differ from the publication:", "",
+                     *[f"- {d}" for d in published.differences], ""]
+    text += [f"![{p.stem.replace('_', ' ')}]({_relative(p, path.parent)})" for p in plots]
     if notes:
         text += ["", *[f"- {n}" for n in notes]]
-    path = out / "results.md"
     path.write_text("\n".join(text) + "\n")
     return path

@@ -51,7 +51,7 @@ def write_plots(runs: list, keys: list[str], folder: Path) -> tuple[list[Path], 
         else:
             path.unlink(missing_ok=True)
             where = " among the runs whose partitioner takes it" if key == "alpha" else ""
-            notes.append(f"{key} does not vary{where}: no plots/{name}")
+            notes.append(f"{key} does not vary{where}: no {folder.name}/{name}")
     return written, notes
 
 

@@ -426,6 +426,61 @@ def test_every_plot_is_a_valid_png_and_skipped_ones_say_so(tmp_path, runs):
     assert any("num-nodes does not vary" in n for n in res["notes"])
 
 
+PUBLISHED = """
+source = "A paper"
+differences = ["fewer rounds"]
+[[figures]]
+strategy = "fedavg"
+dataset = "digits"
+best-accuracy = 0.91
+[[figures]]
+strategy = "scaffold"
+best-accuracy = 0.5
+"""
+
+
+def test_published_figures_sit_beside_matching_groups_under_a_name(tmp_path, runs):
+    published = tmp_path / "published.toml"
+    published.write_text(PUBLISHED)
+    res = write_report(runs, output=tmp_path / "out", published=published, name="niid")
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "niid.csv", "niid.md", "niid_plots", "niid_runs.csv"]
+    rows = {r["strategy"]: r for r in _csv(out / "niid.csv")}
+    assert float(rows["fedavg"]["published_best_accuracy"]) == 0.91
+    assert rows["fedprox"]["published_best_accuracy"] == ""
+    assert len(_csv(out / "niid_runs.csv")) == 4
+    md = (out / "niid.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| strategy"))
+    cells = [c.strip() for c in header.strip("|").split("|")]
+    assert cells[cells.index("best accuracy") + 1] == "published"
+    fedavg_row = next(line for line in md.splitlines() if line.startswith("| fedavg"))
+    assert "| 0.9100 |" in fedavg_row and "A paper" in md and "- fewer rounds" in md
+    assert "![accuracy per round](niid_plots/accuracy_per_round.png)" in md
+    assert res["notes"][-1] == "no run has the settings of the published figure " \
+        "strategy=scaffold"
+    _valid_png(out / "niid_plots" / "accuracy_per_round.png")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "give source"),
+    ('source = "x"', r"no \[\[figures"),
+    ('source = "x"\n[[figures]]\nbest-accuracy = 0.5', "names no setting"),
+    ('source = "x"\n[[figures]]\nstrategy = "fedavg"\nbest-accuracy = 91.0', "fraction"),
+    ('source = "x"\ndifferences = "one"', "list of strings"),
+    ("source = ", "not valid TOML"),
+])
+def test_bad_published_files_are_one_line(tmp_path, runs, text, message):
+    published = tmp_path / "published.toml"
+    published.write_text(text)
+    with pytest.raises(UserError, match=message):
+        write_report(runs, published=published)
+    with pytest.raises(UserError, match="not found"):
+        write_report(runs, published=tmp_path / "missing.toml")
+    with pytest.raises(UserError, match="file stem"):
+        write_report(runs, name="../up")
+
+
 def test_resolved_model_name_and_bad_inputs(tmp_path, runs):
     (run, *_), _ = find_runs(runs)
     assert run.settings["model"] == "mlp"  # summary's resolved model, not the config's auto
