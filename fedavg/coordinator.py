@@ -90,6 +90,7 @@ def announce_end(grid: Grid, wait_s: float = 5.0, failure: str | None = None) ->
     on it. Waits at most ``wait_s`` seconds for the acknowledgements.
     """
     entry = {keys.RUN_FINISHED: True} if failure is None else {keys.RUN_FAILED: failure}
+    stop = threading.Event()
 
     def tell() -> None:
         try:
@@ -98,16 +99,20 @@ def announce_end(grid: Grid, wait_s: float = 5.0, failure: str | None = None) ->
                         for node in grid.get_node_ids()]
             pending = set(grid.push_messages(messages))
             deadline = time.monotonic() + wait_s
-            while pending and time.monotonic() < deadline:
+            while pending and time.monotonic() < deadline and not stop.is_set():
                 for msg in grid.pull_messages(pending):
                     pending.discard(msg.metadata.reply_to_message_id)
-                time.sleep(0.05)
+                stop.wait(0.05)
         except Exception as exc:  # noqa: BLE001 - the model is saved; this is a courtesy
             log.debug("could not tell the nodes the run ended: %s", exc)
 
-    # A node that exits while its acknowledgement is in flight must not hold up the run.
+    # A node that exits while its acknowledgement is in flight must not hold up the run. Once
+    # the task is finished its token is void, and a pull with it makes Flower's retry logic
+    # SIGINT this process: so no pull may outlive this call.
     thread = threading.Thread(target=tell, daemon=True)
     thread.start()
+    thread.join(wait_s)
+    stop.set()
     thread.join(wait_s)
 
 

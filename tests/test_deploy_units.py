@@ -499,3 +499,41 @@ def test_a_tls_mismatch_is_told_apart_from_an_absent_coordinator(tmp_path):
             thread.join(5)
     assert speaks_tls("127.0.0.1", free_port()) is None  # nobody there: keep retrying
     assert tls_mismatch("127.0.0.1", free_port(), insecure=True) is None
+
+
+class _SlowNodesGrid:
+    """A Grid whose nodes never acknowledge: records when each pull happens."""
+
+    def __init__(self):
+        self.pulls: list[float] = []
+
+    def get_node_ids(self):
+        return [1, 2, 3]
+
+    def push_messages(self, messages):
+        import time
+
+        time.sleep(0.2)  # a slow SuperLink: the acknowledgements' own deadline starts later
+        return [f"id-{i}" for i, _ in enumerate(messages)]
+
+    def pull_messages(self, ids):
+        import time
+
+        self.pulls.append(time.monotonic())
+        return []
+
+
+def test_the_end_of_run_announcement_makes_no_call_after_it_returns(task_identity):
+    """A pull after the task is finished (its token void) makes Flower SIGINT the coordinator."""
+    import time
+
+    from fedavg.coordinator import announce_end
+
+    grid = _SlowNodesGrid()
+    started = time.monotonic()
+    announce_end(grid, wait_s=0.3)
+    returned = time.monotonic()
+    time.sleep(0.4)
+    assert grid.pulls, "the acknowledgements were never polled"
+    assert 0.25 <= returned - started < 1.0
+    assert max(grid.pulls) < returned

@@ -191,6 +191,8 @@ def run_server_task(endpoint: Endpoint, token: str,
         details = f"ServerApp failed: {exc}"[:500]
         raise
     finally:
+        if heartbeat.is_running:  # before the token is void: a heartbeat with it SIGINTs us
+            heartbeat.stop()
         try:
             if context is not None:
                 context.state = RecordDict()
@@ -200,5 +202,6 @@ def run_server_task(endpoint: Endpoint, token: str,
         except Exception as exc:  # noqa: BLE001 - the SuperLink may already be gone
             log.debug("could not push the task output: %s", exc)
         finally:
-            heartbeat.stop()
+            if heartbeat.is_running:
+                heartbeat.stop()
             grid.close()
