@@ -106,6 +106,12 @@ class TrainConfig:
         L2 penalty.
     optimizer : str
         ``sgd`` or ``adam`` (:data:`OPTIMIZERS`), fresh each round on each node.
+    lr_schedule : str
+        ``constant``, ``cosine`` or ``step`` over a node's local epochs of a round
+        (:mod:`fedavg.recipe`).
+    augment : bool
+        Augment the nodes' training batches (random crop, and flip for colour images;
+        nothing for text or tabular data); never the evaluation.
     device : str
         ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
     """
@@ -121,6 +127,10 @@ class TrainConfig:
     momentum: float = setting(0.9, "SGD momentum")
     weight_decay: float = setting(0.0, "L2 penalty")
     optimizer: str = setting("sgd", "Node optimizer: sgd (with --momentum) or adam")
+    lr_schedule: str = setting("constant", "Learning rate over a node's local epochs: "
+                               "constant, cosine (to 0) or step (x0.1 at 1/2 and 3/4)")
+    augment: bool = setting(False, "Augment node batches: random crop (+ flip for colour "
+                            "images); never at evaluation")
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
 
 
@@ -371,6 +381,11 @@ def _check_train(c: RunConfig) -> str | None:
         return f"--weight-decay must be >= 0 and finite (got {t.weight_decay})"
     if t.optimizer not in OPTIMIZERS:
         return f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {t.optimizer!r})"
+    from fedavg.recipe import LR_SCHEDULES
+
+    if t.lr_schedule not in LR_SCHEDULES:
+        return (f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)} "
+                f"(got {t.lr_schedule!r})")
     return None
 
 

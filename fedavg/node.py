@@ -111,6 +111,8 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
         seed=cfg.seed * 1_000_003 + partition_id * 1009 + cfg.server_round,
         proximal_mu=cfg.proximal_mu,
         optimizer=cfg.optimizer,
+        lr_schedule=cfg.lr_schedule,
+        augment=cfg.augment,
     )
     metrics = MetricRecord({keys.NUM_EXAMPLES: stats["num_examples"],
                             keys.TRAIN_LOSS: stats["train_loss"],

@@ -78,6 +78,8 @@ def train(
     seed: int = 0,
     proximal_mu: float = 0.0,
     optimizer: str = "sgd",
+    lr_schedule: str = "constant",
+    augment: bool = False,
 ) -> dict[str, float]:
     """Train ``model`` in place with SGD (or Adam) on one node's samples.
 
@@ -94,15 +96,16 @@ def train(
     epochs, batch_size, lr, momentum, weight_decay
         SGD settings (``lr`` per step, ``epochs`` passes over the data).
     device : str or torch.device
-        Where to train.
-    seed : int
-        Seed of the batch order.
+        Where to train. ``seed``: seed of the batch order and of the augmentations.
     proximal_mu : float
         FedProx (Li et al. 2020, arXiv:1812.06127): adds ``mu/2 * ||w - w_start||^2`` to
         the loss, ``w_start`` being the weights the node received. 0 is plain SGD.
     optimizer : str
         ``sgd`` or ``adam`` (Kingma and Ba 2015, arXiv:1412.6980; no ``momentum``), fresh
         each call: a node's optimizer state does not outlive its round.
+    lr_schedule, augment
+        ``constant``, ``cosine`` or ``step`` over this call's steps; augment each batch with
+        the default of its kind of input (both :mod:`fedavg.recipe`).
 
     Returns
     -------
@@ -110,32 +113,29 @@ def train(
         ``train_loss`` (mean cross-entropy over all steps, nats, without the proximal
         term), ``num_examples`` (samples in the partition), ``steps``.
     """
+    from fedavg.recipe import augmenter, make_scheduler
+
     device = torch.device(device)
     model.to(device).train()
     xt, yt = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.long)
     opt = make_optimizer(model, optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    loss_fn = nn.CrossEntropyLoss()
+    sched = make_scheduler(opt, lr_schedule, epochs * math.ceil(len(yt) / batch_size))
+    aug = augmenter(input_spec) if augment else None
     g = torch.Generator().manual_seed(seed)
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     total, count, steps = 0.0, 0, 0
-    for _ in range(epochs):
-        for idx in _batches(len(yt), batch_size, g):
-            if len(idx) < 2 and any(isinstance(m, nn.modules.batchnorm._BatchNorm)
-                                    for m in model.modules()):
-                continue  # BatchNorm cannot train on a single sample
-            xb = normalize(xt[idx].to(device, non_blocking=True), input_spec)
-            yb = yt[idx].to(device, non_blocking=True)
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(xb), yb)
-            if anchor is not None:
-                prox = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
-                (loss + 0.5 * proximal_mu * prox).backward()
-            else:
-                loss.backward()
-            opt.step()
-            total += float(loss.detach()) * len(idx)
-            count += len(idx)
-            steps += 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # the augmentations' draws, without touching the caller's
+        for _ in range(epochs):
+            for idx in _batches(len(yt), batch_size, g):
+                if len(idx) < 2 and has_bn:
+                    continue  # BatchNorm cannot train on a single sample
+                xb = normalize((xt[idx] if aug is None else aug(xt[idx])).to(device), input_spec)
+                loss = _step(model, opt, xb, yt[idx].to(device), anchor, proximal_mu)
+                if sched is not None:
+                    sched.step()
+                total, count, steps = total + loss * len(idx), count + len(idx), steps + 1
     if count and not math.isfinite(total):
         raise FloatingPointError(f"training diverged (loss {total / count}); lower --lr")
     return {
@@ -143,6 +143,20 @@ def train(
         "num_examples": int(len(yt)),
         "steps": steps,
     }
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor,
+          anchor: list[torch.Tensor] | None, proximal_mu: float) -> float:
+    """One optimizer step on a batch; return its cross-entropy (without the proximal term)."""
+    opt.zero_grad(set_to_none=True)
+    loss = nn.functional.cross_entropy(model(xb), yb)
+    if anchor is not None:
+        prox = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+        (loss + 0.5 * proximal_mu * prox).backward()
+    else:
+        loss.backward()
+    opt.step()
+    return float(loss.detach())
 
 
 @torch.no_grad()

@@ -45,6 +45,10 @@ class TrainSettings:
         Optimizer settings.
     optimizer : str
         ``sgd`` or ``adam``.
+    lr_schedule : str
+        ``constant``, ``cosine`` or ``step`` (:mod:`fedavg.recipe`).
+    augment : bool
+        Augment the training batches.
     seed : int
         Run seed (each node and round derives its own batch order from it).
     proximal_mu : float
@@ -64,6 +68,8 @@ class TrainSettings:
     seed: int
     proximal_mu: float = 0.0
     optimizer: str = "sgd"
+    lr_schedule: str = "constant"
+    augment: bool = False
     server_round: int = 0
 
     _JSON = ("model", "input", "classes")
@@ -75,7 +81,8 @@ class TrainSettings:
         return cls(model=meta["model"], input=meta["input"], classes=list(meta["classes"]),
                    local_epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr,
                    momentum=t.momentum, weight_decay=t.weight_decay, seed=config.data.seed,
-                   optimizer=t.optimizer, **strategy.node_config)
+                   optimizer=t.optimizer, lr_schedule=t.lr_schedule, augment=t.augment,
+                   **strategy.node_config)
 
     def to_record(self):
         """Return the ``flwr.app.ConfigRecord`` sent with each round's model."""
@@ -133,6 +140,8 @@ class TrainSettings:
             ("weight-decay", 0 <= self.weight_decay < math.inf, "a finite number >= 0"),
             ("proximal-mu", 0 <= self.proximal_mu < math.inf, "a finite number >= 0"),
             ("optimizer", self.optimizer in ("sgd", "adam"), "sgd or adam"),
+            ("lr-schedule", self.lr_schedule in ("constant", "cosine", "step"),
+             "constant, cosine or step"),
         ]
         for key, ok, need in problems:
             if not ok:
@@ -150,6 +159,10 @@ def _decode(key: str, raw: Any, kind: Any, is_json: bool) -> Any:
     try:
         if is_json:
             return json.loads(str(raw))
+        if kind is bool:
+            if not isinstance(raw, bool):
+                raise ValueError(raw)
+            return raw
         if isinstance(raw, bool) or (kind is int and isinstance(raw, float)
                                      and not raw.is_integer()):
             raise ValueError(raw)

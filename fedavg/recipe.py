@@ -1,0 +1,82 @@
+"""The node-side training recipe: data augmentation and learning-rate schedules.
+
+Both act inside a node's local training only (:func:`fedavg.train.train`); evaluation,
+prediction and merging never see augmented inputs.
+
+- ``--augment``: torchvision transforms v2, drawn per sample. Colour images: a random crop
+  of the image's own size after zero padding of an eighth of its height (4 pixels at 32x32),
+  and a horizontal flip with probability 0.5 (the CIFAR-10 recipe of He et al. 2016,
+  arXiv:1512.03385). Grey images: the random crop only, padding a fourteenth of the height
+  (2 pixels at 28x28, at least 1), as digits are not mirror-symmetric. Text and tabular
+  inputs: none.
+- ``--lr-schedule``: the learning rate over one call of local training (one round's local
+  epochs; for one-shot strategies, which run one round, the whole local training):
+  ``constant``; ``cosine``, from ``lr`` down to 0 (Loshchilov and Hutter 2017,
+  arXiv:1608.03983, without restarts); ``step``, times 0.1 after half and again after three
+  quarters of the steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+#: Learning-rate schedules of ``--lr-schedule``.
+LR_SCHEDULES = ("constant", "cosine", "step")
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, schedule: str, total_steps: int):
+    """Return torch's scheduler for ``schedule`` over ``total_steps`` optimizer steps.
+
+    Call its ``step()`` after every optimizer step. ``constant`` returns ``None``.
+
+    Raises
+    ------
+    ValueError
+        An unknown schedule.
+    """
+    from torch.optim import lr_scheduler
+
+    total = max(int(total_steps), 1)
+    if schedule == "constant":
+        return None
+    if schedule == "cosine":
+        return lr_scheduler.CosineAnnealingLR(optimizer, T_max=total, eta_min=0.0)
+    if schedule == "step":
+        return lr_scheduler.MultiStepLR(optimizer, milestones=[total // 2, (3 * total) // 4],
+                                        gamma=0.1)
+    raise ValueError(f"unknown learning-rate schedule {schedule!r}; use one of "
+                     f"{', '.join(LR_SCHEDULES)}")
+
+
+def augmenter(input_spec: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Return the augmentation of a batch for this kind of input, or ``None`` (no default).
+
+    Parameters
+    ----------
+    input_spec : dict
+        ``model.json``'s ``input``: ``kind`` and ``shape`` (``(C, H, W)`` for images).
+
+    Returns
+    -------
+    callable or None
+        Maps a ``(B, C, H, W)`` batch of raw inputs to an augmented batch of the same shape
+        and dtype, each sample drawn on its own (torch's global random generator).
+    """
+    shape = tuple(input_spec.get("shape") or ())
+    if input_spec.get("kind", "image") != "image" or len(shape) != 3:
+        return None
+    from torchvision.transforms import v2
+
+    size = tuple(shape[1:])
+    if shape[0] == 3:
+        one = v2.Compose([v2.RandomCrop(size, padding=max(1, round(size[0] / 8))),
+                          v2.RandomHorizontalFlip(0.5)])
+    else:
+        one = v2.RandomCrop(size, padding=max(1, round(size[0] / 14)))
+
+    def apply(batch: torch.Tensor) -> torch.Tensor:
+        return torch.stack([one(sample) for sample in batch])
+
+    return apply

@@ -1,0 +1,138 @@
+"""The node training recipe: learning-rate schedules and augmentation (fedavg.recipe)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fedavg.train as train_mod
+from fedavg.config import RunConfig
+from fedavg.errors import UserError
+from fedavg.recipe import augmenter, make_scheduler
+from fedavg.train import train
+from fedavg.wire import TrainSettings
+
+TABULAR = {"kind": "tabular", "shape": [2], "scale": 1.0, "mean": [0.0, 0.0],
+           "std": [1.0, 1.0]}
+
+
+def _lrs(schedule: str, total: int, lr: float = 0.1) -> list[float]:
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = make_scheduler(opt, schedule, total)
+    seen = []
+    for _ in range(total):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return seen
+
+
+def test_schedules_by_hand():
+    assert _lrs("constant", 4) == [0.1] * 4
+    # cosine over 4 steps: 0.05 * (1 + cos(pi * k / 4)), k = 0..3
+    assert _lrs("cosine", 4) == pytest.approx([0.1, 0.0853553, 0.05, 0.0146447], abs=1e-7)
+    # step over 8 steps: x0.1 after 4 (half) and after 6 (three quarters)
+    assert _lrs("step", 8) == pytest.approx([0.1] * 4 + [0.01] * 2 + [0.001] * 2)
+    with pytest.raises(ValueError, match="cosine"):
+        make_scheduler(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), "linear", 4)
+
+
+def test_train_steps_the_schedule_over_the_local_epochs(monkeypatch):
+    seen = []
+    real = train_mod.make_optimizer
+
+    def spying(*args, **kwargs):
+        opt = real(*args, **kwargs)
+        opt.register_step_pre_hook(lambda o, *_: seen.append(o.param_groups[0]["lr"]))
+        return opt
+
+    monkeypatch.setattr(train_mod, "make_optimizer", spying)
+    x = np.random.default_rng(0).normal(size=(8, 2)).astype(np.float32)
+    y = np.array([0, 1] * 4)
+    # 8 samples, batch 4: 2 steps per epoch, 2 epochs: 4 steps of a cosine from 0.1
+    stats = train(nn.Linear(2, 2), x, y, TABULAR, epochs=2, batch_size=4, lr=0.1,
+                  lr_schedule="cosine")
+    assert stats["steps"] == 4
+    assert seen == pytest.approx([0.1, 0.0853553, 0.05, 0.0146447], abs=1e-7)
+
+
+def _shifts(image: torch.Tensor, pad: int, flips: bool):
+    """Every crop of ``image`` padded by ``pad`` (zero fill), flipped too if ``flips``."""
+    c, h, w = image.shape
+    padded = torch.zeros(c, h + 2 * pad, w + 2 * pad, dtype=image.dtype)
+    padded[:, pad:pad + h, pad:pad + w] = image
+    for base in ([padded, padded.flip(-1)] if flips else [padded]):
+        for dy in range(2 * pad + 1):
+            for dx in range(2 * pad + 1):
+                yield base[:, dy:dy + h, dx:dx + w]
+
+
+@pytest.mark.parametrize("shape, pad, flips", [((3, 32, 32), 4, True), ((1, 28, 28), 2, False),
+                                               ((1, 8, 8), 1, False)])
+def test_augmentation_is_a_padded_crop_and_flip_per_sample(shape, pad, flips):
+    aug = augmenter({"kind": "image", "shape": list(shape)})
+    torch.manual_seed(0)
+    batch = torch.randint(1, 256, (6, *shape), dtype=torch.uint8)
+    out = aug(batch)
+    assert out.shape == batch.shape and out.dtype == torch.uint8
+    assert not torch.equal(out, batch)  # 6 samples all left as they were: not augmented
+    for before, after in zip(batch, out):
+        assert any(torch.equal(after, s) for s in _shifts(before, pad, flips))
+    # drawn per sample: the same image six times comes out in more than one way
+    same = aug(batch[:1].repeat(6, 1, 1, 1))
+    assert len({bytes(s.numpy()) for s in same}) > 1
+
+
+def test_no_augmentation_for_text_or_tabular():
+    assert augmenter({"kind": "text", "shape": [16]}) is None
+    assert augmenter(TABULAR) is None
+
+
+def test_augmented_training_is_seeded_and_leaves_the_data_alone():
+    spec = {"kind": "image", "shape": [1, 8, 8], "scale": 1 / 255, "mean": [0.3],
+            "std": [0.2]}
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, size=(16, 1, 8, 8), dtype=np.uint8)
+    y = rng.integers(0, 3, size=16)
+    kept = x.copy()
+
+    def weights(seed: int, augment: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(64, 3))
+        state = torch.random.get_rng_state()
+        train(model, x, y, spec, epochs=2, batch_size=4, seed=seed, augment=augment)
+        assert torch.equal(torch.random.get_rng_state(), state)  # caller's RNG untouched
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    assert torch.equal(weights(3, True), weights(3, True))
+    assert not torch.equal(weights(3, True), weights(4, True))
+    assert not torch.equal(weights(3, True), weights(3, False))
+    assert np.array_equal(x, kept)
+
+
+def test_recipe_settings_are_checked_and_travel_to_the_nodes():
+    with pytest.raises(UserError, match="--lr-schedule must be one of constant, cosine, step"):
+        RunConfig().replace(lr_schedule="linear").validate()
+    config = RunConfig().replace(lr_schedule="step", augment=True)
+    config.validate()
+    assert RunConfig.from_flat(config.to_flat()).train.augment is True
+    meta = {"model": {"name": "mlp"}, "input": TABULAR, "classes": ["a", "b"]}
+
+    class Plain:
+        node_config: dict = {}
+
+    record = TrainSettings.for_run(config, meta, Plain()).to_record()
+    settings = TrainSettings.from_record(record)
+    assert (settings.lr_schedule, settings.augment) == ("step", True)
+    record["augment"] = 1
+    with pytest.raises(ValueError, match="'augment' is not bool"):
+        TrainSettings.from_record(record)
+    record["augment"], record["lr-schedule"] = False, "linear"
+    with pytest.raises(ValueError, match="lr-schedule"):
+        TrainSettings.from_record(record)
+    assert math.isclose(settings.lr, config.train.lr)
