@@ -128,14 +128,32 @@ def kill_after_exit(since: float, marker: str) -> None:
         os._exit(0)
 
 
-def shutdown_ray(since: float, marker: str, timeout_s: float = 10.0) -> None:
+def _wait_gone(procs: list, timeout_s: float) -> list:
+    """Wait until every process has exited (a zombie counts as gone); return those left."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc)
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        procs = alive
+        time.sleep(0.02)
+
+
+def shutdown_ray(since: float, marker: str, timeout_s: float = 0.5) -> None:
     """Stop Ray if this process started it, and wait until its processes are gone.
 
     ``ray.shutdown()`` returns while the raylet and GCS server are still exiting, and Ray's
-    agents can outlive a raylet that died first. This shuts Ray down, waits up to
-    ``timeout_s`` seconds for the processes it started (our descendants, and the Ray
-    processes using this run's Ray folder ``marker``, started at or after ``since``, epoch
-    seconds) and kills whatever is still alive, so that nothing outlives the command.
+    agents can outlive a raylet that died first. This shuts Ray down, gives the processes it
+    started (our descendants, and the Ray processes using this run's Ray folder ``marker``,
+    started at or after ``since``, epoch seconds) ``timeout_s`` seconds to exit, then freezes
+    whatever is still alive and kills it, so that nothing outlives the command. (Their
+    graceful exit takes seconds and keeps nothing: the run's Ray folder is removed next.)
     """
     import psutil
 
@@ -161,10 +179,13 @@ def shutdown_ray(since: float, marker: str, timeout_s: float = 10.0) -> None:
         procs.update(ours())
         if not procs:
             return
-        _, alive = psutil.wait_procs(list(procs.values()), timeout=timeout_s if attempt == 0 else 2)
+        alive = _wait_gone(list(procs.values()), timeout_s if attempt == 0 else 2.0)
+        for proc in alive:  # all frozen first: none can respawn another or react
+            with contextlib.suppress(psutil.Error):
+                proc.suspend()
         for proc in alive:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
-        psutil.wait_procs(alive, timeout=2.0)
+        _wait_gone(alive, 2.0)
         time.sleep(0.3)  # let a respawn race show itself
         procs = {}
