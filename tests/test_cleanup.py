@@ -173,7 +173,8 @@ def ray_fallbacks(pid: int) -> list[Path]:
     return sorted(Path("/tmp").glob(f"fedavg-ray-{pid}-*"))
 
 
-@pytest.mark.parametrize("how", ["normal", "sigterm", "sigint", "failed"])
+# SIGINT takes the same handler as SIGTERM (tests/test_cli.py); test_e2e.py sends it
+@pytest.mark.parametrize("how", ["normal", "sigterm", "failed"])
 def test_simulate_leaves_nothing(tmpdir_env, tmp_path, how):
     """``fedavg simulate``: its data and Ray's session folder go, and every Ray process.
 

@@ -158,3 +158,20 @@ def test_merges_in_a_row_get_folders_of_their_own(tmp_path, monkeypatch):
         assert res.exit_code == 0, res.output
         outputs.add(res.output.split(" into ")[1].split()[0])
     assert len(outputs) == 2 and all(o.startswith("runs/merged-") for o in outputs)
+
+
+def test_ctrl_c_and_sigterm_share_one_handler():
+    """The end-to-end tests send one of the two signals each; both reach the same handler."""
+    import signal
+
+    from fedavg.cli_support import on_signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        on_signal("stopping", cleanup=lambda: None)
+        handler = signal.getsignal(signal.SIGINT)
+        assert callable(handler) and handler is signal.getsignal(signal.SIGTERM)
+        assert handler not in saved.values()
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

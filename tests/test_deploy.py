@@ -340,7 +340,8 @@ def test_too_few_nodes_fails_after_wait_timeout(cluster, tmp_path):
     assert "Traceback" not in text
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+# SIGINT takes the same handler (tests/test_cli.py); test_e2e.py sends it to a simulation
+@pytest.mark.parametrize("sig", [signal.SIGTERM])
 def test_signals_stop_every_flower_process(cluster, tmp_path, sig):
     """Ctrl-C / SIGTERM stop coordinator and node with exit 130 and no process left."""
     out = tmp_path / "run"

@@ -134,7 +134,8 @@ def test_failing_nodes_fail_the_run_clearly(tmp_path, no_leaks):
     assert not (tmp_path / "bad").exists()  # no empty run folder is left
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+# SIGTERM takes the same handler (tests/test_cli.py); test_cleanup.py and test_deploy.py send it
+@pytest.mark.parametrize("sig", [signal.SIGINT])
 def test_interrupt_keeps_finished_rounds_and_leaves_no_process(tmp_path, sig):
     before = {p.split(":")[0] for p in engine_processes()}
     out = tmp_path / "stopped"
