@@ -17,6 +17,7 @@ from fedavg.cli_support import console, err_console, guard
 from fedavg.errors import UserError
 
 _SAID = {"run": "run", "rerun": "run again from scratch (stopped half-way)",
+         "resume": "go on after round {round} (stopped half-way)",
          "skip": "skip (finished earlier)", "failed": "failed earlier (--retry-failed reruns)"}
 
 
@@ -36,23 +37,26 @@ def sweep(
 ) -> None:
     """Run every point of a sweep config as its own `fedavg simulate`; resumable."""
     from fedavg.sweep import load_sweep, select
-    from fedavg.sweep_run import Runner, cpu_note, locked, plan
+    from fedavg.sweep_run import STARTS, Runner, cpu_note, locked, plan
 
     out = output if output is not None else Path("runs") / config.stem
     with guard():
         if parallel < 1:
             raise UserError(f"--parallel must be >= 1 (got {parallel})")
-        spec = select(load_sweep(config), only or [])
+        whole = load_sweep(config)
+        spec = select(whole, only or [])
         planned = plan(spec, out, retry_failed)
     if dry_run:
         _show_plan(spec, planned, out)
         return
-    note = cpu_note([p.point for p in planned if p.action in ("run", "rerun")], parallel)
+    note = cpu_note([p.point for p in planned if p.action in STARTS], parallel)
     if note:
         err_console.print(f"[yellow]note:[/] {note}", highlight=False)
     with guard(), locked(out):
         planned = plan(spec, out, retry_failed)  # again, now that no other sweep can write
-        runner = Runner(spec, planned, out, parallel)
+        chosen = {p.point.name for p in planned}
+        left_out = [p for p in plan(whole, out, retry_failed) if p.point.name not in chosen]
+        runner = Runner(spec, planned, out, parallel, left_out=left_out)
         code = _run_with_progress(runner, len(planned))
     _say_end(runner, out, code)
     raise typer.Exit(code)
@@ -63,6 +67,7 @@ def _show_plan(spec, planned, out: Path) -> None:
     from rich.table import Table
 
     from fedavg.sweep import format_value
+    from fedavg.sweep_run import STARTS
 
     shared = spec.shared()
     if shared:
@@ -76,9 +81,10 @@ def _show_plan(spec, planned, out: Path) -> None:
     for p in planned:
         values = [format_value(p.point.config.to_flat().get(key, p.point.settings.get(key, "")))
                   for key in spec.varying]
-        table.add_row(escape(p.point.name), *map(escape, values), _SAID[p.action])
+        table.add_row(escape(p.point.name), *map(escape, values),
+                      _SAID[p.action].format(**p.record))
     console.print(table)
-    todo = sum(p.action in ("run", "rerun") for p in planned)
+    todo = sum(p.action in STARTS for p in planned)
     console.print(f"dry run: {todo} of {len(planned)} points would run; nothing was run")
 
 
@@ -133,6 +139,8 @@ def _say_end(runner, out: Path, code: int) -> None:
     for extra in ("interrupted", "pending"):
         if counts.get(extra):
             parts.append(f"{counts[extra]} {'not started' if extra == 'pending' else extra}")
+    if runner.left_out:
+        parts.append(f"{len(runner.left_out)} left out by --only")
     line = (f"sweep of {len(runner.records)} points: {', '.join(parts)} in {took:.1f} s; "
             f"record in {escape(str(out / 'sweep.json'))}")
     if code == 130:
@@ -171,5 +179,7 @@ def report(
     console.print(Markdown(res["table"]))
     for note in res["notes"]:
         err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
-    console.print(f"{res['num_runs']} runs in {res['num_groups']} groups; wrote "
+    runs, groups = res["num_runs"], res["num_groups"]
+    console.print(f"{runs} run{'' if runs == 1 else 's'} in {groups} "
+                  f"group{'' if groups == 1 else 's'}; wrote "
                   + ", ".join(escape(str(p)) for p in res["written"]), highlight=False)

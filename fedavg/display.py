@@ -114,8 +114,17 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
         f"{prepared.spec.num_classes} classes; strategy [bold]{config.merge.strategy}[/], "
         f"{_plural(config.merge.rounds, 'round')}, "
         f"{config.nodes_per_round}/{config.merge.num_nodes} "
-        f"nodes per round, {config.train.local_epochs} local epoch(s)"
+        f"nodes per round, {config.train.local_epochs} local epoch(s)" + _recipe(config)
     )
+
+
+def _recipe(config: RunConfig) -> str:
+    """``, cosine learning rate, augmented batches`` when the node recipe is on."""
+    t = config.train
+    parts = [f"{t.lr_schedule} learning rate"] if t.lr_schedule != "constant" else []
+    if t.augment:
+        parts.append("augmented batches")
+    return "".join(f", {p}" for p in parts)
 
 
 def _plural(n: int, word: str) -> str:

@@ -396,4 +396,12 @@ def _point_value(point: Point, key: str) -> Any:
 
 
 def _matches(value: Any, wanted: str) -> bool:
-    return value is not None and wanted in (format_value(value), _safe(value))
+    """Whether ``wanted`` (a command-line text) names ``value``: ``2`` matches ``2.0``."""
+    if value is None:
+        return False
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return float(wanted) == float(value)
+        except ValueError:
+            return False
+    return wanted in (format_value(value), _safe(value))

@@ -7,8 +7,10 @@ records every point (name, settings, status, exit code, last error line, wall se
 rewritten whenever a point starts or ends.
 
 A point whose folder holds a ``summary.json`` for the same settings is skipped; one whose
-folder holds a run without ``summary.json`` (stopped half-way) is run again from scratch
-(``--overwrite``); one that failed in an earlier sweep stays failed unless ``retry_failed``.
+folder holds a run without ``summary.json`` (stopped half-way) goes on from its last finished
+round (``--resume``) when its checkpoint is readable and holds the same settings, else runs
+again from scratch (``--overwrite``); one that failed in an earlier sweep stays failed unless
+``retry_failed``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ RECORD = "sweep.json"
 LOG = "sweep.log"
 
 #: What :func:`plan` decides for a point.
-RUN, RERUN, SKIP, KEEP_FAILED = "run", "rerun", "skip", "failed"
+RUN, RERUN, RESUME, SKIP, KEEP_FAILED = "run", "rerun", "resume", "skip", "failed"
+#: The actions that start a ``fedavg simulate``.
+STARTS = (RUN, RERUN, RESUME)
 
 #: Seconds a stopped point's process gets to exit after SIGTERM before it is killed.
 STOP_TIMEOUT_S = 60.0
@@ -44,7 +48,11 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 @dataclass
 class Planned:
-    """A point and what the sweep does with it (``run``, ``rerun``, ``skip``, ``failed``)."""
+    """A point and what the sweep does with it.
+
+    ``action`` is ``run``, ``rerun``, ``resume``, ``skip`` or ``failed``; ``record`` holds
+    what is known of the point (``round``: the last finished round, to resume after).
+    """
 
     point: Point
     action: str
@@ -52,7 +60,7 @@ class Planned:
 
 
 def plan(sweep: Sweep, out: Path, retry_failed: bool = False) -> list[Planned]:
-    """Decide per point: run it, run it again from scratch, skip it, or keep it failed.
+    """Decide per point: run it, resume it, run it again from scratch, skip or keep it failed.
 
     Parameters
     ----------
@@ -90,8 +98,27 @@ def plan(sweep: Sweep, out: Path, retry_failed: bool = False) -> list[Planned]:
             from fedavg.output import RUN_FILES
 
             started = folder.is_dir() and any((folder / f).exists() for f in RUN_FILES)
-            planned.append(Planned(point, RERUN if started else RUN))
+            done = _resumable(folder, point) if started else None
+            planned.append(Planned(point, RESUME, {"round": done}) if done is not None
+                           else Planned(point, RERUN if started else RUN))
     return planned
+
+
+def _resumable(folder: Path, point: Point) -> int | None:
+    """Return the last finished round of the stopped run in ``folder``, if it can go on.
+
+    That is when its checkpoint reads and holds this point's settings; ``None`` otherwise
+    (the point then runs again from scratch).
+    """
+    from fedavg import resume
+
+    try:
+        ckpt = resume.load(folder)
+        given = point.config.from_flat(resume.absolute_paths(point.config.to_flat()))
+        same = ckpt.run_config().as_dict() == given.as_dict()  # paths made absolute in both
+    except (UserError, OSError, ValueError, KeyError, TypeError):
+        return None
+    return ckpt.round if same else None
 
 
 def read_record(out: Path) -> dict[str, Any]:
@@ -205,14 +232,19 @@ class Runner:
         Points running at once (>= 1).
     on_event : callable, optional
         ``on_event(record)`` after a point starts, ends or is skipped (for the display).
+    left_out : list of Planned
+        Points of the config that ``fedavg sweep --only`` leaves out: not run, but recorded
+        in ``sweep.json`` as they are (``skipped`` if finished, else ``pending`` or
+        ``failed``), so that the record still holds every point.
     """
 
     def __init__(self, sweep: Sweep, planned: list[Planned], out: Path, parallel: int,
-                 on_event=None) -> None:
+                 on_event=None, left_out: list[Planned] = ()) -> None:
         self.sweep, self.out, self.parallel = sweep, out, parallel
         self.on_event = on_event or (lambda record: None)
         self.records = {p.point.name: self._first_record(p) for p in planned}
-        self.queue = [p for p in planned if p.action in (RUN, RERUN)]
+        self.left_out = {p.point.name: self._first_record(p) for p in left_out}
+        self.queue = [p for p in planned if p.action in STARTS]
         self.running: dict[str, tuple[subprocess.Popen, float, Any]] = {}
         self.started = time.time()
         self.stop_signal: int | None = None
@@ -258,6 +290,8 @@ class Runner:
         args = ["simulate", *p.point.simulate_args(), "--output", str(folder)]
         if p.action == RERUN:
             args.append("--overwrite")  # a half-finished run: from scratch
+        elif p.action == RESUME:
+            args += ["--resume", str(folder)]  # from its last finished round
         log = open(folder / LOG, "w")
         log.write(f"# fedavg {' '.join(args)}\n")
         log.flush()
@@ -312,7 +346,7 @@ class Runner:
             "started": _dt.datetime.fromtimestamp(self.started).isoformat(timespec="seconds"),
             "wall_s": round(time.time() - self.started, 3),
             "varying": list(self.sweep.varying),
-            "points": list(self.records.values()),
+            "points": [*self.records.values(), *self.left_out.values()],
         })
 
     def counts(self) -> dict[str, int]:

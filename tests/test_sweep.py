@@ -21,7 +21,7 @@ from fedavg.config import RunConfig
 from fedavg.errors import UserError
 from fedavg.report import find_runs, write_report
 from fedavg.sweep import load_sweep, select
-from fedavg.sweep_run import KEEP_FAILED, RERUN, RUN, SKIP, cpu_note, last_error, plan
+from fedavg.sweep_run import KEEP_FAILED, RERUN, RESUME, RUN, SKIP, cpu_note, last_error, plan
 
 TINY = ROOT / "experiments" / "configs" / "tiny.toml"
 
@@ -137,6 +137,9 @@ def test_only_keeps_matching_points_by_value_or_name_part():
         "num-nodes=10_dataset=cifar10_partitioner=dirichlet_strategy=fedprox_mu=0.01"]
     assert len(select(spec, ["dataset=../shared/data/mnist", "num-nodes=1"]).points) == 1
     assert select(spec, []).points == spec.points
+    # numbers match as numbers: the config's 2 is the point's 2.0, mu=1e-2 is 0.01
+    assert len(select(spec, ["cpus-per-node=2"]).points) == 2
+    assert len(select(spec, ["mu=1e-2", "fraction=1"]).points) == 4
     for only, message in ((["strategy"], "write KEY=VALUE"), (["foo=1"], "sets 'foo'"),
                           (["strategy=scaffold"], "no point")):
         with pytest.raises(UserError, match=message):
@@ -232,6 +235,57 @@ def test_plan_skips_finished_reruns_half_finished_keeps_failed(tmp_path):
     assert actions == [SKIP, RERUN, KEEP_FAILED, RUN]
     assert plan(sweep, out)[2].record == {"exit_code": 2, "error": "error: boom", "wall_s": 3.0}
     assert [p.action for p in plan(sweep, out, retry_failed=True)] == [SKIP, RERUN, RUN, RUN]
+
+
+ROUND_ONE = {"round": 1, "accuracy": 0.5, "loss": 1.0, "train_loss": 1.2, "num_nodes": 3,
+             "num_failed": 0, "wall_s": 1.0, "train_s": 0.2}
+
+
+def test_plan_resumes_a_stopped_point_with_a_checkpoint_of_its_settings(tmp_path):
+    import torch
+
+    import strategies
+    from fedavg import resume
+
+    sweep = load_sweep(TINY)
+    out = tmp_path / "out"
+    same, other, broken, _ = sweep.points
+    for point, config in ((same, same.config), (other, other.config.replace(rounds=9)),
+                          (broken, broken.config)):
+        folder = out / point.name
+        folder.mkdir(parents=True)
+        (folder / "metrics.jsonl").write_text("{}\n")
+        ckpt = resume.capture(1, {"w": torch.zeros(2)}, config,
+                              strategies.get(config.merge.strategy), [ROUND_ONE], [])
+        resume.save(folder, ckpt)
+    (out / broken.name / resume.CHECKPOINT).write_bytes(b"not a checkpoint")
+    planned = plan(sweep, out)
+    assert [p.action for p in planned] == [RESUME, RERUN, RERUN, RUN]
+    assert planned[0].record == {"round": 1}
+    dry = run_cli("sweep", TINY, "--output", out, "--dry-run")
+    assert dry.stdout.count("go on after round 1") == 1
+    assert dry.stdout.count("run again from scratch") == 2
+
+
+def test_points_left_out_by_only_stay_in_the_record(tmp_path):
+    from fedavg.sweep_run import Runner
+
+    whole = load_sweep(TINY)
+    out = tmp_path / "out"
+    chosen = select(whole, ["seed=0"])
+    for point in chosen.points:
+        _finish(out / point.name, point.config)
+    planned = plan(chosen, out)
+    names = {p.point.name for p in planned}
+    left_out = [p for p in plan(whole, out) if p.point.name not in names]
+    assert Runner(chosen, planned, out, 1, left_out=left_out).run() == 0
+    record = {r["name"]: r["status"] for r in _record_points(out)}
+    assert record == {p.name: ("skipped" if p.name in names else "pending")
+                      for p in whole.points}
+
+
+def _record_points(out: Path) -> list[dict]:
+    return json.loads((out / "sweep.json").read_text())["points"]
 
 
 def test_plan_refuses_a_finished_run_with_other_settings(tmp_path):
@@ -594,8 +648,8 @@ def test_sigterm_stops_the_running_points_and_exits_130(tmp_path, no_leaks):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         names = ["seed=0", "seed=1"]
-        _wait_for(lambda: all((out / n / "metrics.jsonl").exists() for n in names), 300,
-                  "first round of both running points", sweep)
+        _wait_for(lambda: all((out / n / "checkpoint.safetensors").exists() for n in names),
+                  300, "first round of both running points", sweep)
         pids = [_record(out)[n]["pid"] for n in names]
         assert all(psutil.pid_exists(pid) for pid in pids)
         sweep.send_signal(signal.SIGTERM)
@@ -613,5 +667,24 @@ def test_sigterm_stops_the_running_points_and_exits_130(tmp_path, no_leaks):
     assert not [pid for pid in pids if _alive(pid)]
     _wait_for(lambda: engine_processes() == [], 20, "end of the engine processes")
     dry = run_cli("sweep", config, "--output", out, "--dry-run", timeout=120)
-    assert dry.stdout.count("run again from scratch") == 2
+    assert dry.stdout.count("go on after round") == 2
     assert sorted(p.name for p in out.glob("seed=*")) == names
+    # the stopped point goes on from its checkpoint: its first rounds stay as they were
+    metrics = out / "seed=0" / "metrics.jsonl"
+    before = metrics.read_text().splitlines()
+    again = subprocess.Popen([sys.executable, "-m", "fedavg.cli", "sweep", str(config),
+                              "--output", str(out), "--only", "seed=0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: len(metrics.read_text().splitlines()) > len(before) + 1, 300,
+                  "a resumed round", again)
+        again.send_signal(signal.SIGTERM)
+        again.communicate(timeout=120)
+    finally:
+        if again.poll() is None:
+            again.kill()
+            again.wait()
+    after = metrics.read_text().splitlines()
+    assert after[:len(before)] == before
+    assert [json.loads(line)["round"] for line in after] == list(range(1, len(after) + 1))
+    assert "--resume" in (out / "seed=0" / "sweep.log").read_text().splitlines()[0]
