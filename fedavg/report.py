@@ -332,10 +332,11 @@ def write_report(runs_dir: str | Path, *, target: float = 0.9,
         ``output``, a bad ``published`` file or ``name``.
     """
     from fedavg import report_plots
-    from fedavg.report_published import load_published
+    from fedavg.report_published import load_published, valid_name
 
-    if not name or name != Path(name).name or name.startswith("."):
-        raise UserError(f"--name {name!r}: give a file stem such as niid, without folders")
+    if not valid_name(name):
+        raise UserError(f"--name {name!r}: give a file stem such as niid (letters, digits, "
+                        "._+-; no folders, spaces or leading dot)")
     figures = load_published(published) if published is not None else None
 
     if not (isinstance(target, (int, float)) and 0 < target <= 1 and math.isfinite(target)):

@@ -21,6 +21,7 @@ matches by its last part, so ``dataset = "mnist"`` matches ``../shared/data/mnis
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,19 @@ def _same(value: Any, wanted: Any) -> bool:
     return False
 
 
+def known_settings() -> set[str]:
+    """Return the kebab-case names of every run setting and strategy option."""
+    import strategies
+    from fedavg.config import RunConfig
+
+    return set(RunConfig().to_flat()) | {k.replace("_", "-") for k in strategies.all_options()}
+
+
+def valid_name(name: str) -> bool:
+    """Whether ``name`` is a plain file stem: letters, digits and ``._+-``, no dot first."""
+    return re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", name) is not None
+
+
 def load_published(path: str | Path) -> Published:
     """Read a published-figures file (see the module).
 
@@ -87,6 +101,8 @@ def load_published(path: str | Path) -> Published:
         settings or whose ``best-accuracy`` is not a fraction in (0, 1].
     """
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"--published {path} is a folder; give the TOML file of figures")
     try:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
@@ -104,6 +120,8 @@ def load_published(path: str | Path) -> Published:
     for i, table in enumerate(raw.get("figures", []), start=1):
         if not isinstance(table, dict):
             raise UserError(f"{path}: figures must be tables, written [[figures]]")
+        if "best-accuracy" not in table:
+            raise UserError(f"{path}: [[figures]] {i} has no best-accuracy (a fraction)")
         value = table.get("best-accuracy")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 not math.isfinite(value) or not 0 < value <= 1:
@@ -112,6 +130,10 @@ def load_published(path: str | Path) -> Published:
         wanted = {k.replace("_", "-"): v for k, v in table.items() if k != "best-accuracy"}
         if not wanted:
             raise UserError(f"{path}: [[figures]] {i} names no setting to match runs by")
+        unknown = sorted(set(wanted) - known_settings())
+        if unknown:
+            raise UserError(f"{path}: [[figures]] {i}: {unknown[0]!r} is not a run setting "
+                            "(use the names of `fedavg simulate` options, e.g. num-nodes)")
         out.figures.append((wanted, float(value)))
     if not out.figures:
         raise UserError(f"{path}: no [[figures]] tables")

@@ -222,6 +222,9 @@ def prepare(config: RunConfig, *, model: bool = True) -> Prepared:
     data = load(d.dataset, image_column=d.image_column, label_column=d.label_column,
                 partition_by=d.partition_by if d.partitioner == "natural" else None,
                 seed=d.seed, test_fraction=d.test_fraction, **text_options(d))
+    if config.train.augment and data.kind != "image":
+        data.notes.append(f"--augment does nothing for {data.kind} inputs (it augments "
+                          "images only)")
     validation, distill_x = _merge_data(config, strategy, data)
     parts = partition(data.train.y, config.merge.num_nodes, d.partitioner, alpha=d.alpha,
                       classes_per_node=d.classes_per_node, groups=data.train.groups,

@@ -66,15 +66,14 @@ def _backend_config(device: str, cpus_per_node: float, gpus_per_node: float | No
     logs = {"logging_level": logging.INFO if verbose else logging.ERROR,
             "log_to_driver": verbose}
     if ray_address is not None:  # the cluster's machines have the cores and GPUs
-        if not ray_address.strip():
-            raise UserError("--ray-address is empty; give HOST:PORT of the cluster's head "
-                            "(printed by `ray start --head`) or auto")
-        if not cpus_per_node > 0 or not (gpus_per_node or 0) >= 0:
-            raise UserError("--cpus-per-node must be > 0 and --gpus-per-node >= 0")
-        _check_reachable(ray_address.strip())
+        if not cpus_per_node > 0:
+            raise UserError(f"--cpus-per-node must be > 0 (got {cpus_per_node:g})")
+        if not (gpus_per_node or 0) >= 0:
+            raise UserError(f"--gpus-per-node must be >= 0 (got {gpus_per_node:g})")
+        address = cluster_address(ray_address)
         return {"client_resources": {"num_cpus": cpus_per_node,
                                      "num_gpus": gpus_per_node or 0.0},
-                "init_args": {"address": ray_address.strip(), **logs}}
+                "init_args": {"address": address, **logs}}
     cores = os.cpu_count() or 1
     use_gpu = device != "cpu" and torch.cuda.is_available()
     gpus = torch.cuda.device_count() if use_gpu else 0
@@ -92,26 +91,51 @@ def _backend_config(device: str, cpus_per_node: float, gpus_per_node: float | No
     }
 
 
-def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Refuse a ``HOST:PORT`` nothing answers at within ``timeout_s`` seconds.
+def cluster_address(given: str, timeout_s: float = 5.0) -> str:
+    """Return the ``HOST:PORT`` of ``--ray-address``, checked to answer within ``timeout_s``.
 
-    Ray itself retries such an address for minutes; ``auto`` (the cluster ``ray start``
-    recorded on this machine) is left to Ray.
+    ``auto`` is ``RAY_ADDRESS`` when set, else the cluster that ``ray start`` recorded on this
+    machine (``ray_current_cluster`` in Ray's folder, ``$RAY_TMPDIR/ray`` or ``/tmp/ray``);
+    never, as Ray's own ``auto`` would, any Ray instance found running (another run's private
+    one). Ray itself retries an address where nothing answers for minutes.
+
+    Raises
+    ------
+    UserError
+        An empty or malformed address, no recorded cluster for ``auto``, or nothing
+        answering at the address.
     """
     import socket
 
+    address = given.strip()
     if address == "auto":
-        return
+        address = _recorded_cluster()
     host, sep, port = address.rpartition(":")
+    bare_ipv6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
     host = host.strip("[]")
-    if not sep or not host or not port.isdigit():
-        raise UserError(f"--ray-address {address!r}: write HOST:PORT of the cluster's head "
+    if not sep or not host or bare_ipv6 or not port.isdigit() or \
+            not 0 < int(port) < 65536 or "/" in address:
+        raise UserError(f"--ray-address {given!r}: write HOST:PORT of the cluster's head "
                         "(e.g. 10.0.0.1:6379, printed by `ray start --head`) or auto")
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as exc:
         raise UserError(f"no Ray cluster answers at {address} ({exc.strerror or exc}); start "
                         "its head with `ray start --head --port PORT` or fix --ray-address")
+    return address
+
+
+def _recorded_cluster() -> str:
+    """Return the address ``auto`` stands for (see :func:`cluster_address`)."""
+    if os.environ.get("RAY_ADDRESS", "").strip() not in ("", "auto"):
+        return os.environ["RAY_ADDRESS"].strip()
+    record = Path(os.environ.get("RAY_TMPDIR") or "/tmp") / "ray" / "ray_current_cluster"
+    try:
+        return record.read_text().strip()
+    except OSError:
+        raise UserError(f"--ray-address auto: no cluster started with `ray start` on this "
+                        f"machine ({record} not found) and no RAY_ADDRESS; give HOST:PORT of "
+                        "the cluster's head") from None
 
 
 def simulate(
@@ -304,6 +328,8 @@ def _init_ray(backend: dict[str, Any], temp_dir: str) -> None:
     try:
         # A Ray folder of this run's own: its processes can be told from another run's.
         own = {} if "address" in backend["init_args"] else {"_temp_dir": temp_dir}
+        if own:  # a private instance: RAY_ADDRESS would send it to another cluster
+            os.environ.pop("RAY_ADDRESS", None)
         ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **own,
                  **backend["init_args"])
     except (ConnectionError, RuntimeError, ValueError) as exc:

@@ -96,9 +96,12 @@ def test_python_api_dirichlet(tmp_path, no_leaks):
 
 
 def test_one_node_run(tmp_path, no_leaks):
-    """Minimum node counts come from the run: a single node works and nothing waits."""
+    """Minimum node counts come from the run: a single node works and nothing waits.
+
+    Also: a RAY_ADDRESS in the environment does not send the run's own Ray elsewhere.
+    """
     res = run_cli("simulate", "--num-nodes", "1", "--rounds", "2", "--output", tmp_path / "one",
-                  timeout=300)
+                  timeout=300, env={"RAY_ADDRESS": "127.0.0.1:1"})
     rounds = _read_jsonl(tmp_path / "one" / "metrics.jsonl")
     assert [r["num_nodes"] for r in rounds] == [1, 1], res.stdout
 

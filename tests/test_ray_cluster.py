@@ -137,3 +137,28 @@ def test_an_address_nothing_answers_at_is_one_line(tmp_path):
     proc = run_cli("simulate", "--ray-address", "head-without-port", "--rounds", 1,
                    "--output", tmp_path / "run", check=False)
     assert "write HOST:PORT" in assert_one_error_line(proc.stderr)
+
+
+def test_auto_is_the_cluster_ray_start_recorded_never_any_running_instance(tmp_path,
+                                                                          monkeypatch):
+    from fedavg.errors import UserError
+    from fedavg.simulation import cluster_address
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    with pytest.raises(UserError, match="no cluster started with `ray start`"):
+        cluster_address("auto")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        (tmp_path / "ray").mkdir()
+        (tmp_path / "ray" / "ray_current_cluster").write_text(address + "\n")
+        assert cluster_address("auto") == address
+        assert cluster_address(f" {address} ") == address
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        (tmp_path / "ray" / "ray_current_cluster").unlink()
+        assert cluster_address("auto") == address
+    for bad in ("", "  ", "::1", "127.0.0.1:99999", "ray://127.0.0.1:10001", "h:0"):
+        with pytest.raises(UserError, match="write HOST:PORT"):
+            cluster_address(bad)

@@ -523,6 +523,8 @@ def test_published_figures_sit_beside_matching_groups_under_a_name(tmp_path, run
     ('source = "x"\n[[figures]]\nstrategy = "fedavg"\nbest-accuracy = 91.0', "fraction"),
     ('source = "x"\ndifferences = "one"', "list of strings"),
     ("source = ", "not valid TOML"),
+    ('source = "x"\n[[figures]]\nstrategy = "fedavg"\nbest_acc = 0.5', "has no best-accuracy"),
+    ('source = "x"\n[[figures]]\ncolour = "red"\nbest-accuracy = 0.5', "'colour' is not a run"),
 ])
 def test_bad_published_files_are_one_line(tmp_path, runs, text, message):
     published = tmp_path / "published.toml"
@@ -531,8 +533,11 @@ def test_bad_published_files_are_one_line(tmp_path, runs, text, message):
         write_report(runs, published=published)
     with pytest.raises(UserError, match="not found"):
         write_report(runs, published=tmp_path / "missing.toml")
-    with pytest.raises(UserError, match="file stem"):
-        write_report(runs, name="../up")
+    for name in ("../up", " ", "a b", "a\nb", ".hidden", ""):
+        with pytest.raises(UserError, match="file stem"):
+            write_report(runs, name=name)
+    with pytest.raises(UserError, match="is a folder"):
+        write_report(runs, published=tmp_path)
 
 
 def test_resolved_model_name_and_bad_inputs(tmp_path, runs):
