@@ -261,7 +261,9 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
         rounds asked for are already done.
     """
     config = ckpt.run_config() if config is None else config
-    saved, asked = absolute_paths(ckpt.config), absolute_paths(config.to_flat())
+    # a setting newer than the checkpoint is the default there: the behaviour it had then
+    saved = absolute_paths(ckpt.run_config().to_flat())
+    asked = absolute_paths(config.to_flat())
     allowed = set(may_change)
     for key in sorted(set(saved) | set(asked)):
         if key not in allowed and saved.get(key) != asked.get(key):
@@ -270,12 +272,21 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
             hint = (f"; the run's {saved[key]} is gone: put it back there" if missing else
                     "; only --rounds (and --round-timeout, --device, --max-update-norm) may "
                     "change: start a new run with another --output for other settings")
-            raise UserError(f"--resume {where}: --{key} {asked.get(key, 'unset')} differs from "
-                            f"the run's {saved.get(key, 'unset')}{hint}")
+            raise UserError(f"--resume {where}: --{key} {_shown(asked.get(key))} differs from "
+                            f"the run's {_shown(saved.get(key))}{hint}")
     if config.merge.rounds <= ckpt.round:
         raise UserError(f"--resume {where}: the run has finished {ckpt.round} round(s); pass "
                         f"--rounds N with N > {ckpt.round} to train longer")
     return config
+
+
+def _shown(value: Any) -> str:
+    """Return a setting's value as written on a command line (``true``, ``0.5``, ``unset``)."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def resume_command(argv: list[str], output: Path) -> str:

@@ -351,3 +351,16 @@ def test_coordinator_resumes_with_new_nodes_and_more_rounds(runs, tmp_path):
     assert [r["round"] for r in rounds] == [1, 2, 3]
     assert json.loads((out / "model.json").read_text())["rounds"] == 3
     assert resume.load(out).strategy["round"] == 3  # FedAdam's step count went on
+
+
+def test_a_checkpoint_older_than_a_setting_resumes_with_its_default():
+    """Settings added later (the node recipe) were at their default in an older run."""
+    flat = RunConfig().replace(rounds=4).to_flat()
+    for newer in ("augment", "lr-schedule"):
+        del flat[newer]
+    ckpt = resume.Checkpoint(round=2, model={"a": torch.zeros(1)}, config=flat,
+                             rounds=[rec(1), rec(2)])
+    asked = RunConfig().replace(rounds=6)
+    assert resume.resumed_config(ckpt, asked, "run").train.augment is False
+    with pytest.raises(UserError, match="--augment true differs from the run's false"):
+        resume.resumed_config(ckpt, asked.replace(augment=True), "run")
