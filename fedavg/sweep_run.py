@@ -139,12 +139,19 @@ def _plain(obj: Any) -> Any:
 
 
 def _difference(recorded: Any, wanted: dict[str, Any]) -> str | None:
-    """Name the first settings that differ between two nested run configs, or ``None``."""
+    """Name the first settings that differ between two nested run configs, or ``None``.
+
+    A setting the recorded config lacks (a run made before it existed) is at its default.
+    """
+    from fedavg.config import RunConfig
+
     if not isinstance(recorded, dict):
         return "no settings recorded"
+    defaults = _plain(RunConfig().as_dict())
     diffs = []
     for section, values in _plain(wanted).items():
         there = recorded.get(section) if isinstance(recorded.get(section), dict) else {}
+        there = {**defaults.get(section, {}), **there}
         for key, value in values.items():
             if there.get(key) != value:
                 diffs.append(f"{key.replace('_', '-')} {format_value(there.get(key))} there, "

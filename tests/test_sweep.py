@@ -288,6 +288,16 @@ def _record_points(out: Path) -> list[dict]:
     return json.loads((out / "sweep.json").read_text())["points"]
 
 
+def test_plan_skips_a_finished_run_made_before_a_setting_existed(tmp_path):
+    sweep = load_sweep(TINY)
+    point = sweep.points[0]
+    config = point.config.as_dict()
+    del config["train"]["augment"], config["train"]["lr_schedule"]  # older than the recipe
+    (tmp_path / point.name).mkdir()
+    (tmp_path / point.name / "summary.json").write_text(json.dumps({"config": config}))
+    assert plan(sweep, tmp_path)[0].action == SKIP
+
+
 def test_plan_refuses_a_finished_run_with_other_settings(tmp_path):
     sweep = load_sweep(TINY)
     point = sweep.points[0]
