@@ -129,8 +129,13 @@ def read_run(folder: Path) -> Run:
 
 
 def flat_settings(summary: dict[str, Any]) -> dict[str, Any]:
-    """Flatten a ``summary.json``'s config to kebab-case settings, as the CLI names them."""
-    flat: dict[str, Any] = {}
+    """Flatten a ``summary.json``'s config to kebab-case settings, as the CLI names them.
+
+    A setting the config lacks (a run made before it existed) is at its default.
+    """
+    from fedavg.config import RunConfig
+
+    flat: dict[str, Any] = dict(RunConfig().to_flat())
     config = summary.get("config") or {}
     for section in ("data", "train", "merge"):
         for key, value in (config.get(section) or {}).items():
@@ -168,8 +173,12 @@ class Group:
 
     @property
     def label(self) -> str:
-        """``strategy=fedprox, alpha=0.1``, or ``all runs`` without varying settings."""
-        return ", ".join(f"{k}={_fmt(v)}" for k, v in self.values.items()) or "all runs"
+        """``strategy=fedprox, alpha=0.1``, or ``all runs`` without varying settings.
+
+        Unset values are left out; a path shows its last part (``dataset=cifar10``).
+        """
+        return ", ".join(f"{k}={_short(v)}" for k, v in self.values.items()
+                         if v is not None) or "all runs"
 
     @property
     def seeds(self) -> list[Any]:
@@ -206,6 +215,11 @@ def group_runs(runs: list[Run], keys: list[str], over: tuple[str, ...] = ("seed"
             groups[key] = Group({k: run.settings.get(k) for k in keys if k not in over}, [])
         groups[key].runs.append(run)
     return list(groups.values())
+
+
+def _short(value: Any) -> str:
+    text = _fmt(value)
+    return Path(text).name if isinstance(value, str) and "/" in text else text
 
 
 def _fmt(value: Any) -> str:

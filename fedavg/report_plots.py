@@ -87,10 +87,12 @@ def _figure(title: str, xlabel: str, ylabel: str):
 def _save(fig, ax, path: Path, count: int) -> None:
     import matplotlib.pyplot as plt
 
-    if count > 1:
-        ax.legend(fontsize="small" if count <= 8 else "x-small", loc="best")
+    if count > 8:  # many lines: the legend goes below the axes, not over the curves
+        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.2))
+    elif count > 1:
+        ax.legend(fontsize="small", loc="best")
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
 
 

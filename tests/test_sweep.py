@@ -703,3 +703,14 @@ def test_sigterm_stops_the_running_points_and_exits_130(tmp_path, no_leaks):
     assert after[:len(before)] == before
     assert [json.loads(line)["round"] for line in after] == list(range(1, len(after) + 1))
     assert "--resume" in (out / "seed=0" / "sweep.log").read_text().splitlines()[0]
+
+
+def test_report_takes_settings_newer_than_a_run_at_their_default(tmp_path):
+    old = fake_run(tmp_path / "runs" / "old", [0.5, 0.6], 1.0)
+    summary = json.loads((old / "summary.json").read_text())
+    del summary["config"]["train"]["augment"], summary["config"]["train"]["lr_schedule"]
+    (old / "summary.json").write_text(json.dumps(summary))
+    fake_run(tmp_path / "runs" / "new", [0.5, 0.7], 1.0, seed=1)
+    runs, _ = find_runs(tmp_path / "runs")
+    assert {r.settings["augment"] for r in runs} == {False}
+    assert write_report(tmp_path / "runs")["num_groups"] == 1  # the same but for the seed
