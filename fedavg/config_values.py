@@ -80,3 +80,32 @@ def convert_option(option, value: Any) -> Any:
         return option.convert(value)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+
+
+def read_toml(path, what: str) -> dict[str, Any]:
+    """Read a TOML file; a missing, unreadable or invalid one is a one-line error.
+
+    Parameters
+    ----------
+    path : pathlib.Path
+        The file.
+    what : str
+        What it is, for messages (``sweep config``, ``published figures``).
+
+    Raises
+    ------
+    UserError
+        The file is missing, unreadable, not UTF-8 or not TOML.
+    """
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{what} {path} not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {what} {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path} is not valid TOML: {str(exc).splitlines()[0]}") from None

@@ -26,12 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedavg.config_values import read_toml
 from fedavg.errors import UserError
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
 
 @dataclass
@@ -103,14 +99,7 @@ def load_published(path: str | Path) -> Published:
     path = Path(path)
     if path.is_dir():
         raise UserError(f"--published {path} is a folder; give the TOML file of figures")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"published figures {path} not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read published figures {path}: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{path} is not valid TOML: {str(exc).splitlines()[0]}") from None
+    raw = read_toml(path, "published figures")
     if not isinstance(raw.get("source"), str) or not raw["source"].strip():
         raise UserError(f"{path}: give source = \"...\" (where the figures come from)")
     differences = raw.get("differences", [])

@@ -40,11 +40,6 @@ from typing import Any
 from fedavg.config import RunConfig
 from fedavg.errors import UserError
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
 #: Options of ``fedavg simulate`` that are not run settings, with their defaults.
 SIMULATE_OPTIONS: dict[str, float | None] = {"cpus-per-node": 1.0, "gpus-per-node": None}
 
@@ -176,14 +171,9 @@ def load_sweep(path: str | Path) -> Sweep:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"sweep config {path} not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read sweep config {path}: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{path} is not valid TOML: {str(exc).splitlines()[0]}") from None
+    from fedavg.config_values import read_toml
+
+    raw = read_toml(path, "sweep config")
     unknown = [k for k in raw if k not in _TABLES]
     if unknown:
         raise UserError(f"{path}: unknown key {unknown[0]!r} at the top; a sweep config has "
