@@ -170,8 +170,12 @@ def watch(proc: subprocess.Popen, metrics: Path, every_s: float = 0.2,
 
 
 def run(num_nodes: int, fraction: float, rounds: int, extra: list[str],
-        keep: Path | None = None, timeout_s: float = 900.0) -> dict:
-    """Run ``fedavg simulate`` on digits and watch its memory; return the figures.
+        keep: Path | None = None, timeout_s: float = 900.0, dataset: str = "digits") -> dict:
+    """Run ``fedavg simulate`` on ``dataset`` and watch its memory; return the figures.
+
+    The figures hold the run's ``metrics.jsonl`` rows (``metrics``), the memory sample taken
+    as each round's line appeared (``at_round``, with ``t_s``: seconds since the command
+    started), the peak sample and the command's wall time (``wall_s``).
 
     The command gets a temporary folder of its own (``TMPDIR``), which is checked to be
     empty of our folders afterwards and removed.
@@ -185,7 +189,7 @@ def run(num_nodes: int, fraction: float, rounds: int, extra: list[str],
     out = (keep or work) / "run"
     tmpdir = work / "tmp"
     tmpdir.mkdir()
-    cmd = [sys.executable, "-m", "fedavg.cli", "simulate", "--dataset", "digits",
+    cmd = [sys.executable, "-m", "fedavg.cli", "simulate", "--dataset", dataset,
            "--num-nodes", str(num_nodes), "--fraction", str(fraction), "--rounds", str(rounds),
            "--output", str(out), "--overwrite", *extra]
     env = {**os.environ, "TMPDIR": str(tmpdir),
@@ -206,8 +210,10 @@ def run(num_nodes: int, fraction: float, rounds: int, extra: list[str],
         text = log.read_text()
         if proc.returncode != 0:
             raise RuntimeError(f"fedavg simulate exited {proc.returncode}:\n{text[-3000:]}")
+        metrics = out / "metrics.jsonl"
         return {"num_nodes": num_nodes, "fraction": fraction, "rounds": rounds,
-                "wall_s": round(time.monotonic() - t0, 1),
+                "dataset": dataset, "wall_s": round(time.monotonic() - t0, 1),
+                "metrics": [json.loads(line) for line in metrics.read_text().splitlines()],
                 "rounds_written": rounds_done(out / "metrics.jsonl"),
                 "at_round": {r: asdict(s) for r, s in sorted(at_round.items())},
                 "peak": asdict(peak) if peak else None,

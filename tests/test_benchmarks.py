@@ -1,0 +1,39 @@
+"""The benchmark scripts' own logic: the plain Flower baseline's model, phases, options."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+sys.path[:0] = [str(EXPERIMENTS), str(EXPERIMENTS / "plain_flower")]
+
+import bench_overhead  # noqa: E402
+import bench_scale  # noqa: E402
+
+
+def test_the_plain_flower_app_trains_the_same_network_as_fedavgs_cnn():
+    import torch
+    from plain_flower.task import Net
+
+    from fedavg.models import make_model
+
+    ours = make_model("cnn", (1, 28, 28), 10)
+    shapes = [tuple(p.shape) for p in ours.parameters()]
+    assert [tuple(p.shape) for p in Net().parameters()] == shapes
+    assert Net()(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
+
+
+def test_phases_split_a_wall_time_into_start_up_rounds_and_end():
+    # launched at 100, rounds 110-130, 130-135, 135-141, exit at 143
+    got = bench_overhead.phases(100.0, 143.0, [110.0, 130.0, 135.0], [130.0, 135.0, 141.0])
+    assert got == {"wall_s": 43.0, "startup_s": 10.0, "round1_s": 20.0, "round_s": 5.5,
+                   "end_s": 2.0}
+
+
+def test_scale_points_parse_and_bad_ones_are_one_line():
+    assert bench_scale.parse_points("10:digits,10000:../data/mnist") == [
+        (10, "digits"), (10000, "../data/mnist")]
+    for bad in ("10", "x:digits", "0:digits", "10:"):
+        with pytest.raises(SystemExit, match="is not NODES:DATASET"):
+            bench_scale.parse_points(bad)
