@@ -270,6 +270,10 @@ class ServerRun:
         res = evaluate(scored, test.x, test.y, self.prepared.meta["input"])
         record = self._record(server_round, res)
         self.state.rounds.append(record)
+        now = time.monotonic()  # the first round this process ran: start-up ends there
+        if "round1_end" not in self.state.marks:
+            self.state.marks.update(round1_start=now - record.wall_s, round1_end=now)
+        self.state.marks["last_round_end"] = now
         checkpoint.save_merged(self.output, merged, {
             **self.prepared.meta, "rounds": server_round,
             "metrics": {"accuracy": record.accuracy, "loss": record.loss}})

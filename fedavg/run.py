@@ -76,6 +76,8 @@ class RunState:
     rounds: list[RoundRecord] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     error: BaseException | None = None
+    #: ``time.monotonic()`` per step of the run (:mod:`fedavg.timeline`)
+    marks: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -129,6 +131,8 @@ class RunResult:
         One line per node reply left out of a merge.
     run_id : int, optional
         The Flower run id (``fedavg coordinator`` only).
+    startup_s : dict, optional
+        Seconds per start-up phase (:func:`fedavg.timeline.phases`; simulation only).
     """
 
     accuracy: float
@@ -139,6 +143,7 @@ class RunResult:
     num_nodes: int
     failures: list[str] = field(default_factory=list)
     run_id: int | None = None
+    startup_s: dict[str, float] | None = None
 
     @property
     def model_dir(self) -> Path:
@@ -378,7 +383,7 @@ def finish(state: RunState, prepared: Prepared, config: RunConfig, out: Path, st
     result = RunResult(accuracy=last.accuracy, loss=last.loss,
                        rounds=[r.as_dict() for r in state.rounds], output=out,
                        wall_s=round(wall, 3), num_nodes=num_nodes, failures=state.failures,
-                       run_id=run_id)
+                       run_id=run_id, startup_s=_startup(state))
     write_summary(result, prepared, config)
     if console is not None:
         from fedavg.display import rounds_table
@@ -407,5 +412,12 @@ def write_summary(result: RunResult, prepared: Prepared, config: RunConfig) -> N
         "train_samples": len(prepared.data.train),
         "test_samples": len(prepared.data.test),
         "failures": result.failures,
+        **({"startup_s": result.startup_s} if result.startup_s else {}),
         "config": config.as_dict(),
     })
+
+
+def _startup(state: RunState) -> dict[str, float] | None:
+    from fedavg.timeline import phases
+
+    return phases(state.marks) if "entered" in state.marks else None

@@ -225,13 +225,19 @@ def _prepare_and_run(config: RunConfig, ckpt, output, backend: dict[str, Any], c
     show_plan(console, prepared, config)
     if ckpt is not None and console is not None:
         console.print(f"resuming {out} after round {ckpt.round} of {config.merge.rounds}")
+    from fedavg.timeline import process_start
+
     state = run.RunState()
+    state.marks.update(entered=started, prepared=time.monotonic())
+    if (began := process_start()) is not None:
+        state.marks["process"] = began
     try:
         trackers.open(out, 1 if ckpt is None else ckpt.round + 1)
         _run_on_ray(config, prepared, out, state, backend, console, ckpt, trackers)
     except BaseException:
         run.remove_if_empty(out)
         raise
+    state.marks["stopped"] = time.monotonic()
     return run.finish(state, prepared, config, out, started,
                       num_nodes=config.merge.num_nodes, console=console)
 
@@ -256,7 +262,9 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
                                  resume_from=resume_from)
         try:
             progress.start()
+            state.marks["node_data"] = time.monotonic()
             _init_ray(backend, ray_dir)
+            state.marks["ray"] = time.monotonic()
             if cluster:  # nodes on other machines read it from the cluster's object store
                 import ray
 

@@ -30,8 +30,14 @@ def test_default_simulate_on_digits_then_evaluate_and_predict(tmp_path, no_leaks
     assert {"accuracy", "loss", "rounds", "num_nodes", "wall_s"} <= set(summary)
     assert summary["accuracy"] >= 0.90, summary
     assert summary["rounds"] == 10 and summary["num_nodes"] == 5
+    startup = summary["startup_s"]  # where the time before round 2 went, phase by phase
+    assert list(startup) == ["imports", "prepare", "node_data", "ray_start", "engine_start",
+                             "round1", "stop"]
+    assert all(v >= 0 for v in startup.values()) and startup["imports"] > 0.1, startup
+    assert sum(startup.values()) - startup["imports"] < summary["wall_s"], startup
 
     rounds = _read_jsonl(out / "metrics.jsonl")
+    assert startup["round1"] == pytest.approx(rounds[0]["wall_s"], abs=0.01)
     assert [r["round"] for r in rounds] == list(range(1, 11))
     assert all(ROUND_KEYS <= set(r) for r in rounds)
     assert all(r["num_nodes"] == 5 for r in rounds)

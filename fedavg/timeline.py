@@ -1,0 +1,41 @@
+"""Where a run's start-up time goes: ``time.monotonic()`` marks, as seconds per phase.
+
+``fedavg simulate`` marks its steps in :attr:`fedavg.run.RunState.marks` and writes the
+phases to ``summary.json`` (``startup_s``), so a slow first round can be explained without a
+profiler: imports, settings and data (``prepare``), the node data file and the ServerApp
+(``node_data``), Ray's start, Flower's engine up to the first round (``engine_start``), the
+first round itself (which also spawns the node actors) and the stop (Ray stopped).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+#: The phases, each from the mark before it (``process`` is the process's own start).
+PHASES = (("imports", "process", "entered"), ("prepare", "entered", "prepared"),
+          ("node_data", "prepared", "node_data"), ("ray_start", "node_data", "ray"),
+          ("engine_start", "ray", "round1_start"), ("round1", "round1_start", "round1_end"),
+          ("stop", "last_round_end", "stopped"))
+
+
+def process_start() -> float | None:
+    """Return ``time.monotonic()`` at this process's start (Linux ``/proc``), else ``None``."""
+    try:
+        with open("/proc/self/stat") as fh:
+            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.monotonic() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def phases(marks: dict[str, float]) -> dict[str, float]:
+    """Return the seconds of each phase of :data:`PHASES` whose two marks are known.
+
+    ``round1`` is the first round this process ran (after a resume, not round 1); ``marks``
+    holds ``time.monotonic()`` per mark name.
+    """
+    return {name: round(marks[b] - marks[a], 3) for name, a, b in PHASES
+            if a in marks and b in marks}
