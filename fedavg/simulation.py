@@ -362,8 +362,9 @@ def _init_ray(backend: dict[str, Any], temp_dir: str) -> None:
 def _run_engine(server, client, num_nodes: int, backend: dict[str, Any], seed: int) -> None:
     from flwr.simulation import run_simulation
 
-    from fedavg.flower_compat import seeded_simulation_ids
+    from fedavg.flower_compat import fast_message_dispatch, seeded_simulation_ids
 
-    with seeded_simulation_ids(seed):  # the same nodes sampled in every run of a seed
+    # the same nodes sampled in every run of a seed; rounds that do not slow down with nodes
+    with seeded_simulation_ids(seed), fast_message_dispatch():
         run_simulation(server_app=server, client_app=client, num_supernodes=num_nodes,
                        backend_config=backend)

@@ -8,6 +8,7 @@ Nothing outside this package imports ``flwr.cli``, ``flwr.proto``, ``flwr.superc
 
 - :mod:`~fedavg.flower_compat.checks`: that guard, and Ray's auto-connect switch;
 - :mod:`~fedavg.flower_compat.launch`: SuperLink / SuperNode entry points, SuperNode patches;
+- :mod:`~fedavg.flower_compat.engine`: the simulation engine's message dispatch;
 - :mod:`~fedavg.flower_compat.control`: the SuperLink's Control API (submit a run);
 - :mod:`~fedavg.flower_compat.fleet`: the Fleet API as a node sees it (is its key known?);
 - :mod:`~fedavg.flower_compat.tasks`: warm task workers on the runtime API;
@@ -27,6 +28,7 @@ from fedavg.flower_compat.control import (
     start_run,
     wait_control_ready,
 )
+from fedavg.flower_compat.engine import fast_message_dispatch
 from fedavg.flower_compat.fleet import node_key_registered
 from fedavg.flower_compat.launch import (
     HEARTBEAT_S,
@@ -77,6 +79,7 @@ __all__ = [
     "check_ray_internals",
     "control_client",
     "disable_ray_auto_connect",
+    "fast_message_dispatch",
     "is_certificate_failure",
     "most_telling_line",
     "node_key_registered",

@@ -25,7 +25,13 @@ _SOURCES = {
     "flwr.supercore.error.catalog": ("All SuperNodes must be registered",
                                      "Failed to activate SuperNode."),
     "flwr.server.superlink.linkstate.in_memory_linkstate": (
-        "node_id = generate_rand_int_from_bytes(", "return self.federation_manager.filter_nodes("),
+        "node_id = generate_rand_int_from_bytes(", "return self.federation_manager.filter_nodes(",
+        "for msg_id in list(self.message_ins_store.keys()):",
+        "msg_ins.metadata.delivered_at == \"\""),
+    "flwr.server.superlink.fleet.vce.vce_api": (
+        "for node_id in nodes_mapping.keys():",
+        "message_ins_list = state.get_message_ins(node_id=node_id, limit=1)",
+        "target=add_messages_to_queue,"),
     "flwr.supercore.exit.exit": ('f"Exit Code: {code}',),
     "flwr.supercore.exit.exit_code": ("could not establish a connection",),
     "flwr.supercore.error.http": ("[ApiError:{err.code}] {err.message}",),
