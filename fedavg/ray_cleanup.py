@@ -145,15 +145,17 @@ def _wait_gone(procs: list, timeout_s: float) -> list:
         time.sleep(0.02)
 
 
-def shutdown_ray(since: float, marker: str, timeout_s: float = 0.5) -> None:
+def shutdown_ray(since: float, marker: str, timeout_s: float = 0.0) -> None:
     """Stop Ray if this process started it, and wait until its processes are gone.
 
-    ``ray.shutdown()`` returns while the raylet and GCS server are still exiting, and Ray's
-    agents can outlive a raylet that died first. This shuts Ray down, gives the processes it
-    started (our descendants, and the Ray processes using this run's Ray folder ``marker``,
-    started at or after ``since``, epoch seconds) ``timeout_s`` seconds to exit, then freezes
-    whatever is still alive and kills it, so that nothing outlives the command. (Their
-    graceful exit takes seconds and keeps nothing: the run's Ray folder is removed next.)
+    ``ray.shutdown()`` gives Ray's processes a second each to exit, one after another, and
+    still returns while some are exiting; Ray's agents can outlive a raylet that died first.
+    This disconnects from Ray (:func:`fedavg.flower_compat.disconnect_ray`), gives the
+    processes it started (our descendants, and the Ray processes using this run's Ray folder
+    ``marker``, started at or after ``since``, epoch seconds) ``timeout_s`` seconds to exit,
+    then freezes whatever is still alive and kills it, so that nothing outlives the command.
+    (Their graceful exit takes seconds and keeps nothing: the run's Ray folder is removed
+    next.)
     """
     import psutil
 
@@ -162,8 +164,8 @@ def shutdown_ray(since: float, marker: str, timeout_s: float = 0.5) -> None:
     def ours() -> dict:
         procs = {}
         for p in me.children(recursive=True) + _ray_processes(since, marker):
-            with contextlib.suppress(psutil.Error):
-                if p.create_time() >= since:
+            with contextlib.suppress(psutil.Error):  # a zombie has exited: nothing to stop
+                if p.create_time() >= since and p.status() != psutil.STATUS_ZOMBIE:
                     procs[p.pid] = p
         return procs
 
@@ -172,7 +174,9 @@ def shutdown_ray(since: float, marker: str, timeout_s: float = 0.5) -> None:
         import ray
 
         if ray.is_initialized():
-            ray.shutdown()
+            from fedavg.flower_compat import disconnect_ray
+
+            disconnect_ray()
     except Exception:  # noqa: BLE001 - clean up the processes below in any case
         log.debug("ray.shutdown failed", exc_info=True)
     for attempt in range(3):
@@ -187,5 +191,5 @@ def shutdown_ray(since: float, marker: str, timeout_s: float = 0.5) -> None:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
         _wait_gone(alive, 2.0)
-        time.sleep(0.3)  # let a respawn race show itself
+        time.sleep(0.1)  # let a respawn race show itself
         procs = {}

@@ -362,9 +362,10 @@ def _init_ray(backend: dict[str, Any], temp_dir: str) -> None:
 def _run_engine(server, client, num_nodes: int, backend: dict[str, Any], seed: int) -> None:
     from flwr.simulation import run_simulation
 
-    from fedavg.flower_compat import fast_message_dispatch, seeded_simulation_ids
+    from fedavg.flower_compat import fast_message_dispatch, prompt_stop, seeded_simulation_ids
 
-    # the same nodes sampled in every run of a seed; rounds that do not slow down with nodes
-    with seeded_simulation_ids(seed), fast_message_dispatch():
+    # the same nodes sampled in every run of a seed; rounds that do not slow down with nodes;
+    # an engine that ends with its last round and leaves stopping Ray to shutdown_ray
+    with seeded_simulation_ids(seed), fast_message_dispatch(), prompt_stop():
         run_simulation(server_app=server, client_app=client, num_supernodes=num_nodes,
                        backend_config=backend)

@@ -8,7 +8,7 @@ Nothing outside this package imports ``flwr.cli``, ``flwr.proto``, ``flwr.superc
 
 - :mod:`~fedavg.flower_compat.checks`: that guard, and Ray's auto-connect switch;
 - :mod:`~fedavg.flower_compat.launch`: SuperLink / SuperNode entry points, SuperNode patches;
-- :mod:`~fedavg.flower_compat.engine`: the simulation engine's message dispatch;
+- :mod:`~fedavg.flower_compat.engine`: the simulation engine's message dispatch and stop;
 - :mod:`~fedavg.flower_compat.control`: the SuperLink's Control API (submit a run);
 - :mod:`~fedavg.flower_compat.fleet`: the Fleet API as a node sees it (is its key known?);
 - :mod:`~fedavg.flower_compat.tasks`: warm task workers on the runtime API;
@@ -20,6 +20,7 @@ from fedavg.flower_compat.checks import (
     check_flower_internals,
     check_ray_internals,
     disable_ray_auto_connect,
+    disconnect_ray,
 )
 from fedavg.flower_compat.control import (
     CertificateRejected,
@@ -28,7 +29,7 @@ from fedavg.flower_compat.control import (
     start_run,
     wait_control_ready,
 )
-from fedavg.flower_compat.engine import fast_message_dispatch
+from fedavg.flower_compat.engine import QUEUE_WAIT_S, fast_message_dispatch, prompt_stop
 from fedavg.flower_compat.fleet import node_key_registered
 from fedavg.flower_compat.launch import (
     HEARTBEAT_S,
@@ -69,6 +70,7 @@ __all__ = [
     "IDLE_POLL_S",
     "KEY_HINT",
     "PULL_BACKOFF_S",
+    "QUEUE_WAIT_S",
     "REPLY_WAIT_S",
     "SERVER_TASK",
     "CertificateRejected",
@@ -79,6 +81,7 @@ __all__ = [
     "check_ray_internals",
     "control_client",
     "disable_ray_auto_connect",
+    "disconnect_ray",
     "fast_message_dispatch",
     "is_certificate_failure",
     "most_telling_line",
@@ -87,6 +90,7 @@ __all__ = [
     "parse_supernode_line",
     "patch_pull_backoff",
     "patch_supernode",
+    "prompt_stop",
     "register_node_keys",
     "run_client_task",
     "run_server_task",

@@ -31,7 +31,11 @@ _SOURCES = {
     "flwr.server.superlink.fleet.vce.vce_api": (
         "for node_id in nodes_mapping.keys():",
         "message_ins_list = state.get_message_ins(node_id=node_id, limit=1)",
-        "target=add_messages_to_queue,"),
+        "target=add_messages_to_queue,", "messageins_queue: Queue[Message] = Queue()",
+        "message: Message = messageins_queue.get(timeout=1.0)",
+        "message_reply = queue.get(timeout=1.0)"),
+    "flwr.server.superlink.fleet.vce.backend.raybackend": (
+        "self.pool.terminate_all_actors()\n        ray.shutdown()",),
     "flwr.supercore.exit.exit": ('f"Exit Code: {code}',),
     "flwr.supercore.exit.exit_code": ("could not establish a connection",),
     "flwr.supercore.error.http": ("[ApiError:{err.code}] {err.message}",),
@@ -136,16 +140,49 @@ def _module(name: str):
 
 
 def check_ray_internals() -> None:
-    """Fail loudly when Ray's auto-connect switch (``ray._private.auto_init_hook``) moved.
+    """Fail loudly when Ray's auto-connect switch or its driver's node handle moved.
 
     Raises
     ------
     RuntimeError
-        ``ray._private.auto_init_hook.enable_auto_connect`` is gone.
+        ``ray._private.auto_init_hook.enable_auto_connect`` or
+        ``ray._private.worker._global_node`` (and its use in ``shutdown``) is gone.
     """
     mod = _module("ray._private.auto_init_hook")
     if not isinstance(getattr(mod, "enable_auto_connect", None), bool):
         raise RuntimeError("ray._private.auto_init_hook.enable_auto_connect is gone")
+    worker = _module("ray._private.worker")
+    if not hasattr(worker, "_global_node") or "_global_node.kill_all_processes(" not in (
+            inspect.getsource(worker.shutdown)):
+        raise RuntimeError("ray._private.worker.shutdown no longer stops _global_node")
+
+
+def disconnect_ray() -> bool:
+    """``ray.shutdown()`` without Ray stopping the processes this driver started.
+
+    Ray's own stop gives each of its processes a second to exit gracefully, one after
+    another; the caller kills them instead (their graceful exit keeps nothing).
+
+    Returns
+    -------
+    bool
+        Whether this process had started a Ray instance (whose processes now need stopping).
+
+    Raises
+    ------
+    RuntimeError
+        See :func:`check_ray_internals`.
+    """
+    check_ray_internals()
+    import ray
+    from ray._private import worker
+
+    node = worker._global_node
+    own = node is not None and node.is_head()
+    if own:
+        worker._global_node = None  # shutdown() then disconnects only
+    ray.shutdown()
+    return own
 
 
 def disable_ray_auto_connect() -> None:

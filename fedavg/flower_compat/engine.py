@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import queue
 
 from fedavg.flower_compat.checks import check_flower_internals
+
+#: The longest a simulation engine thread waits on its queue before it looks at the stop
+#: event (Flower: 1 s, so every run ended up to a second after its last round).
+QUEUE_WAIT_S = 0.05
 
 
 @contextlib.contextmanager
@@ -43,3 +48,40 @@ def fast_message_dispatch():
         yield
     finally:
         vce_api.add_messages_to_queue = original
+
+
+class _PromptQueue(queue.Queue):
+    """A queue whose timed ``get`` waits at most :data:`QUEUE_WAIT_S` seconds."""
+
+    def get(self, block=True, timeout=None):
+        """Return an item; with a timeout, raise ``queue.Empty`` after at most 0.05 s."""
+        if timeout is not None:
+            timeout = min(timeout, QUEUE_WAIT_S)
+        return super().get(block, timeout)
+
+
+@contextlib.contextmanager
+def prompt_stop():
+    """Within the block, the engine stops as soon as the ServerApp is done, leaving Ray up.
+
+    Flower's engine threads wait up to 1 s on their queues before they see the stop event,
+    and its Ray backend then runs ``ray.shutdown()``, which gives every Ray process a second
+    to exit, one after another (about 1.4 s). Here the threads wait at most
+    :data:`QUEUE_WAIT_S` seconds, and the backend only ends its actors: the caller stops Ray
+    (:func:`fedavg.ray_cleanup.shutdown_ray`).
+    """
+    from flwr.server.superlink.fleet.vce import vce_api
+    from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
+
+    check_flower_internals()
+    original_queue, original_terminate = vce_api.Queue, RayBackend.terminate
+
+    def terminate(self) -> None:
+        if self.pool:
+            self.pool.terminate_all_actors()
+
+    vce_api.Queue, RayBackend.terminate = _PromptQueue, terminate
+    try:
+        yield
+    finally:
+        vce_api.Queue, RayBackend.terminate = original_queue, original_terminate
