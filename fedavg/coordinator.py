@@ -277,11 +277,11 @@ class ServerRun:
         checkpoint.save_merged(self.output, merged, {
             **self.prepared.meta, "rounds": server_round,
             "metrics": {"accuracy": record.accuracy, "loss": record.loss}})
-        with open(self.metrics_path, "a") as fh:
-            fh.write(json.dumps(record.as_dict()) + "\n")
         resume.save(self.output, resume.capture(
             server_round, arrays.to_torch_state_dict(), self.config, self.prepared.strategy,
             [r.as_dict() for r in self.state.rounds], self.state.failures))
+        with open(self.metrics_path, "a") as fh:  # after the checkpoint: a round listed is
+            fh.write(json.dumps(record.as_dict()) + "\n")  # one a resume can go on from
         self.progress.on_round(record)
         return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
 
