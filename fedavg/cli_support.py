@@ -9,6 +9,7 @@ SIGTERM stop a command and its engine processes at once with exit code 130
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -126,4 +127,7 @@ def run_app(app: typer.Typer) -> None:
     except click.Abort:
         err_console.print("aborted")
         code = 1
+    # The OS frees the heap (torch, Flower, Ray objects) at exit: without this, Python's own
+    # last garbage collection of it took 1-2 s after every simulation.
+    gc.freeze()
     sys.exit(code if isinstance(code, int) else 0)
