@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -340,14 +341,35 @@ def _take(split: Split, idx: np.ndarray) -> Split:
     return Split(split.x[idx], split.y[idx], groups)
 
 
-def _load_digits() -> LoadedData:
-    from sklearn.datasets import load_digits
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits: images ``(1797, 8, 8)`` float (0..16) and labels ``(1797,)``.
 
-    bunch = load_digits()
+    Read from the file scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``) without
+    importing scikit-learn, which costs about a second (SciPy); where that file is not found,
+    from :func:`sklearn.datasets.load_digits`.
+    """
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    path = (Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data"
+            / "digits.csv.gz") if spec and spec.submodule_search_locations else None
+    if path is None or not path.is_file():
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        return bunch.images, bunch.target
+    with gzip.open(path, "rt") as fh:
+        table = np.loadtxt(fh, delimiter=",")
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
+
+
+def _load_digits() -> LoadedData:
+    images, target = digits_arrays()
     # 0..16 intensities -> 0..255 uint8 so digits are handled like any image dataset
-    x = np.round(bunch.images * (255.0 / 16.0)).astype(np.uint8)[:, None, :, :]
-    y = bunch.target.astype(np.int64)
-    classes = [str(c) for c in bunch.target_names]
+    x = np.round(images * (255.0 / 16.0)).astype(np.uint8)[:, None, :, :]
+    y = target.astype(np.int64)
+    classes = [str(c) for c in range(10)]
     return LoadedData({"train": Split(x, y)}, classes, "digits", {"image": None, "label": None})
 
 

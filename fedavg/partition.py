@@ -27,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fedavg.errors import UserError
+from fedavg.lazy_plots import defer_flwr_datasets_plots
 
 PARAMETERS = ("alpha", "classes_per_node", "groups", "seed")
 """Config names a partitioner may declare: the keyword arguments of :func:`partition`."""
@@ -140,6 +141,7 @@ def iid(labels: np.ndarray, num_partitions: int, *, seed: int):
 
     Wraps :class:`flwr_datasets.partitioner.IidPartitioner`; sizes differ by at most one.
     """
+    defer_flwr_datasets_plots()
     from flwr_datasets.partitioner import IidPartitioner
 
     p = IidPartitioner(num_partitions=num_partitions)
@@ -165,6 +167,7 @@ def dirichlet(labels: np.ndarray, num_partitions: int, *, alpha: float, seed: in
     Hsu, Qi and Brown, "Measuring the Effects of Non-Identical Data Distribution for
     Federated Visual Classification", 2019, arXiv:1909.06335.
     """
+    defer_flwr_datasets_plots()
     from flwr_datasets.partitioner import DirichletPartitioner
 
     if not alpha > 0:
@@ -200,6 +203,7 @@ def pathological(labels: np.ndarray, num_partitions: int, *, classes_per_node: i
     McMahan, Moore, Ramage, Hampson and Agüera y Arcas, "Communication-Efficient Learning of
     Deep Networks from Decentralized Data", AISTATS 2017, arXiv:1602.05629.
     """
+    defer_flwr_datasets_plots()
     from flwr_datasets.partitioner import PathologicalPartitioner
 
     num_classes = len(np.unique(labels))

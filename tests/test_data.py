@@ -59,6 +59,17 @@ def test_digits_shapes_classes_and_holdout():
     assert len(data.notes) == 1 and "held out" in data.notes[0] and "seed 0" in data.notes[0]
 
 
+def test_digits_read_without_sklearn_equal_sklearns_load_digits():
+    from sklearn.datasets import load_digits
+
+    from fedavg.data import digits_arrays
+
+    images, target = digits_arrays()
+    bunch = load_digits()
+    assert np.array_equal(images, bunch.images) and np.array_equal(target, bunch.target)
+    assert list(bunch.target_names) == list(range(10))
+
+
 def test_digits_holdout_is_seeded():
     """The digits hold-out depends on the seed only."""
     a, b, c = load("digits", seed=0), load("digits", seed=0), load("digits", seed=1)
