@@ -10,7 +10,10 @@ layers in ``experiments/plain_flower``), SGD lr 0.05 momentum 0.9, batch 32, IID
 from flwr-datasets, one local epoch per round, every node in every round, the merged model
 evaluated on the test split after each round:
 
-- ``fedavg``: ``fedavg simulate`` (Flower's simulation engine on Ray), one CPU per node;
+- ``fedavg``: ``fedavg simulate`` (Flower's simulation engine on Ray), one CPU per node, so
+  as many nodes train at a time as there are cores;
+- ``fedavg-1``: the same with every core per node: one node at a time, with as many torch
+  threads as cores (the parallel speed-up is its steady round over ``fedavg``'s);
 - ``flower``: ``experiments/plain_flower``, a plain Flower app laid out as Flower's PyTorch
   quickstart, run with ``flwr run --stream`` on a ``flower-superlink --simulation`` this
   script starts on free loopback ports and stops afterwards, with what it started (by PID:
@@ -74,15 +77,15 @@ def phases(launched: float, ended: float, starts: list[float], ends: list[float]
             "end_s": round(ended - ends[-1], 2)}
 
 
-def run_fedavg(dataset: str, nodes: int, rounds: int, tmp: Path) -> dict:
+def run_fedavg(dataset: str, nodes: int, rounds: int, tmp: Path, cpus: int = 1) -> dict:
     """``fedavg simulate``; round ends are when each ``metrics.jsonl`` line appears."""
-    out = tmp / "fedavg"
+    out = tmp / f"fedavg-{cpus}"
     cmd = [sys.executable, "-m", "fedavg.cli", "simulate", "--dataset", dataset,
            "--model", "cnn", "--num-nodes", str(nodes), "--rounds", str(rounds),
            "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05", "--momentum", "0.9",
-           "--partitioner", "iid", "--cpus-per-node", "1", "--output", str(out)]
+           "--partitioner", "iid", "--cpus-per-node", str(cpus), "--output", str(out)]
     launched, seen, ends = time.time(), 0, []
-    log = open(tmp / "fedavg.log", "w")
+    log = open(tmp / f"fedavg-{cpus}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     while proc.poll() is None:
         path = out / "metrics.jsonl"
@@ -94,7 +97,7 @@ def run_fedavg(dataset: str, nodes: int, rounds: int, tmp: Path) -> dict:
     log.close()
     if proc.returncode != 0:
         raise RuntimeError(f"fedavg simulate exited {proc.returncode}: "
-                           f"{(tmp / 'fedavg.log').read_text()[-2000:]}")
+                           f"{(tmp / f'fedavg-{cpus}.log').read_text()[-2000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     ends += [ended] * (len(rows) - len(ends))
     starts = [ends[0] - rows[0]["wall_s"], *ends[:-1]]
@@ -218,17 +221,20 @@ def table(result: dict) -> str:
     rows = [f"machine limit: {result['one_thread_samples_s']:.0f} samples/s on one thread x "
             f"{result['cores']} cores = {limit:.0f} samples/s; the work: {work:,} "
             f"sample-epochs, {work / limit:.1f} s at the limit",
-            "leg      wall s  start-up s  round 1 s  round s  end s  accuracy  samples/s  "
+            "leg       wall s  start-up s  round 1 s  round s  end s  accuracy  samples/s  "
             "of limit"]
-    for name in ("fedavg", "flower", "pytorch"):
+    for name in ("fedavg", "fedavg-1", "flower", "pytorch"):
         leg = result[name]
-        rows.append(f"{name:<7}  {leg['wall_s']:>6.1f}  {leg['startup_s']:>10.1f}  "
+        rows.append(f"{name:<8}  {leg['wall_s']:>6.1f}  {leg['startup_s']:>10.1f}  "
                     f"{leg['round1_s']:>9.1f}  {leg['round_s']:>7.1f}  {leg['end_s']:>5.1f}  "
                     f"{leg['accuracy']:>8.4f}  {work / leg['wall_s']:>9.0f}  "
                     f"{work / leg['wall_s'] / limit:>8.1%}")
     ours = result["fedavg"]["wall_s"]
     rows.append(f"fedavg / plain Flower: {ours / result['flower']['wall_s']:.2f}; "
-                f"fedavg / plain PyTorch: {ours / result['pytorch']['wall_s']:.2f}")
+                f"fedavg / plain PyTorch: {ours / result['pytorch']['wall_s']:.2f}; "
+                f"speed-up of {result['cores']} nodes at a time over one: "
+                f"{result['fedavg-1']['round_s'] / result['fedavg']['round_s']:.2f} (steady "
+                "rounds)")
     return "\n".join(rows)
 
 
@@ -261,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                   "rounds": args.rounds}
         for name, leg in (("fedavg", lambda: run_fedavg(args.dataset, args.nodes,
                                                          args.rounds, tmp)),
+                          ("fedavg-1", lambda: run_fedavg(args.dataset, args.nodes,
+                                                           args.rounds, tmp, cores)),
                           ("flower", lambda: run_flower(args.dataset, args.nodes,
                                                         args.rounds, tmp)),
                           ("pytorch", lambda: run_torch(args.dataset, args.rounds, tmp))):
