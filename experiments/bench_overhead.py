@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import datasets
 
+        datasets.disable_progress_bars()
         train_rows = datasets.load_dataset(args.dataset, split="train").num_rows
         cores = os.cpu_count() or 1
         one = one_thread_limit()

@@ -14,10 +14,14 @@ Python API (the CLI is a thin layer over it)::
     fedavg.predict("runs/demo", ["digit.png"])           # [{"prediction": "7", ...}]
 """
 
+import time
 from importlib import import_module
 from typing import Any
 
 __version__ = "0.1.0"
+#: ``time.monotonic()`` when fedavg was first imported: where the ``imports`` phase of a
+#: run's start-up begins (``startup_s`` in ``summary.json``, :mod:`fedavg.timeline`).
+IMPORTED_AT = time.monotonic()
 
 _EXPORTS = {
     "simulate": "fedavg.simulation",

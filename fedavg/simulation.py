@@ -225,12 +225,10 @@ def _prepare_and_run(config: RunConfig, ckpt, output, backend: dict[str, Any], c
     show_plan(console, prepared, config)
     if ckpt is not None and console is not None:
         console.print(f"resuming {out} after round {ckpt.round} of {config.merge.rounds}")
-    from fedavg.timeline import process_start
+    import fedavg
 
     state = run.RunState()
-    state.marks.update(entered=started, prepared=time.monotonic())
-    if (began := process_start()) is not None:
-        state.marks["process"] = began
+    state.marks.update(imported=fedavg.IMPORTED_AT, entered=started, prepared=time.monotonic())
     try:
         trackers.open(out, 1 if ckpt is None else ckpt.round + 1)
         _run_on_ray(config, prepared, out, state, backend, console, ckpt, trackers)

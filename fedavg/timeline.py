@@ -9,26 +9,13 @@ first round itself (which also spawns the node actors) and the stop (Ray stopped
 
 from __future__ import annotations
 
-import os
-import time
-
-#: The phases, each from the mark before it (``process`` is the process's own start).
-PHASES = (("imports", "process", "entered"), ("prepare", "entered", "prepared"),
+#: The phases, each from the mark before it (``imported``: fedavg's first import, see
+#: :data:`fedavg.IMPORTED_AT`; a process's own start can be much earlier, e.g. that of a
+#: shell that ran other commands before it ran ``fedavg``).
+PHASES = (("imports", "imported", "entered"), ("prepare", "entered", "prepared"),
           ("node_data", "prepared", "node_data"), ("ray_start", "node_data", "ray"),
           ("engine_start", "ray", "round1_start"), ("round1", "round1_start", "round1_end"),
           ("stop", "last_round_end", "stopped"))
-
-
-def process_start() -> float | None:
-    """Return ``time.monotonic()`` at this process's start (Linux ``/proc``), else ``None``."""
-    try:
-        with open("/proc/self/stat") as fh:
-            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as fh:
-            uptime = float(fh.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return time.monotonic() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def phases(marks: dict[str, float]) -> dict[str, float]:
