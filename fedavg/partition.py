@@ -185,7 +185,8 @@ def dirichlet(labels: np.ndarray, num_partitions: int, *, alpha: float, seed: in
 
 
 @register_partitioner("pathological", "each node holds classes_per_node labels only",
-                      paper="McMahan et al. 2017, arXiv:1602.05629")
+                      paper="McMahan et al. 2017, arXiv:1602.05629",
+                      remedy="a smaller --classes-per-node")
 def pathological(labels: np.ndarray, num_partitions: int, *, classes_per_node: int, seed: int):
     """Give each node ``classes_per_node`` labels and split each label among its nodes.
 
@@ -364,7 +365,7 @@ def partition(
     given = {"alpha": alpha, "classes_per_node": classes_per_node, "groups": groups,
              "seed": seed}
     p = spec.build(labels, num_partitions, **{k: given[k] for k in spec.params})
-    parts = _load_parts(p, n, num_partitions, scheme)
+    parts = _load_parts(p, n, num_partitions, spec)
     empty = [i for i, part in enumerate(parts) if len(part) == 0]
     if empty:
         raise UserError(
@@ -374,7 +375,7 @@ def partition(
     return parts
 
 
-def _load_parts(p, n: int, num_partitions: int, scheme: str) -> list[np.ndarray]:
+def _load_parts(p, n: int, num_partitions: int, spec: PartitionerSpec) -> list[np.ndarray]:
     """Sorted ``int64`` sample indices of each of the ``num_partitions`` partitions of ``p``."""
     parts = []
     try:
@@ -383,10 +384,11 @@ def _load_parts(p, n: int, num_partitions: int, scheme: str) -> list[np.ndarray]
             for i in range(num_partitions):
                 idx = np.sort(np.asarray(p.load_partition(i)["index"], dtype=np.int64))
                 parts.append(idx)
-    except ValueError as exc:  # DirichletPartitioner gives up after 10 tries
+    except ValueError as exc:  # e.g. DirichletPartitioner gives up after 10 tries
+        reason = str(exc).splitlines()[0].split(". ")[0].rstrip(".")  # its first sentence
         raise UserError(
-            f"cannot split {n} samples into {num_partitions} non-empty {scheme} partitions "
-            f"({str(exc).splitlines()[0][:160]}); use fewer nodes or a larger --alpha"
+            f"cannot split {n} samples into {num_partitions} non-empty {spec.name} partitions "
+            f"({reason}); use fewer --num-nodes" + (f" or {spec.remedy}" if spec.remedy else "")
         ) from None
     return parts
 

@@ -106,7 +106,10 @@ def load_published(path: str | Path) -> Published:
     if not isinstance(differences, list) or not all(isinstance(d, str) for d in differences):
         raise UserError(f"{path}: differences must be a list of strings")
     out = Published(raw["source"], str(raw.get("metric", "best test accuracy")), differences)
-    for i, table in enumerate(raw.get("figures", []), start=1):
+    figures = raw.get("figures", [])
+    if not isinstance(figures, list):
+        raise UserError(f"{path}: figures must be tables, written [[figures]]")
+    for i, table in enumerate(figures, start=1):
         if not isinstance(table, dict):
             raise UserError(f"{path}: figures must be tables, written [[figures]]")
         if "best-accuracy" not in table:

@@ -280,3 +280,14 @@ def test_each_partitioner_disjoint_covering_by_hand(name):
     again = partition(SMALL, 4, name, **kwargs)
     for a, b in zip(parts, again):
         np.testing.assert_array_equal(a, b)
+
+
+def test_an_impossible_pathological_split_names_its_own_remedy_in_whole_words():
+    from fedavg.partition import partition
+
+    labels = np.arange(1438) % 10  # 143-144 samples a label; 1000 x 2 / 10 = 200 nodes each
+    with pytest.raises(UserError) as info:
+        partition(labels, 1000, "pathological", classes_per_node=2, seed=0)
+    message = str(info.value)
+    assert message.endswith("use fewer --num-nodes or a smaller --classes-per-node"), message
+    assert "--alpha" not in message and "`num_p" not in message

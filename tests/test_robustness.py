@@ -80,7 +80,7 @@ def test_impossible_dirichlet_says_one_thing():
     labels = np.repeat(np.arange(10), 20)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with pytest.raises(UserError, match="fewer nodes or a larger --alpha"):
+        with pytest.raises(UserError, match="fewer --num-nodes or a larger --alpha"):
             partition(labels, 150, "dirichlet", alpha=0.001)
     assert not caught
 

@@ -532,6 +532,7 @@ def test_published_figures_sit_beside_matching_groups_under_a_name(tmp_path, run
     ('source = "x"\n[[figures]]\nbest-accuracy = 0.5', "names no setting"),
     ('source = "x"\n[[figures]]\nstrategy = "fedavg"\nbest-accuracy = 91.0', "fraction"),
     ('source = "x"\ndifferences = "one"', "list of strings"),
+    ('source = "x"\nfigures = 3', r"figures must be tables, written \[\[figures"),
     ("source = ", "not valid TOML"),
     ('source = "x"\n[[figures]]\nstrategy = "fedavg"\nbest_acc = 0.5', "has no best-accuracy"),
     ('source = "x"\n[[figures]]\ncolour = "red"\nbest-accuracy = 0.5', "'colour' is not a run"),
