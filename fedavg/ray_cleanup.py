@@ -17,6 +17,8 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 _ACTIVE: list[Callable[[], None]] = []
+#: Seconds by which a run's start is moved back before processes are told apart by start time.
+CLOCK_SLACK_S = 2.0
 
 
 @contextlib.contextmanager
@@ -25,7 +27,9 @@ def abortable(folders: list[str], marker: str):
 
     ``folders`` are removed; ``marker`` is this run's Ray folder (see :func:`_ray_processes`).
     """
-    since = time.time()
+    # A process's start time as psutil reads it (the boot time, in whole seconds, plus its
+    # start ticks) can be up to a second before time.time() at the same moment.
+    since = time.time() - CLOCK_SLACK_S
 
     def abort() -> None:
         # From a signal handler, while Flower's threads still use Ray: any Ray call now can
@@ -191,5 +195,8 @@ def shutdown_ray(since: float, marker: str, timeout_s: float = 0.0) -> None:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
         _wait_gone(alive, 2.0)
+        for proc in alive:  # reap our own children (Ray no longer holds them: detached)
+            with contextlib.suppress(OSError):
+                os.waitpid(proc.pid, os.WNOHANG)
         time.sleep(0.1)  # let a respawn race show itself
         procs = {}
