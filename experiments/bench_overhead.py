@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.dataset).is_dir():
         parser.error(f"no dataset folder {args.dataset} (give --dataset)")
     tmp = Path(tempfile.mkdtemp(prefix="fedavg-bench-", dir="/tmp"))
+    result: dict = {}
     try:
         import datasets
 
@@ -266,15 +267,19 @@ def main(argv: list[str] | None = None) -> int:
                   "limit_samples_s": round(one * cores, 1),
                   "sample_epochs": train_rows * args.rounds, "nodes": args.nodes,
                   "rounds": args.rounds}
-        for name, leg in (("fedavg", lambda: run_fedavg(args.dataset, args.nodes,
-                                                         args.rounds, tmp)),
-                          ("fedavg-1", lambda: run_fedavg(args.dataset, args.nodes,
-                                                           args.rounds, tmp, cores)),
-                          ("flower", lambda: run_flower(args.dataset, args.nodes,
-                                                        args.rounds, tmp)),
-                          ("pytorch", lambda: run_torch(args.dataset, args.rounds, tmp))):
+        legs = (("fedavg", lambda: run_fedavg(args.dataset, args.nodes, args.rounds, tmp)),
+                ("fedavg-1", lambda: run_fedavg(args.dataset, args.nodes, args.rounds, tmp,
+                                                cores)),
+                ("flower", lambda: run_flower(args.dataset, args.nodes, args.rounds, tmp)),
+                ("pytorch", lambda: run_torch(args.dataset, args.rounds, tmp)))
+        for name, leg in legs:
             result[name] = leg()
             print(f"{name}: {result[name]['wall_s']:.1f} s", flush=True)
+    except (RuntimeError, ValueError, OSError) as exc:  # a leg or the dataset failed
+        done = {k: v["wall_s"] for k, v in result.items() if isinstance(v, dict)}
+        print(f"error: {str(exc).strip().splitlines()[-1]} (legs done: {done})",
+              file=sys.stderr)
+        return 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(table(result))

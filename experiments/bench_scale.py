@@ -105,14 +105,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (round 1 is reported apart)")
-    points = []
+    points, failed = [], None
     for nodes, dataset in parse_points(args.points):
-        points.append(measure(nodes, dataset, args.rounds, args.extra))
+        try:
+            points.append(measure(nodes, dataset, args.rounds, args.extra))
+        except (RuntimeError, KeyboardInterrupt) as exc:  # keep the points measured so far
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else "interrupted"
+            reason = reason.removeprefix("error: ")
+            failed = f"error: {nodes} nodes on {dataset}: {reason}"
+            break
         print(f"{nodes} nodes on {dataset}: {points[-1]['wall_s']:.1f} s", flush=True)
-    print(f"fedavg simulate, 10 nodes trained per round, {args.rounds} rounds")
-    print(table(points))
-    if args.json is not None:
-        args.json.write_text(json.dumps(points, indent=1) + "\n")
+    if points:
+        print(f"fedavg simulate, 10 nodes trained per round, {args.rounds} rounds")
+        print(table(points))
+        if args.json is not None:
+            args.json.write_text(json.dumps(points, indent=1) + "\n")
+    if failed is not None:
+        print(failed, file=sys.stderr)
+        return 1
     return 0
 
 
