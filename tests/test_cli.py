@@ -175,3 +175,20 @@ def test_ctrl_c_and_sigterm_share_one_handler():
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def test_ctrl_c_while_the_cli_still_imports_is_one_line_and_exit_130(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "fedavg"  # the console script, as a user runs it
+    proc = subprocess.Popen([str(script), "simulate", "--output", str(tmp_path / "run")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # torch and Flower are still importing
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == ["interrupted before the command started"], err
