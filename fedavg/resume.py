@@ -258,7 +258,8 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
     ------
     UserError
         A setting other than ``may_change`` differs (naming it and both values), or the
-        rounds asked for are already done.
+        rounds asked for are already done (a run stopped after its last round but before
+        its ``summary.json`` is not: resuming it with the same rounds finishes it).
     """
     config = ckpt.run_config() if config is None else config
     # a setting newer than the checkpoint is the default there: the behaviour it had then
@@ -274,7 +275,9 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
                     "change: start a new run with another --output for other settings")
             raise UserError(f"--resume {where}: --{key} {_shown(asked.get(key))} differs from "
                             f"the run's {_shown(saved.get(key))}{hint}")
-    if config.merge.rounds <= ckpt.round:
+    # every round done but no summary.json (stopped while finishing): the resume finishes it
+    finished = (Path(where) / "summary.json").exists()
+    if config.merge.rounds < ckpt.round or (config.merge.rounds == ckpt.round and finished):
         raise UserError(f"--resume {where}: the run has finished {ckpt.round} round(s); pass "
                         f"--rounds N with N > {ckpt.round} to train longer")
     return config

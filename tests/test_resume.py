@@ -201,7 +201,7 @@ def test_the_resume_hint_is_only_for_this_runs_checkpoint(tmp_path, monkeypatch)
     assert "resume with:" in cli_support.interrupted(tmp_path)
 
 
-def test_only_the_rounds_may_change():
+def test_only_the_rounds_may_change(tmp_path):
     ckpt = resume.Checkpoint(round=2, model={"a": torch.zeros(1)},
                              config=RunConfig().replace(rounds=4, lr=0.05).to_flat(),
                              rounds=[rec(1), rec(2)])
@@ -218,8 +218,16 @@ def test_only_the_rounds_may_change():
     assert resume.resumed_config(ckpt, bound, "run").merge.max_update_norm == 2.0
     assert resume.resumed_config(ckpt, ckpt.run_config().replace(device="cpu", rounds=5),
                                  "run").train.device == "cpu"
-    with pytest.raises(UserError, match=r"has finished 2 round\(s\); pass --rounds N with N > 2"):
-        resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=2), "run")
+    # stopped after its last round, before summary.json: resuming with the same rounds
+    # finishes it; once summary.json is there it is done
+    assert resume.resumed_config(ckpt, None, str(tmp_path)).merge.rounds == 4
+    ckpt.round, ckpt.rounds = 4, [rec(i) for i in range(1, 5)]
+    assert resume.resumed_config(ckpt, None, str(tmp_path)).merge.rounds == 4
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(UserError, match=r"has finished 4 round\(s\); pass --rounds N with N > 4"):
+        resume.resumed_config(ckpt, None, str(tmp_path))
+    with pytest.raises(UserError, match=r"has finished 4 round\(s\)"):
+        resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=3), str(tmp_path))
 
 
 def test_resume_command_replaces_output_and_keeps_the_rest():
