@@ -5,6 +5,7 @@ Unit tests read configs and fake run folders written here in the exact format fe
 the end-to-end ones (marker ``e2e``) run ``fedavg sweep`` and ``fedavg report`` for real.
 """
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -715,3 +716,27 @@ def test_report_takes_settings_newer_than_a_run_at_their_default(tmp_path):
     runs, _ = find_runs(tmp_path / "runs")
     assert {r.settings["augment"] for r in runs} == {False}
     assert write_report(tmp_path / "runs")["num_groups"] == 1  # the same but for the seed
+
+
+def test_a_point_stops_when_its_sweep_is_killed(tmp_path):
+    """The sweep's children get SIGTERM when the sweep dies, even by SIGKILL."""
+    import psutil
+
+    code = ("import subprocess, sys, time\n"
+            "from fedavg.sweep_run import point_process\n"
+            "p = point_process([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(120)\n")
+    sweep = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        point = int(sweep.stdout.readline())
+        assert _alive(point)
+        sweep.kill()  # SIGKILL: no handler of the sweep runs
+        sweep.wait(30)
+        _wait_for(lambda: not _alive(point), 10, "the point's end")
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+            sweep.wait()
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(point).kill()
