@@ -133,8 +133,21 @@ def save(folder: str | Path, ckpt: Checkpoint) -> Path:
              "python_random": ckpt.python_random}
     path = Path(folder) / CHECKPOINT
     meta = {"format": FORMAT, "state": json.dumps(state)}
+    meta["sha256"] = _digest(tensors, meta["state"])
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
     return path
+
+
+def _digest(tensors: dict[str, torch.Tensor], state: str) -> str:
+    """SHA-256 of the state JSON and every tensor's name and bytes (a flipped bit shows)."""
+    import hashlib
+
+    h = hashlib.sha256(state.encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
+    return h.hexdigest()
 
 
 def load(folder: str | Path) -> Checkpoint:
@@ -162,6 +175,9 @@ def load(folder: str | Path) -> Checkpoint:
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
         if meta.get("format") != FORMAT:
             raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+        # checkpoints written before the checksum existed have none to check
+        if "sha256" in meta and meta["sha256"] != _digest(tensors, meta["state"]):
+            raise ValueError("its contents do not match its SHA-256 checksum")
         state = json.loads(meta["state"])
         ckpt = _from_parts(state, tensors)
     except (SafetensorError, OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
