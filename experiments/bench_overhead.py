@@ -148,6 +148,7 @@ def run_flower(dataset: str, nodes: int, rounds: int, tmp: Path) -> dict:
     bindir, tag = Path(sys.executable).parent, f"{os.getpid()}-{time.time_ns()}"
     env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_UPDATE_CHECK": "1",
            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FEDAVG_BENCH_TAG": tag,
+           "RAY_TMPDIR": str(tmp),  # Flower's Ray session folder goes away with ours
            "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
     launched = time.time()
     link = subprocess.Popen(
