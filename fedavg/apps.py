@@ -127,7 +127,7 @@ def _train(message: Message, context: Context) -> Message:
     settings = _own_model(settings, _node_setting(context, "model"))
     split = _conformed(dataset, pid, nparts, run_cfg, json.dumps(settings.input, sort_keys=True),
                        tuple(settings.classes))
-    return run_train(message, split.x, split.y, device, pid, settings)
+    return run_train(message, split.x, split.y, device, pid, settings, context)
 
 
 def _own_model(settings, allowed):

@@ -421,4 +421,7 @@ def _check_strategy(c: RunConfig) -> str | None:
     if cls.one_shot and m.rounds != 1:
         return (f"{m.strategy} is a one-shot merge of fully trained node models: "
                 "use --rounds 1 (and --local-epochs to train longer)")
+    if cls.node_rule is not None and c.train.optimizer not in cls.node_rule.optimizers:
+        return (f"{m.strategy}'s update rule assumes {' or '.join(cls.node_rule.optimizers)} "
+                f"local steps; use --optimizer {cls.node_rule.optimizers[0]}")
     return None

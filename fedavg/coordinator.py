@@ -147,14 +147,19 @@ class ServerRun:
     resume_from : fedavg.resume.Checkpoint, optional
         Go on from this checkpoint (``--resume``): its model, strategy state, random state
         and rounds; only the remaining rounds are run.
+    node_contexts : fedavg.flower_compat.NodeContexts, optional
+        The simulated nodes' contexts: each checkpoint holds the node states of methods
+        that keep one (SCAFFOLD, FedDyn, MOON). ``None`` in deployment, where every node
+        keeps its own.
     """
 
     def __init__(self, config: RunConfig, prepared: Prepared, output: Path, state: RunState,
                  progress: Progress | None = None, deployment: Deployment | None = None,
-                 resume_from: resume.Checkpoint | None = None) -> None:
+                 resume_from: resume.Checkpoint | None = None, node_contexts=None) -> None:
         self.config, self.prepared, self.output, self.state = config, prepared, output, state
         self.progress = progress or Progress(None, config.merge.rounds)
         self.deployment, self.resume_from = deployment, resume_from
+        self.node_contexts = node_contexts
         self.metrics_path = output / "metrics.jsonl"
         self.model: torch.nn.Module | None = None
         self.adapter: FlowerAdapter | None = None
@@ -279,11 +284,20 @@ class ServerRun:
             "metrics": {"accuracy": record.accuracy, "loss": record.loss}})
         resume.save(self.output, resume.capture(
             server_round, arrays.to_torch_state_dict(), self.config, self.prepared.strategy,
-            [r.as_dict() for r in self.state.rounds], self.state.failures))
+            [r.as_dict() for r in self.state.rounds], self.state.failures, self._node_states()))
         with open(self.metrics_path, "a") as fh:  # after the checkpoint: a round listed is
             fh.write(json.dumps(record.as_dict()) + "\n")  # one a resume can go on from
         self.progress.on_round(record)
         return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
+
+    def _node_states(self) -> dict[int, dict[str, torch.Tensor]]:
+        """By partition, the node states the run's method keeps (simulation only)."""
+        strategy = self.prepared.strategy
+        if self.node_contexts is None or strategy.node_rule is None:
+            return {}
+        from fedavg.node import node_state
+
+        return self.node_contexts.states(lambda records: node_state(records, strategy.name))
 
     def _record(self, server_round: int, res: dict) -> RoundRecord:
         info = self.adapter.last_train
@@ -301,14 +315,16 @@ class ServerRun:
 
 def make_server_app(config: RunConfig, prepared: Prepared, output: Path, state: RunState,
                     progress: Progress | None = None, deployment: Deployment | None = None,
-                    resume_from: resume.Checkpoint | None = None) -> ServerApp:
+                    resume_from: resume.Checkpoint | None = None,
+                    node_contexts=None) -> ServerApp:
     """Build the coordinator ServerApp for one run (see :class:`ServerRun`).
 
     An exception in the run is kept in ``state.error`` (engines may wrap it) and re-raised;
     with a ``deployment``, the connected nodes are first told that the run failed and why.
     """
     app = ServerApp()
-    run = ServerRun(config, prepared, output, state, progress, deployment, resume_from)
+    run = ServerRun(config, prepared, output, state, progress, deployment, resume_from,
+                    node_contexts)
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:

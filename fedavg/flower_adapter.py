@@ -216,7 +216,15 @@ class FlowerAdapter(FlowerFedAvg):
         self.current_round = server_round
         self.round_started = time.monotonic()
         self.reference = arrays.to_torch_state_dict()  # the round's starting point
-        return super().configure_train(server_round, arrays, config, grid)
+        if self.context is not None:  # all nodes of the run, for SCAFFOLD's and FedDyn's N
+            self.context.num_nodes = len(list(grid.get_node_ids()))
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        extras = {k: ArrayRecord(v) for k, v in
+                  self.merge.to_nodes(self.reference, self.buffers).items()}
+        for msg in messages:  # one record object shared by every message of the round
+            for key, record in extras.items():
+                msg.content[key] = record
+        return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         """Merge usable replies one at a time; report the others."""
@@ -241,7 +249,10 @@ class FlowerAdapter(FlowerFedAvg):
             state, weight, metrics = parse_reply(msg)
             partition = int(metrics.get(keys.PARTITION_ID, -1))
             self._check_norm(state, node)
-            self.merge.add(state, weight, node=str(node))
+            extras = {k: rec.to_torch_state_dict() for k, rec in
+                      msg.content.array_records.items() if k != keys.ARRAYS}
+            self.merge.add_reply(state, weight, node=str(node), arrays=extras,
+                                 metrics=dict(metrics))
             if self.on_node_model is not None:
                 self.on_node_model(server_round, state, {
                     "node_id": node, "num_examples": weight,

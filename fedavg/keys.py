@@ -38,3 +38,11 @@ RUN_FINISHED = "run-finished"
 RUN_FAILED = "run-failed"
 """Config key of the coordinator's end-of-run ``query`` message when the run failed: the
 one-line reason (sent instead of :data:`RUN_FINISHED`)."""
+
+NODE_STATE = "fedavg-node-state"
+"""Key of the ArrayRecord in a node's ``Context.state`` holding its method state (SCAFFOLD's
+control variate, FedDyn's gradient, MOON's previous model), kept between its rounds."""
+
+NODE_STATE_INFO = "fedavg-node-state-info"
+"""Key of the ConfigRecord beside :data:`NODE_STATE`: ``strategy`` and ``round`` it was made
+by and in."""

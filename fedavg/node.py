@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedavg import keys
@@ -72,7 +72,8 @@ def _model_for(spec_json: str) -> torch.nn.Module:
 
 
 def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
-              partition_id: int, settings: TrainSettings | None = None) -> Message:
+              partition_id: int, settings: TrainSettings | None = None,
+              context: Context | None = None) -> Message:
     """Train the received model on ``(x, y)`` and build the reply message.
 
     Parameters
@@ -88,17 +89,66 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
         This node's partition (``-1``: its whole dataset); seeds its batch order.
     settings : TrainSettings, optional
         The message's settings when the caller decoded them already.
+    context : flwr.app.Context, optional
+        The node's Flower context: its ``state`` keeps the method's node state (SCAFFOLD,
+        FedDyn, MOON) from one of the node's rounds to the next.
 
     Returns
     -------
     flwr.app.Message
         ``arrays`` (the trained state dict) and ``metrics`` (``num-examples``,
-        ``train-loss``, ``partition-id``, ``train-seconds``).
+        ``train-loss``, ``partition-id``, ``train-seconds``), plus the records a method's
+        node rule adds (:class:`strategies.NodeUpdate`).
+
+    Raises
+    ------
+    strategies.MergeError
+        The message lacks what the method's node rule needs (Flower replies with it).
     """
     cfg = settings or TrainSettings.from_record(message.content[keys.CONFIG])
     model = _model_for(json.dumps(cfg.model, sort_keys=True))
     model.load_state_dict(message.content[keys.ARRAYS].to_torch_state_dict(), strict=True)
+    rule = _begin_rule(cfg, model, message, context)
     started = time.perf_counter()
+    try:
+        stats, update = _train_with(rule, model, x, y, cfg, device, partition_id)
+    finally:
+        if rule is not None:
+            rule.close()
+    metrics = MetricRecord({keys.NUM_EXAMPLES: stats["num_examples"],
+                            keys.TRAIN_LOSS: stats["train_loss"],
+                            keys.PARTITION_ID: partition_id,
+                            keys.TRAIN_SECONDS: time.perf_counter() - started,
+                            **update.metrics})
+    reply = RecordDict({keys.ARRAYS: ArrayRecord(model.state_dict()), keys.METRICS: metrics})
+    for key, arrays in update.arrays.items():
+        reply[key] = ArrayRecord(arrays)
+    if update.state is not None and context is not None:
+        keep_node_state(context, cfg.method, update.state, cfg.server_round)
+    return Message(reply, reply_to=message)
+
+
+def _begin_rule(cfg: TrainSettings, model: torch.nn.Module, message: Message,
+                context: Context | None):
+    """Return the round's node rule, begun (``None`` for methods without one)."""
+    if not cfg.method:
+        return None
+    import strategies
+
+    rule = strategies.node_rule(cfg.method, cfg.method_options, cfg.momentum)
+    if rule is None:
+        return None
+    received = {k: rec.to_torch_state_dict() for k, rec in
+                message.content.array_records.items() if k != keys.ARRAYS}
+    rule.begin(model, received, node_state(None if context is None else context.state,
+                                           cfg.method))
+    return rule
+
+
+def _train_with(rule, model, x, y, cfg: TrainSettings, device: str, partition_id: int):
+    """Train one round; return the stats and the rule's update (empty without a rule)."""
+    import strategies
+
     stats = train(
         model, x, y, cfg.input,
         epochs=cfg.local_epochs,
@@ -113,13 +163,37 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
         optimizer=cfg.optimizer,
         lr_schedule=cfg.lr_schedule,
         augment=cfg.augment,
+        rule=rule,
     )
-    metrics = MetricRecord({keys.NUM_EXAMPLES: stats["num_examples"],
-                            keys.TRAIN_LOSS: stats["train_loss"],
-                            keys.PARTITION_ID: partition_id,
-                            keys.TRAIN_SECONDS: time.perf_counter() - started})
-    reply = RecordDict({keys.ARRAYS: ArrayRecord(model.state_dict()), keys.METRICS: metrics})
-    return Message(reply, reply_to=message)
+    return stats, (strategies.NodeUpdate() if rule is None else rule.finish(model))
+
+
+def node_state(records: RecordDict | None, method: str) -> dict[str, torch.Tensor] | None:
+    """Return the state ``method``'s node rule kept in a node's ``Context.state``.
+
+    ``None`` when there is none yet, or it was kept by another method.
+    """
+    if records is None:
+        return None
+    info = records.config_records.get(keys.NODE_STATE_INFO)
+    if info is None or info.get("strategy") != method \
+            or keys.NODE_STATE not in records.array_records:
+        return None
+    return records.array_records[keys.NODE_STATE].to_torch_state_dict()
+
+
+def node_state_records(method: str, state: dict[str, torch.Tensor],
+                       server_round: int) -> dict[str, ArrayRecord | ConfigRecord]:
+    """Return the ``Context.state`` records that keep a node rule's ``state``."""
+    return {keys.NODE_STATE: ArrayRecord(state),
+            keys.NODE_STATE_INFO: ConfigRecord({"strategy": method, "round": int(server_round)})}
+
+
+def keep_node_state(context: Context, method: str, state: dict[str, torch.Tensor],
+                    server_round: int) -> None:
+    """Keep a node rule's ``state`` in ``context.state`` until the node's next round."""
+    for key, record in node_state_records(method, state, server_round).items():
+        context.state[key] = record
 
 
 def make_client_app(data_path, device: str = "auto") -> ClientApp:
@@ -140,6 +214,6 @@ def make_client_app(data_path, device: str = "auto") -> ClientApp:
     def _train(message: Message, context: Context) -> Message:
         pid = int(context.node_config[keys.PARTITION_ID])
         x, y = partition_arrays(data_path, pid)
-        return run_train(message, x, y, device, pid)
+        return run_train(message, x, y, device, pid, context=context)
 
     return app

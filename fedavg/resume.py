@@ -79,6 +79,9 @@ class Checkpoint:
         ``random.getstate()`` as JSON lists.
     torch_random : torch.Tensor
         ``torch.get_rng_state()``, ``(N,)`` uint8.
+    node_states : dict of int to state dict
+        By partition id, the node state of methods that keep one on their nodes (SCAFFOLD's
+        control variates, FedDyn's gradients, MOON's previous models), in simulation.
     """
 
     round: int
@@ -89,6 +92,7 @@ class Checkpoint:
     failures: list[str] = field(default_factory=list)
     python_random: list = field(default_factory=list)
     torch_random: torch.Tensor | None = None
+    node_states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def run_config(self) -> RunConfig:
         """Return the checkpoint's settings as a :class:`~fedavg.config.RunConfig`."""
@@ -104,13 +108,14 @@ class Checkpoint:
 
 
 def capture(round_: int, model: dict[str, torch.Tensor], config: RunConfig, strategy,
-            rounds: list[dict[str, Any]], failures: list[str]) -> Checkpoint:
+            rounds: list[dict[str, Any]], failures: list[str],
+            node_states: dict[int, dict[str, torch.Tensor]] | None = None) -> Checkpoint:
     """Take a checkpoint of the run now (the random states are read here)."""
     version, internal, gauss = random.getstate()
     return Checkpoint(round=round_, model=model, config=absolute_paths(config.to_flat()),
                       strategy=strategy.state(), rounds=list(rounds), failures=list(failures),
                       python_random=[version, list(internal), gauss],
-                      torch_random=torch.get_rng_state())
+                      torch_random=torch.get_rng_state(), node_states=dict(node_states or {}))
 
 
 def save(folder: str | Path, ckpt: Checkpoint) -> Path:
@@ -128,6 +133,9 @@ def save(folder: str | Path, ckpt: Checkpoint) -> Path:
             plain[name] = value
     if ckpt.torch_random is not None:
         tensors["rng.torch"] = ckpt.torch_random
+    for pid, node in sorted(ckpt.node_states.items()):
+        for name, value in storable(node).items():
+            tensors[f"node.{pid}.{name}"] = value
     state = {"round": ckpt.round, "config": ckpt.config, "strategy": plain,
              "rounds": ckpt.rounds, "failures": ckpt.failures,
              "python_random": ckpt.python_random}
@@ -208,12 +216,24 @@ def _from_parts(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Chec
                       strategy={**dict(state["strategy"]), **group("strategy.")},
                       rounds=records, failures=state["failures"],
                       python_random=list(state["python_random"]),
-                      torch_random=tensors.get("rng.torch"))
+                      torch_random=tensors.get("rng.torch"), node_states=_node_states(tensors))
     if ckpt.round < 1 or len(ckpt.rounds) != ckpt.round or not ckpt.model:
         raise ValueError(f"round {ckpt.round} with {len(ckpt.rounds)} round records")
     _check_random(ckpt)
     ckpt.run_config().validate()
     return ckpt
+
+
+def _node_states(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """Group ``node.<partition>.<name>`` tensors by partition; ``ValueError`` if malformed."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith("node."):
+            pid, _, name = key[len("node."):].partition(".")
+            if not pid.isdigit() or not name:
+                raise ValueError(f"tensor {key!r} is not node.<partition>.<name>")
+            out.setdefault(int(pid), {})[name] = value
+    return out
 
 
 def _check_random(ckpt: Checkpoint) -> None:

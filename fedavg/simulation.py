@@ -256,8 +256,9 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
                             prepared.parts)
         progress = Progress(console, config.merge.rounds,
                             0 if resume_from is None else resume_from.round, trackers)
+        contexts = _node_contexts(prepared.strategy.name, resume_from)
         server = make_server_app(config, prepared, out, state, progress,
-                                 resume_from=resume_from)
+                                 resume_from=resume_from, node_contexts=contexts)
         try:
             progress.start()
             state.marks["node_data"] = time.monotonic()
@@ -269,7 +270,8 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
                 data_path = ray.put(node_arrays(prepared.data.train.x, prepared.data.train.y,
                                                 prepared.parts))
             client = make_client_app(data_path, device=config.train.device)
-            _run_engine(server, client, config.merge.num_nodes, backend, config.data.seed)
+            with contexts.attached():
+                _run_engine(server, client, config.merge.num_nodes, backend, config.data.seed)
         except UserError:
             raise
         except Exception as exc:
@@ -279,6 +281,16 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
         finally:
             progress.stop()
             shutdown_ray(since, ray_dir)
+
+
+def _node_contexts(method: str, resume_from=None):
+    """Return the engine's node contexts, seeded with a resumed run's node states."""
+    from fedavg.flower_compat import NodeContexts
+    from fedavg.node import node_state_records
+
+    saved = {} if resume_from is None else resume_from.node_states
+    return NodeContexts({pid: node_state_records(method, sd, resume_from.round)
+                         for pid, sd in saved.items()})
 
 
 #: Ray's longest socket path below its folder, ``/session_<date>_<time>_<us>_<pid>/sockets/

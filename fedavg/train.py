@@ -80,6 +80,7 @@ def train(
     optimizer: str = "sgd",
     lr_schedule: str = "constant",
     augment: bool = False,
+    rule=None,
 ) -> dict[str, float]:
     """Train ``model`` in place with SGD (or Adam) on one node's samples.
 
@@ -106,12 +107,14 @@ def train(
     lr_schedule, augment
         ``constant``, ``cosine`` or ``step`` over this call's steps; augment each batch with
         the default of its kind of input (both :mod:`fedavg.recipe`).
+    rule : strategies.NodeRule, optional
+        A method's node side, begun: its ``loss`` joins each batch's, ``before_step`` runs.
 
     Returns
     -------
     dict
         ``train_loss`` (mean cross-entropy over all steps, nats, without the proximal
-        term), ``num_examples`` (samples in the partition), ``steps``.
+        term or the rule's), ``num_examples`` (samples in the partition), ``steps``.
     """
     from fedavg.recipe import augmenter, make_scheduler
 
@@ -124,7 +127,7 @@ def train(
     g = torch.Generator().manual_seed(seed)
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    total, count, steps = 0.0, 0, 0
+    total = count = steps = 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # the augmentations' draws, without touching the caller's
         for _ in range(epochs):
@@ -132,29 +135,32 @@ def train(
                 if len(idx) < 2 and has_bn:
                     continue  # BatchNorm cannot train on a single sample
                 xb = normalize((xt[idx] if aug is None else aug(xt[idx])).to(device), input_spec)
-                loss = _step(model, opt, xb, yt[idx].to(device), anchor, proximal_mu)
+                loss = _step(model, opt, xb, yt[idx].to(device), anchor, proximal_mu, rule)
                 if sched is not None:
                     sched.step()
                 total, count, steps = total + loss * len(idx), count + len(idx), steps + 1
     if count and not math.isfinite(total):
         raise FloatingPointError(f"training diverged (loss {total / count}); lower --lr")
-    return {
-        "train_loss": total / max(count, 1),
-        "num_examples": int(len(yt)),
-        "steps": steps,
-    }
+    return {"train_loss": total / max(count, 1), "num_examples": int(len(yt)), "steps": steps}
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor,
-          anchor: list[torch.Tensor] | None, proximal_mu: float) -> float:
-    """One optimizer step on a batch; return its cross-entropy (without the proximal term)."""
+          anchor: list[torch.Tensor] | None, proximal_mu: float, rule=None) -> float:
+    """One optimizer step on a batch; return its cross-entropy (without the extra terms)."""
     opt.zero_grad(set_to_none=True)
-    loss = nn.functional.cross_entropy(model(xb), yb)
+    logits = model(xb)
+    loss = nn.functional.cross_entropy(logits, yb)
+    total = loss
     if anchor is not None:
         prox = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
-        (loss + 0.5 * proximal_mu * prox).backward()
-    else:
-        loss.backward()
+        total = total + 0.5 * proximal_mu * prox
+    if rule is not None:
+        extra = rule.loss(model, xb, logits)
+        if extra is not None:
+            total = total + extra
+    total.backward()
+    if rule is not None:
+        rule.before_step(model, float(opt.param_groups[0]["lr"]))
     opt.step()
     return float(loss.detach())
 

@@ -53,6 +53,9 @@ class TrainSettings:
         Run seed (each node and round derives its own batch order from it).
     proximal_mu : float
         FedProx's proximal coefficient (0: none).
+    method : str
+        The strategy whose node rule local training runs (:mod:`strategies.local`; empty:
+        none), with ``method_options`` (a dict, as JSON).
     server_round : int
         Set by Flower's strategy on the way out (``keys.SERVER_ROUND``).
     """
@@ -70,9 +73,11 @@ class TrainSettings:
     optimizer: str = "sgd"
     lr_schedule: str = "constant"
     augment: bool = False
+    method: str = ""
+    method_options: dict = dataclasses.field(default_factory=dict)
     server_round: int = 0
 
-    _JSON = ("model", "input", "classes")
+    _JSON = ("model", "input", "classes", "method_options")
 
     @classmethod
     def for_run(cls, config, meta: dict[str, Any], strategy) -> TrainSettings:
@@ -82,7 +87,7 @@ class TrainSettings:
                    local_epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr,
                    momentum=t.momentum, weight_decay=t.weight_decay, seed=config.data.seed,
                    optimizer=t.optimizer, lr_schedule=t.lr_schedule, augment=t.augment,
-                   **strategy.node_config)
+                   **_method(strategy), **strategy.node_config)
 
     def to_record(self):
         """Return the ``flwr.app.ConfigRecord`` sent with each round's model."""
@@ -142,11 +147,19 @@ class TrainSettings:
             ("optimizer", self.optimizer in ("sgd", "adam"), "sgd or adam"),
             ("lr-schedule", self.lr_schedule in ("constant", "cosine", "step"),
              "constant, cosine or step"),
+            ("method-options", isinstance(self.method_options, dict), "a JSON object"),
         ]
         for key, ok, need in problems:
             if not ok:
                 raise ValueError(f"the round's {key!r} must be {need} (got "
                                  f"{getattr(self, key.replace('-', '_'))!r})")
+
+
+def _method(strategy) -> dict[str, Any]:
+    """Return the ``method`` fields of a strategy with a node rule (none for the others)."""
+    if getattr(strategy, "node_rule", None) is None:
+        return {}
+    return {"method": strategy.name, "method_options": strategy.node_options()}
 
 
 @functools.cache

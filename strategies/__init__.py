@@ -10,8 +10,12 @@ Other installed packages add strategies through the ``fedavg.strategies`` entry-
 
 from strategies import ensemble as _ensemble  # noqa: F401  (importing a module registers it)
 from strategies import fedavg as _fedavg  # noqa: F401
+from strategies import feddyn as _feddyn  # noqa: F401
+from strategies import fednova as _fednova  # noqa: F401
 from strategies import fedopt as _fedopt  # noqa: F401
+from strategies import moon as _moon  # noqa: F401
 from strategies import robust as _robust  # noqa: F401
+from strategies import scaffold as _scaffold  # noqa: F401
 from strategies import soup as _soup  # noqa: F401
 from strategies.base import (
     MergeContext,
@@ -32,6 +36,7 @@ from strategies.base import (
     strategy_class,
     update_norm,
 )
+from strategies.local import NodeRule, NodeUpdate, node_rule
 
 #: Entry-point group through which other installed packages add strategies.
 ENTRY_POINT_GROUP = "fedavg.strategies"
@@ -42,6 +47,8 @@ __all__ = [
     "MergeContext",
     "MergeError",
     "Merged",
+    "NodeRule",
+    "NodeUpdate",
     "Option",
     "StateDict",
     "Strategy",
@@ -53,6 +60,7 @@ __all__ = [
     "first_non_finite",
     "get",
     "load_plugins",
+    "node_rule",
     "register",
     "strategy_class",
     "update_norm",

@@ -96,6 +96,8 @@ class MergeContext:
     distill_x: torch.Tensor | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0
+    num_nodes: int | None = None
+    """All nodes of the run (sampled or not), for methods that scale by it (SCAFFOLD)."""
 
     @torch.no_grad()
     def probabilities(self, state_dict: StateDict, x: torch.Tensor,
@@ -198,6 +200,9 @@ class Strategy:
     names and values (e.g. FedProx's ``proximal_mu``)."""
     options: tuple[Option, ...] = ()
     """The settings this strategy takes (see :class:`Option`); each becomes an attribute."""
+    node_rule: type | None = None
+    """A :class:`strategies.local.NodeRule` subclass when the method changes local
+    training (SCAFFOLD, FedNova, MOON, FedDyn); nodes run it with :meth:`node_options`."""
 
     def __init__(self, **options: Any) -> None:
         problem = self.unknown_options(options)
@@ -246,6 +251,35 @@ class Strategy:
     def add(self, state_dict: StateDict, weight: float, node: str = "?") -> None:
         """Fold in one node's model with ``weight`` (e.g. its number of samples)."""
         raise NotImplementedError
+
+    def add_reply(self, state_dict: StateDict, weight: float, node: str = "?", *,
+                  arrays: Mapping[str, StateDict] | None = None,
+                  metrics: Mapping[str, float] | None = None) -> None:
+        """Fold in a node's whole reply: its model plus what its node rule added.
+
+        ``arrays`` and ``metrics`` are the reply's extra records
+        (:class:`strategies.local.NodeUpdate`). The default ignores them and calls
+        :meth:`add`.
+
+        Raises
+        ------
+        MergeError
+            As :meth:`add`, or an extra the method needs is missing or malformed.
+        """
+        self.add(state_dict, weight, node)
+
+    def to_nodes(self, reference: StateDict,
+                 buffers: frozenset[str] = frozenset()) -> dict[str, StateDict]:
+        """Return extra array records sent to every node with the round's model.
+
+        Called before each round with its starting model ``reference`` (e.g. SCAFFOLD's
+        server control variate, zero before the first round); the default sends nothing.
+        """
+        return {}
+
+    def node_options(self) -> dict[str, Any]:
+        """Return the option values the node rule needs (default: all of them)."""
+        return {o.name: getattr(self, o.name) for o in self.options}
 
     def result(self) -> Merged:
         """Return the merged model of everything added since ``begin``."""

@@ -335,6 +335,27 @@ def test_run_killed_after_round_two_resumes_to_the_unbroken_result(runs, tmp_pat
 
 
 @pytest.mark.e2e
+def test_node_states_resume_with_the_run(runs, tmp_path, short_tmp, monkeypatch):
+    """SCAFFOLD's per-node control variates live in Flower's node contexts: a run stopped
+    after round 2 and resumed to 4 ends exactly where the unbroken run does."""
+    monkeypatch.setenv("TMPDIR", str(short_tmp))
+    args = ["simulate", "--num-nodes", "4", "--fraction", "0.5", "--seed", "3",
+            "--local-epochs", "2", "--strategy", "scaffold", "--rounds"]
+    unbroken = runs.start("unbroken", *args, "4", "--output", tmp_path / "unbroken")
+    assert runs.wait(unbroken) == 0, runs.log("unbroken")
+    out = tmp_path / "split"
+    first = runs.start("first", *args, "2", "--output", out)
+    assert runs.wait(first) == 0, runs.log("first")
+    saved = resume.load(out)
+    assert sorted(saved.node_states) and set(saved.node_states) <= {0, 1, 2, 3}
+    assert set(saved.strategy) == {f"c.{k}" for k in next(iter(saved.node_states.values()))}
+    again = runs.start("resumed", "simulate", "--resume", out, "--rounds", "4")
+    assert runs.wait(again) == 0, runs.log("resumed")
+    got, want = rounds_of(out), rounds_of(tmp_path / "unbroken")
+    assert [r["accuracy"] for r in got] == [r["accuracy"] for r in want]
+
+
+@pytest.mark.e2e
 def test_sigterm_says_the_exact_resume_command_and_it_works(runs, tmp_path):
     out = tmp_path / "run"
     proc = runs.start("run", "simulate", "--rounds", "3", "--num-nodes", "2",

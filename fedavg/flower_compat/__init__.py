@@ -29,7 +29,12 @@ from fedavg.flower_compat.control import (
     start_run,
     wait_control_ready,
 )
-from fedavg.flower_compat.engine import QUEUE_WAIT_S, fast_message_dispatch, prompt_stop
+from fedavg.flower_compat.engine import (
+    QUEUE_WAIT_S,
+    NodeContexts,
+    fast_message_dispatch,
+    prompt_stop,
+)
 from fedavg.flower_compat.fleet import node_key_registered
 from fedavg.flower_compat.launch import (
     HEARTBEAT_S,
@@ -70,6 +75,7 @@ __all__ = [
     "IDLE_POLL_S",
     "KEY_HINT",
     "PULL_BACKOFF_S",
+    "NodeContexts",
     "QUEUE_WAIT_S",
     "REPLY_WAIT_S",
     "SERVER_TASK",

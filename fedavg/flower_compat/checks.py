@@ -33,7 +33,9 @@ _SOURCES = {
         "message_ins_list = state.get_message_ins(node_id=node_id, limit=1)",
         "target=add_messages_to_queue,", "messageins_queue: Queue[Message] = Queue()",
         "message: Message = messageins_queue.get(timeout=1.0)",
-        "message_reply = queue.get(timeout=1.0)"),
+        "message_reply = queue.get(timeout=1.0)",
+        "def _register_node_info_stores(", "node_info_store[node_id].register_context(",
+        "node_info_store[node_id].update_context("),
     "flwr.server.superlink.fleet.vce.backend.raybackend": (
         "self.pool.terminate_all_actors()\n        ray.shutdown()",),
     "flwr.supercore.exit.exit": ('f"Exit Code: {code}',),

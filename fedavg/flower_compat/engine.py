@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+from typing import Any, Callable
 
 from fedavg.flower_compat.checks import check_flower_internals
 
@@ -85,3 +86,59 @@ def prompt_stop():
         yield
     finally:
         vce_api.Queue, RayBackend.terminate = original_queue, original_terminate
+
+
+class NodeContexts:
+    """The simulated nodes' Flower contexts, read and seeded from the ServerApp's side.
+
+    Flower's engine keeps one ``Context`` per simulated node in the process that runs the
+    ServerApp (``vce_api``'s node info stores); a node's ``Context.state`` lasts from one
+    of its rounds to the next. Within :meth:`attached`, the engine's stores are kept here
+    when it registers its nodes, and each node's state starts as ``initial`` gives it (a
+    resumed run's).
+
+    Parameters
+    ----------
+    initial : dict, optional
+        Partition id to ``{record key: record}`` put into that node's ``Context.state``.
+    """
+
+    def __init__(self, initial: dict[int, dict[str, Any]] | None = None) -> None:
+        self.initial = initial or {}
+        self._stores: dict[int, Any] = {}
+        self._run_id: int | None = None
+
+    def states(self, pick: Callable[[Any], Any]) -> dict[int, Any]:
+        """Return ``pick(context.state)`` of each node by partition id, where not ``None``."""
+        out = {}
+        for store in list(self._stores.values()):
+            context = store.retrieve_context(self._run_id)
+            value = pick(context.state)
+            if value is not None:
+                out[int(context.node_config["partition-id"])] = value
+        return out
+
+    @contextlib.contextmanager
+    def attached(self):
+        """Within the block, the engine's node contexts are reachable through this object."""
+        from flwr.server.superlink.fleet.vce import vce_api
+
+        check_flower_internals()
+        original = vce_api._register_node_info_stores
+
+        def register(nodes_mapping, run, app_dir=None):
+            stores = original(nodes_mapping, run, app_dir)
+            for store in stores.values():
+                context = store.retrieve_context(run.run_id)
+                for key, record in self.initial.get(
+                        int(context.node_config["partition-id"]), {}).items():
+                    context.state[key] = record
+                store.update_context(run.run_id, context)
+            self._stores, self._run_id = stores, run.run_id
+            return stores
+
+        vce_api._register_node_info_stores = register
+        try:
+            yield self
+        finally:
+            vce_api._register_node_info_stores = original

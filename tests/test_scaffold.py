@@ -1,0 +1,135 @@
+"""SCAFFOLD (strategies/scaffold.py): server and node update rules, by hand."""
+
+import pytest
+import torch
+from torch import nn
+
+import strategies
+from fedavg.train import train
+from strategies.scaffold import SERVER_VARIATE, VARIATE_CHANGE, ScaffoldNode, effective_lr
+
+
+class Scalar(nn.Module):
+    """One trainable number."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([value]))
+
+
+def ctx(num_nodes):
+    return strategies.MergeContext(build_model=lambda: None, normalize=lambda x: x,
+                                   num_nodes=num_nodes)
+
+
+def test_server_mean_model_and_control_variate_by_hand():
+    s = strategies.get("scaffold")
+    x = {"w": torch.zeros(2)}
+    assert torch.equal(s.to_nodes(x)[SERVER_VARIATE]["w"], torch.zeros(2))  # c starts at 0
+    s.begin(x, context=ctx(4))
+    s.add_reply({"w": torch.tensor([1.0, 2.0])}, 1, "a",
+                arrays={VARIATE_CHANGE: {"w": torch.tensor([1.0, 0.0])}})
+    s.add_reply({"w": torch.tensor([3.0, 6.0])}, 3, "b",
+                arrays={VARIATE_CHANGE: {"w": torch.tensor([-1.0, 4.0])}})
+    merged = s.result().state_dict
+    # (1 [1, 2] + 3 [3, 6]) / 4 = [2.5, 5]
+    assert torch.allclose(merged["w"], torch.tensor([2.5, 5.0]))
+    # c = 0 + 2/4 * (1 [1, 0] + 3 [-1, 4]) / 4 = 0.5 * [-0.5, 3]
+    assert torch.allclose(s.to_nodes(merged)[SERVER_VARIATE]["w"], torch.tensor([-0.25, 1.5]))
+
+
+def test_buffers_have_no_variate_and_are_averaged():
+    s = strategies.get("scaffold")
+    x = {"w": torch.zeros(1), "bn": torch.zeros(1), "n": torch.tensor(0)}
+    assert set(s.to_nodes(x, frozenset({"bn"}))[SERVER_VARIATE]) == {"w"}
+    s.begin(x, frozenset({"bn"}), ctx(2))
+    s.add_reply({"w": torch.ones(1), "bn": torch.tensor([2.0]), "n": torch.tensor(5)}, 1, "a",
+                arrays={VARIATE_CHANGE: {"w": torch.ones(1)}})
+    s.add_reply({"w": torch.ones(1), "bn": torch.tensor([4.0]), "n": torch.tensor(7)}, 1, "b",
+                arrays={VARIATE_CHANGE: {"w": torch.ones(1)}})
+    merged = s.result().state_dict
+    assert merged["bn"].item() == 3.0 and merged["n"].item() == 7
+
+
+def test_a_reply_without_its_variate_change_is_refused_and_changes_nothing():
+    s = strategies.get("scaffold")
+    x = {"w": torch.zeros(1)}
+    s.begin(x, context=ctx(2))
+    with pytest.raises(strategies.MergeError, match="scaffold-delta-c"):
+        s.add_reply({"w": torch.ones(1)}, 1, "bad")
+    with pytest.raises(strategies.MergeError, match="NaN"):
+        s.add_reply({"w": torch.ones(1)}, 1, "nan",
+                    arrays={VARIATE_CHANGE: {"w": torch.tensor([float("nan")])}})
+    with pytest.raises(strategies.MergeError, match="shape|is \\("):
+        s.add_reply({"w": torch.ones(1)}, 1, "shape", arrays={VARIATE_CHANGE: {"w": torch.ones(2)}})
+    s.add_reply({"w": torch.tensor([4.0])}, 1, "good",
+                arrays={VARIATE_CHANGE: {"w": torch.ones(1)}})
+    assert s.result().state_dict["w"].item() == 4.0
+    assert s.to_nodes(x)[SERVER_VARIATE]["w"].item() == pytest.approx(0.5)  # 1/2 of 1
+    with pytest.raises(strategies.MergeError, match="federated rounds"):
+        s.merge([{"w": torch.ones(1)}], [1])  # a one-shot merge has no variates
+
+
+def test_node_variate_update_option_two_by_hand():
+    model = Scalar(1.0)
+    rule = ScaffoldNode({}, momentum=0.0)
+    rule.begin(model, {SERVER_VARIATE: {"w": torch.tensor([0.5])}}, {"w": torch.tensor([0.2])})
+    model.w.grad = torch.tensor([1.0])
+    rule.before_step(model, 0.1)
+    assert model.w.grad.item() == pytest.approx(1.3)  # g + c - c_i
+    rule.before_step(model, 0.1)
+    with torch.no_grad():
+        model.w.copy_(torch.tensor([0.4]))
+    update = rule.finish(model)
+    # c_i+ = c_i - c + (x - y) / (K eta) = 0.2 - 0.5 + 0.6 / 0.2 = 2.7
+    assert update.state["w"].item() == pytest.approx(2.7)
+    assert update.arrays[VARIATE_CHANGE]["w"].item() == pytest.approx(2.5)
+
+
+def test_effective_lr_with_momentum_by_hand():
+    assert effective_lr([0.1, 0.1], 0.0) == pytest.approx(0.2)
+    # 0.1 (1 - 0.25) / 0.5 + 0.1 (1 - 0.5) / 0.5 = 0.15 + 0.1
+    assert effective_lr([0.1, 0.1], 0.5) == pytest.approx(0.25)
+    assert effective_lr([], 0.9) == 0.0
+
+
+def test_no_step_keeps_the_variate():
+    model = Scalar(1.0)
+    rule = ScaffoldNode({})
+    rule.begin(model, {SERVER_VARIATE: {"w": torch.tensor([0.5])}}, None)
+    update = rule.finish(model)
+    assert update.state["w"].item() == 0.0 and update.arrays[VARIATE_CHANGE]["w"].item() == 0.0
+
+
+def test_train_applies_the_correction_to_each_step():
+    torch.manual_seed(0)
+    model = nn.Linear(2, 2)
+    x, y = torch.tensor([[1.0, -2.0]]), torch.tensor([1])
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    c = {k: torch.full_like(v, 0.5) for k, v in start.items()}
+    c_i = {k: torch.full_like(v, 0.2) for k, v in start.items()}
+    spec = {"kind": "tabular", "mean": [0.0, 0.0], "std": [1.0, 1.0], "scale": 1.0}
+    rule = ScaffoldNode({})
+    rule.begin(model, {SERVER_VARIATE: c}, c_i)
+    train(model, x.numpy(), y.numpy(), spec, epochs=1, batch_size=1, lr=0.1, momentum=0.0,
+          rule=rule)
+    twin = nn.Linear(2, 2)
+    twin.load_state_dict(start)
+    nn.functional.cross_entropy(twin(x), y).backward()
+    for name, p in twin.named_parameters():
+        want = start[name] - 0.1 * (p.grad + 0.3)
+        assert torch.allclose(model.state_dict()[name], want, atol=1e-6), name
+
+
+def test_state_goes_through_load_state_and_refuses_foreign_entries():
+    s = strategies.get("scaffold")
+    x = {"w": torch.zeros(2)}
+    s.to_nodes(x)
+    s.c["w"] += 3
+    again = strategies.get("scaffold")
+    again.load_state(s.state(), x)
+    assert torch.equal(again.to_nodes(x)[SERVER_VARIATE]["w"], torch.full((2,), 3.0))
+    with pytest.raises(strategies.MergeError, match="c\\.\\*"):
+        again.load_state({"m.w": torch.zeros(2)}, x)
+    with pytest.raises(strategies.MergeError, match="does not fit"):
+        again.load_state({"c.w": torch.zeros(3)}, x)
