@@ -257,7 +257,9 @@ class FlowerAdapter(FlowerFedAvg):
                 self.on_node_model(server_round, state, {
                     "node_id": node, "num_examples": weight,
                     "partition_id": int(metrics.get(keys.PARTITION_ID, -1)),
-                    "train_loss": float(metrics.get(keys.TRAIN_LOSS, float("nan")))})
+                    "train_loss": float(metrics.get(keys.TRAIN_LOSS, float("nan"))),
+                    **({"state_round": int(metrics[keys.STATE_ROUND])}
+                       if keys.STATE_ROUND in metrics else {})})
             del state
         except (RunError, strategies.MergeError, ValueError, TypeError) as exc:
             tally.failed += 1

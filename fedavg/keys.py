@@ -39,6 +39,10 @@ RUN_FAILED = "run-failed"
 """Config key of the coordinator's end-of-run ``query`` message when the run failed: the
 one-line reason (sent instead of :data:`RUN_FINISHED`)."""
 
+STATE_ROUND = "node-state-round"
+"""Reply metric of a method with node state: the round that state was kept in (0: none yet,
+the node's first round)."""
+
 NODE_STATE = "fedavg-node-state"
 """Key of the ArrayRecord in a node's ``Context.state`` holding its method state (SCAFFOLD's
 control variate, FedDyn's gradient, MOON's previous model), kept between its rounds."""

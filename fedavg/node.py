@@ -108,7 +108,7 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
     cfg = settings or TrainSettings.from_record(message.content[keys.CONFIG])
     model = _model_for(json.dumps(cfg.model, sort_keys=True))
     model.load_state_dict(message.content[keys.ARRAYS].to_torch_state_dict(), strict=True)
-    rule = _begin_rule(cfg, model, message, context)
+    rule, state_round = _begin_rule(cfg, model, message, context)
     started = time.perf_counter()
     try:
         stats, update = _train_with(rule, model, x, y, cfg, device, partition_id)
@@ -120,6 +120,8 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
                             keys.PARTITION_ID: partition_id,
                             keys.TRAIN_SECONDS: time.perf_counter() - started,
                             **update.metrics})
+    if rule is not None:
+        metrics[keys.STATE_ROUND] = state_round
     reply = RecordDict({keys.ARRAYS: ArrayRecord(model.state_dict()), keys.METRICS: metrics})
     for key, arrays in update.arrays.items():
         reply[key] = ArrayRecord(arrays)
@@ -130,19 +132,23 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
 
 def _begin_rule(cfg: TrainSettings, model: torch.nn.Module, message: Message,
                 context: Context | None):
-    """Return the round's node rule, begun (``None`` for methods without one)."""
+    """Return the round's node rule, begun, and the round of the node state it got.
+
+    ``(None, 0)`` for methods without a rule; the round is 0 when the node has no state yet.
+    """
     if not cfg.method:
-        return None
+        return None, 0
     import strategies
 
     rule = strategies.node_rule(cfg.method, cfg.method_options, cfg.momentum)
     if rule is None:
-        return None
+        return None, 0
     received = {k: rec.to_torch_state_dict() for k, rec in
                 message.content.array_records.items() if k != keys.ARRAYS}
-    rule.begin(model, received, node_state(None if context is None else context.state,
-                                           cfg.method))
-    return rule
+    records = None if context is None else context.state
+    state = node_state(records, cfg.method)
+    rule.begin(model, received, state)
+    return rule, 0 if state is None else int(records.config_records[keys.NODE_STATE_INFO]["round"])
 
 
 def _train_with(rule, model, x, y, cfg: TrainSettings, device: str, partition_id: int):

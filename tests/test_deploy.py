@@ -188,6 +188,26 @@ def test_node_killed_in_round_two_run_still_finishes(cluster, tmp_path):
         assert cluster.wait(n, 60) == 0, cluster.log(n.name)
 
 
+def test_nodes_keep_their_own_method_state_between_rounds(cluster, tmp_path):
+    """SCAFFOLD across machines: each node's variate stays on its side, round to round.
+
+    The server variate goes out with the model; each node's own stays in its SuperNode's
+    context, so its round 2 starts from its round-1 state.
+    """
+    out = tmp_path / "run"
+    coord = cluster.coordinator("--rounds", "2", "--min-nodes", "2", "--insecure",
+                                "--strategy", "scaffold", "--save-node-models", "--output", out)
+    nodes = [cluster.node(f"node{i}", "--insecure", "--partition-id", i,
+                          "--num-partitions", 2, "--once") for i in range(2)]
+    assert cluster.wait(coord) == 0, cluster.log("coordinator")
+    assert [r["num_nodes"] for r in rounds_of(out)] == [2, 2]
+    infos = [json.loads((d / "model.json").read_text())["node"]
+             for d in sorted((out / "nodes").iterdir())]
+    assert [i["state_round"] for i in infos] == [1, 1], infos
+    for n in nodes:
+        assert cluster.wait(n, 60) == 0, cluster.log(n.name)
+
+
 def test_node_training_error_reported_within_seconds(cluster, tmp_path):
     """A node's training error reaches the coordinator at once, with the node's message."""
     bad = misfit_data(tmp_path)

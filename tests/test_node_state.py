@@ -68,6 +68,8 @@ def test_scaffold_node_keeps_its_variate_in_the_context_between_rounds(task_iden
         k: torch.zeros_like(v) for k, v in kept.items()}})
     reply2 = run_train(msg2, x, y, "cpu", 0, context=context)
     change2 = reply2.content.array_records[VARIATE_CHANGE].to_torch_state_dict()
+    assert reply.content.metric_records[keys.METRICS][keys.STATE_ROUND] == 0
+    assert reply2.content.metric_records[keys.METRICS][keys.STATE_ROUND] == 1
     kept2 = node_state(context.state, "scaffold")
     for k in kept:  # the second round started from the kept c_i
         assert torch.allclose(kept2[k], kept[k] + change2[k], atol=1e-6)

@@ -336,8 +336,10 @@ def test_run_killed_after_round_two_resumes_to_the_unbroken_result(runs, tmp_pat
 
 @pytest.mark.e2e
 def test_node_states_resume_with_the_run(runs, tmp_path, short_tmp, monkeypatch):
-    """SCAFFOLD's per-node control variates live in Flower's node contexts: a run stopped
-    after round 2 and resumed to 4 ends exactly where the unbroken run does."""
+    """SCAFFOLD's node variates go into the checkpoint and come back on --resume.
+
+    A run stopped after round 2 and resumed to 4 ends exactly where the unbroken run does.
+    """
     monkeypatch.setenv("TMPDIR", str(short_tmp))
     args = ["simulate", "--num-nodes", "4", "--fraction", "0.5", "--seed", "3",
             "--local-epochs", "2", "--strategy", "scaffold", "--rounds"]

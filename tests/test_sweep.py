@@ -106,8 +106,24 @@ def test_the_experiment_configs_load():
     assert [p.name for p in mnist.points] == ["partitioner=iid", "partitioner=dirichlet"]
     assert mnist.points[1].config.data.alpha == 0.5
     assert sorted(p.name for p in configs.glob("*.toml")) == [
-        "compare_strategies.toml", "mnist_fedavg.toml", "niid.toml", "niid_quick.toml",
-        "tiny.toml"]
+        "compare_strategies.toml", "methods_quick.toml", "mnist_fedavg.toml", "niid.toml",
+        "niid_quick.toml", "tiny.toml"]
+
+
+def test_the_methods_config_is_niid_quick_cifar_dirichlet_for_six_methods_with_and_without_recipe():
+    configs = ROOT / "experiments" / "configs"
+    methods = [p.config for p in load_sweep(configs / "methods_quick.toml").points]
+    quick = [p.config for p in load_sweep(configs / "niid_quick.toml").points
+             if p.config.data.dataset.endswith("cifar10")
+             and p.config.data.partitioner == "dirichlet" and p.config.merge.strategy == "fedavg"]
+    assert len(quick) == 1
+    same = lambda c: (c.data.dataset, c.data.partitioner, c.data.alpha, c.merge.num_nodes,  # noqa: E731
+                      c.merge.fraction, c.merge.rounds, c.train.local_epochs,
+                      c.train.batch_size, c.train.lr, c.train.momentum, c.train.model)
+    assert {same(c) for c in methods} == {same(quick[0])}
+    names = ["fedavg", "fedprox", "scaffold", "fednova", "moon", "feddyn"]
+    assert [(c.merge.strategy, c.train.augment, c.train.lr_schedule) for c in methods] == \
+        [(n, False, "constant") for n in names] + [(n, True, "cosine") for n in names]
 
 
 def test_the_niid_bench_configs_hold_its_settings_and_a_quick_variant():
