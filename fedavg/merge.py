@@ -86,12 +86,15 @@ def merge_models(
     ------
     UserError
         Missing or damaged models, models of different architectures or classes, a
-        strategy that needs data it was not given, an output folder that holds a run
+        strategy that needs data it was not given or that trains nodes its own way, an output folder that holds a run
         (without ``overwrite``), is one of the inputs or cannot be written.
     """
     t0 = time.monotonic()
     config = (config or RunConfig()).replace(rounds=1).validate()  # one merge, any method
     strategy = config.build_strategy()
+    if strategy.node_rule is not None:
+        raise UserError(f"{strategy.name} changes how nodes train in every round; saved models "
+                        "are merged with another strategy (fedavg, a soup, an ensemble)")
     dirs = model_dirs(models)
     out = _check_output(output, dirs, overwrite)
     loaded = [checkpoint.load(d) for d in dirs]
