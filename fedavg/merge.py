@@ -86,8 +86,9 @@ def merge_models(
     ------
     UserError
         Missing or damaged models, models of different architectures or classes, a
-        strategy that needs data it was not given or that trains nodes its own way, an output folder that holds a run
-        (without ``overwrite``), is one of the inputs or cannot be written.
+        strategy that needs data it was not given or that trains nodes its own way, an
+        output folder that holds a run (without ``overwrite``), is one of the inputs or
+        cannot be written.
     """
     t0 = time.monotonic()
     config = (config or RunConfig()).replace(rounds=1).validate()  # one merge, any method

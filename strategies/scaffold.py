@@ -10,8 +10,9 @@ the ``y_i`` (global step size 1, as Flower Baselines' NIID-Bench) and moves
 ``c += |S| / N * mean_w(delta_c_i)`` over the ``|S|`` replies of the round and the run's
 ``N`` nodes. ``E = sum_k eta_k (1 - rho^(K - k)) / (1 - rho)`` is how far the ``K`` steps
 move per unit of mean gradient: ``K eta`` for constant-rate SGD as in the paper, and, with
-momentum ``rho``, up to ``1 / (1 - rho)`` times more (Flower Baselines divide by ``K eta``
-with momentum 0.9 too, which makes ``c_i`` up to ten times the mean gradient). Control
+momentum ``rho``, up to ``1 / (1 - rho)`` times more, since the correction goes through the
+momentum here. (Flower Baselines apply the correction after the momentum step and divide by
+``K eta``: the same steps without momentum, and at steady state with it.) Control
 variates exist for trained parameters only; buffers are averaged as FedAvg does. ``c``
 starts at zero (the paper; Flower Baselines starts it at the initial weights).
 """

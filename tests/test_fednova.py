@@ -68,3 +68,26 @@ def test_a_reply_without_a_usable_factor_is_refused_and_changes_nothing(metrics)
         s.add_reply({"w": torch.tensor([9.0])}, 5, "bad", metrics=metrics)
     s.add_reply({"w": torch.tensor([-2.0])}, 1, "good", metrics={NORMALISER: 2.0})
     assert s.result().state_dict["w"].item() == pytest.approx(-2.0)
+
+
+def test_server_agrees_with_flower_baselines():
+    """Agree with NIID-Bench's FedNova in Flower Baselines (as its code reads, written anew).
+
+    Nodes send ``g_i = (x - y_i) / a_i`` with ``a_i = [tau - rho (1 - rho^tau) / (1 - rho)]
+    / (1 - rho)``; the server sets ``x - sum_i (sum_j p_j a_j) p_i g_i``.
+    """
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, generator=g)
+    ys = [torch.randn(4, generator=g) for _ in range(3)]
+    n, tau, rho = [50, 120, 30], [8, 19, 5], 0.9
+    a = [(t - rho * (1 - rho ** t) / (1 - rho)) / (1 - rho) for t in tau]
+    p = [k / sum(n) for k in n]
+    c_fact = sum(ai * pi for ai, pi in zip(a, p))
+    want = x - sum(c_fact * pi * (x - y) / ai for pi, y, ai in zip(p, ys, a))
+    s = strategies.get("fednova")
+    s.begin({"w": x})
+    for i, y in enumerate(ys):
+        factor = normaliser([0.01] * tau[i], rho)
+        assert factor == pytest.approx(a[i])
+        s.add_reply({"w": y}, n[i], str(i), metrics={NORMALISER: factor})
+    assert torch.allclose(s.result().state_dict["w"], want, atol=1e-5)

@@ -133,3 +133,40 @@ def test_state_goes_through_load_state_and_refuses_foreign_entries():
         again.load_state({"m.w": torch.zeros(2)}, x)
     with pytest.raises(strategies.MergeError, match="does not fit"):
         again.load_state({"c.w": torch.zeros(3)}, x)
+
+
+def _baselines_scaffold(model, x, y, lr, c, c_i, steps):
+    """Flower Baselines' NIID-Bench SCAFFOLD node, as its code reads (written anew here).
+
+    Plain SGD steps, then ``p -= lr (c - c_i)`` after each; ``c_i+ = c_i - c + (x - y) / (K lr)``.
+    """
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0, weight_decay=1e-3)
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.add_(c[k] - c_i[k], alpha=-lr)
+    return {k: c_i[k] - c[k] + (start[k] - p.detach()) / (steps * lr)
+            for k, p in model.named_parameters()}
+
+
+def test_node_agrees_with_flower_baselines_without_momentum():
+    torch.manual_seed(3)
+    ours, theirs = nn.Linear(4, 3), nn.Linear(4, 3)
+    theirs.load_state_dict(ours.state_dict())
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    c = {k: torch.randn_like(v) * 0.1 for k, v in ours.named_parameters()}
+    c_i = {k: torch.randn_like(v) * 0.1 for k, v in ours.named_parameters()}
+    rule = ScaffoldNode({}, momentum=0.0)
+    rule.begin(ours, {SERVER_VARIATE: c}, c_i)
+    spec = {"kind": "tabular", "mean": [0.0] * 4, "std": [1.0] * 4, "scale": 1.0}
+    train(ours, x.numpy(), y.numpy(), spec, epochs=3, batch_size=6, lr=0.05, momentum=0.0,
+          weight_decay=1e-3, rule=rule)
+    want_c = _baselines_scaffold(theirs, x, y, 0.05, c, c_i, 3)
+    got_c = rule.finish(ours).state
+    for k, p in theirs.named_parameters():
+        assert torch.allclose(ours.state_dict()[k], p.detach(), atol=1e-6), k
+        assert torch.allclose(got_c[k], want_c[k], atol=1e-5), k
