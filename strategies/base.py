@@ -98,6 +98,9 @@ class MergeContext:
     seed: int = 0
     num_nodes: int | None = None
     """All nodes of the run (sampled or not), for methods that scale by it (SCAFFOLD)."""
+    augment: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Raw ``(B, ...)`` batch to an augmented raw batch of the same shape (the data kind's
+    default, :func:`fedavg.recipe.augmenter`; torch's global generator); ``None``: none."""
 
     @torch.no_grad()
     def probabilities(self, state_dict: StateDict, x: torch.Tensor,

@@ -123,6 +123,10 @@ class Distill(_Collect):
         Samples per step.
     distill_temperature : float
         Softmax temperature of teacher and student in the KL loss.
+    distill_augment : str
+        ``none``, or ``default``: each distillation batch is augmented with the data kind's
+        default (random crop and flip for colour images) and the ensemble labels it anew,
+        as FedDF does; each step then runs every member once more.
     """
 
     name = "distill"
@@ -139,6 +143,8 @@ class Distill(_Collect):
         Option("distill_lr", float, 1e-3, "Adam learning rate of distillation (> 0)"),
         Option("distill_batch_size", int, 128, "Unlabeled samples per distillation step"),
         Option("distill_temperature", float, 1.0, "Softmax temperature of the KL loss (> 0)"),
+        Option("distill_augment", str, "none", "Augment distillation batches (the data kind's "
+               "default, labelled by the ensemble each step)", choices=("none", "default")),
     )
 
     def check(self) -> None:
@@ -160,21 +166,15 @@ class Distill(_Collect):
         if ctx is None or ctx.distill_x is None or ctx.val_x is None:
             raise MergeError("distill needs unlabeled data (--distill-data) and a validation "
                              "set (--validation)")
-        x = ctx.distill_x
-        weights = torch.tensor(self._weights, dtype=torch.float32)
-        weights = weights / weights.sum()
-        t = self.distill_temperature
-        # teacher: the weighted ensemble, computed once for every unlabeled input
-        with torch.no_grad():
-            teacher = None
-            for w, m in zip(weights, self._models):
-                model = ctx.build_model()
-                model.load_state_dict(m)
-                model.to(ctx.device).eval()
-                logits = torch.cat([model(ctx.normalize(x[i:i + 1024].to(ctx.device))).float()
-                                    .cpu() for i in range(0, len(x), 1024)])
-                p = torch.softmax(logits / t, dim=1) * w
-                teacher = p if teacher is None else teacher + p
+        augment = None
+        if self.distill_augment == "default":
+            if ctx.augment is None:
+                raise MergeError("--distill-augment default: this kind of input has no default "
+                                 "augmentation; use --distill-augment none")
+            augment = ctx.augment
+        x, t = ctx.distill_x, self.distill_temperature
+        teachers = self._teachers()
+        fixed = None if augment is not None else self._soft_labels(teachers, x)
         start = FedAvg().merge(self._models, self._weights, self._nodes).state_dict
         student = ctx.build_model()
         student.load_state_dict(start)
@@ -186,26 +186,54 @@ class Distill(_Collect):
             sd = {k: v.detach().cpu() for k, v in student.state_dict().items()}
             return ctx.accuracy(ctx.probabilities(sd, ctx.val_x))
 
-        best_acc = val_acc()
-        start_acc = best_acc
+        best_acc = start_acc = val_acc()
         best = {k: v.detach().cpu().clone() for k, v in student.state_dict().items()}
         check_every = max(self.distill_steps // 20, 1)
-        for step in range(1, self.distill_steps + 1):
-            idx = torch.randint(len(x), (min(self.distill_batch_size, len(x)),), generator=g)
-            student.train()
-            out = student(ctx.normalize(x[idx].to(ctx.device))).float()
-            loss = torch.nn.functional.kl_div(torch.log_softmax(out / t, dim=1),
-                                              teacher[idx].to(ctx.device),
-                                              reduction="batchmean") * t * t
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if step % check_every == 0 or step == self.distill_steps:
-                acc = val_acc()
-                if acc > best_acc:
-                    best_acc = acc
-                    best = {k: v.detach().cpu().clone() for k, v in student.state_dict().items()}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(ctx.seed)  # the augmentations' draws
+            for step in range(1, self.distill_steps + 1):
+                idx = torch.randint(len(x), (min(self.distill_batch_size, len(x)),), generator=g)
+                xb = x[idx] if augment is None else augment(x[idx])
+                target = fixed[idx] if fixed is not None else self._soft_labels(teachers, xb)
+                student.train()
+                out = student(ctx.normalize(xb.to(ctx.device))).float()
+                loss = torch.nn.functional.kl_div(torch.log_softmax(out / t, dim=1),
+                                                  target.to(ctx.device),
+                                                  reduction="batchmean") * t * t
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                if step % check_every == 0 or step == self.distill_steps:
+                    acc = val_acc()
+                    if acc > best_acc:
+                        best_acc = acc
+                        best = {k: v.detach().cpu().clone()
+                                for k, v in student.state_dict().items()}
         return Merged(best, len(self._models), sum(self._weights), info={
             "val_accuracy_average": round(start_acc, 6), "val_accuracy": round(best_acc, 6),
             "steps": self.distill_steps, "unlabeled_samples": len(x),
+            "augment": self.distill_augment,
         })
+
+    def _teachers(self) -> list[tuple[float, torch.nn.Module]]:
+        """Return the members as ``(weight, model)``, weights summing to 1, in eval mode."""
+        ctx = self._context
+        weights = torch.tensor(self._weights, dtype=torch.float32)
+        out = []
+        for w, m in zip((weights / weights.sum()).tolist(), self._models):
+            model = ctx.build_model()
+            model.load_state_dict(m)
+            out.append((w, model.to(ctx.device).eval()))
+        return out
+
+    @torch.no_grad()
+    def _soft_labels(self, teachers, x: torch.Tensor) -> torch.Tensor:
+        """``(N, K)``: the ensemble's weighted softmax at temperature ``T`` on raw ``x``."""
+        ctx, t = self._context, self.distill_temperature
+        total = None
+        for w, model in teachers:
+            logits = torch.cat([model(ctx.normalize(x[i:i + 1024].to(ctx.device))).float().cpu()
+                                for i in range(0, len(x), 1024)])
+            p = torch.softmax(logits / t, dim=1) * w
+            total = p if total is None else total + p
+        return total

@@ -302,3 +302,29 @@ def test_distill_student_learns_the_ensemble():
     assert res.info["val_accuracy"] >= 0.95
     with pytest.raises(strategies.MergeError, match="unlabeled"):
         strategies.get("distill").merge([m1, m2], [1, 1])
+
+
+def test_distill_augments_each_batch_and_labels_it_with_the_ensemble():
+    ctx = _toy_context()
+    seen = []
+
+    def mirror(batch):  # an augmentation the teacher must see: x -> -x
+        seen.append(len(batch))
+        return -batch
+
+    ctx.augment = mirror
+    m1 = {"weight": torch.tensor([[-4.0, -1.0], [4.0, 1.0]]), "bias": torch.tensor([0.0, 0.5])}
+    m2 = {"weight": torch.tensor([[-4.0, 1.0], [4.0, -1.0]]), "bias": torch.tensor([0.5, 0.0])}
+    plain = strategies.get("distill", distill_steps=50, distill_lr=0.05, distill_batch_size=32)
+    res = strategies.get("distill", distill_steps=50, distill_lr=0.05, distill_batch_size=32,
+                         distill_augment="default").merge([m1, m2], [1, 1], context=ctx)
+    assert seen == [32] * 50 and res.info["augment"] == "default"
+    # labelled anew on the augmented inputs, the student still learns the ensemble's rule
+    assert res.info["val_accuracy"] >= 0.95
+    ctx.augment = None
+    assert plain.merge([m1, m2], [1, 1], context=ctx).info["augment"] == "none"
+    with pytest.raises(strategies.MergeError, match="no default augmentation"):
+        strategies.get("distill", distill_augment="default").merge([m1, m2], [1, 1],
+                                                                    context=ctx)
+    with pytest.raises(ValueError, match="--distill-augment"):
+        strategies.get("distill", distill_augment="yes")
