@@ -369,7 +369,7 @@ def write_report(runs_dir: str | Path, *, target: float = 0.9,
     table = markdown_table(groups, shown, target, figures)
     written = write_csvs(groups, runs, shown, target, out, root, figures, name)
     plots, plot_notes = report_plots.write_plots(runs, keys, plots_dir)
-    notes += plot_notes + _sweep_notes(root)
+    notes += plot_notes + _sweep_notes(root) + _distill_notes(runs)
     if figures is not None:
         notes += [f"no run has the settings of the published figure {f}"
                   for f in figures.unmatched([r.settings for r in runs])]
@@ -378,6 +378,19 @@ def write_report(runs_dir: str | Path, *, target: float = 0.9,
     written.insert(0, md)
     return {"table": table, "notes": notes, "written": written + plots,
             "num_runs": len(runs), "num_groups": len(groups)}
+
+
+def _distill_notes(runs: list[Run]) -> list[str]:
+    """Say which unlabeled data the distilled runs used (papers differ: some use none)."""
+    used = set()
+    for r in runs:
+        s = r.settings
+        if s.get("strategy") == "distill":
+            data = s.get("distill-data") or (f"{float(s.get('distill-fraction') or 0):.0%} of "
+                                             "the train split, kept from the nodes")
+            augmented = ", augmented" if s.get("distill-augment") == "default" else ""
+            used.add(f"distillation data: {data} (unlabeled{augmented})")
+    return sorted(used)
 
 
 def _sweep_notes(root: Path) -> list[str]:
