@@ -148,6 +148,16 @@ class _RoundTally:
                 "train_s": self.train_s}
 
 
+def _fold_order(msg: Message) -> tuple[int, int]:
+    """Sort key of a reply: its partition id (error replies last), then its node id."""
+    partition = -1
+    if not msg.has_error():
+        metrics = msg.content.metric_records.get(keys.METRICS)
+        value = None if metrics is None else metrics.get(keys.PARTITION_ID)
+        partition = value if isinstance(value, int) and not isinstance(value, bool) else -1
+    return (partition if partition >= 0 else 1 << 62, int(msg.metadata.src_node_id))
+
+
 class FlowerAdapter(FlowerFedAvg):
     """Flower's FedAvg for sampling and messaging, with aggregation by a ``strategies`` method.
 
@@ -232,6 +242,8 @@ class FlowerAdapter(FlowerFedAvg):
         self.merge.begin(self.reference, self.buffers, self.context)
         tally = _RoundTally()
         sent_to = getattr(replies, "destination", None) or {}
+        if getattr(self.merge, "ordered", False):
+            replies = sorted(replies, key=_fold_order)
         for msg in replies:
             # an error reply made by the SuperLink (node gone) names the SuperLink as source
             node = sent_to.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
@@ -294,7 +306,9 @@ class FlowerAdapter(FlowerFedAvg):
         for member in merged.members if merged.is_ensemble else [merged.state_dict]:
             bad = strategies.first_non_finite(member)
             if bad is not None:
+                own = [o.flag for o in self.merge.options if o.type is float]
+                check = f" or check {', '.join(own)}" if own else ""
                 raise RunError(f"round {server_round}: the merged model's {bad!r} has NaN or "
-                               f"infinite values ({self.merge.name}); lower --lr or "
-                               "--server-lr, or set --max-update-norm")
+                               f"infinite values ({self.merge.name}); lower --lr{check}, or "
+                               "set --max-update-norm")
         return merged

@@ -91,7 +91,11 @@ def _save(fig, ax, path: Path, count: int) -> None:
         ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.2))
     elif count > 1:
         ax.legend(fontsize="small", loc="best")
-    fig.tight_layout()
+    import warnings
+
+    with warnings.catch_warnings():  # a legend too tall to lay out: the tight box still fits
+        warnings.simplefilter("ignore", UserWarning)
+        fig.tight_layout()
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
 

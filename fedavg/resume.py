@@ -275,6 +275,17 @@ def write_metrics(path: Path, rounds: list[dict[str, Any]]) -> None:
     atomic_write(path, _write)
 
 
+def _option_defaults(flat: dict[str, Any]) -> dict[str, Any]:
+    """Return ``flat`` with the strategy's options not given at their defaults."""
+    import strategies
+
+    try:
+        cls = strategies.strategy_class(str(flat.get("strategy")))
+    except strategies.UnknownStrategyError:
+        return flat
+    return {**{o.name.replace("_", "-"): o.default for o in cls.options}, **flat}
+
+
 def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
                    may_change: Iterable[str] = MAY_CHANGE) -> RunConfig:
     """Return the settings a resumed run goes on with, checked against the checkpoint.
@@ -299,10 +310,10 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
     """
     config = ckpt.run_config() if config is None else config
     # a setting newer than the checkpoint is the default there: the behaviour it had then
-    saved = absolute_paths(ckpt.run_config().to_flat())
-    asked = absolute_paths(config.to_flat())
+    saved = _option_defaults(absolute_paths(ckpt.run_config().to_flat()))
+    asked = _option_defaults(absolute_paths(config.to_flat()))
     allowed = set(may_change)
-    for key in sorted(set(saved) | set(asked)):
+    for key in sorted(set(saved) | set(asked), key=lambda k: (k != "strategy", k)):
         if key not in allowed and saved.get(key) != asked.get(key):
             missing = key in _PATHS and isinstance(saved.get(key), str) and \
                 saved[key].startswith("/") and not Path(saved[key]).exists()

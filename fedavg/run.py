@@ -245,7 +245,9 @@ def prepare(config: RunConfig, *, model: bool = True) -> Prepared:
                                  {**t.model_args, **text_model_args(data)},
                                  pretrained=t.pretrained, kind=data.kind)
         # fail early on shapes the model cannot take; say how its inputs are adapted
-        data.notes.extend(spec.check(spec.build()))
+        built = spec.build()
+        data.notes.extend(spec.check(built))
+        data.notes.extend(_strategy_notes(strategy, built, config))
     meta = _metadata(config, data, spec, validation, distill_x)
     prepared = Prepared(data, parts, spec, meta, strategy, validation, distill_x)
     from fedavg.display import natural_note
@@ -254,6 +256,18 @@ def prepare(config: RunConfig, *, model: bool = True) -> Prepared:
     if grouped:
         data.notes.append(grouped)  # shown with the plan, kept in model.json
     return prepared
+
+
+def _strategy_notes(strategy, model, config: RunConfig) -> list[str]:
+    """Return the strategy's notes on the model and node settings (``UserError``: unusable)."""
+    import dataclasses
+
+    import strategies
+
+    try:
+        return strategy.check_setup(model, dataclasses.asdict(config.train))
+    except strategies.MergeError as exc:
+        raise UserError(f"{strategy.name}: {exc}") from None
 
 
 def _merge_data(config: RunConfig, strategy, data: LoadedData):

@@ -140,8 +140,14 @@ def train(
                     sched.step()
                 total, count, steps = total + loss * len(idx), count + len(idx), steps + 1
     if count and not math.isfinite(total):
-        raise FloatingPointError(f"training diverged (loss {total / count}); lower --lr")
+        raise FloatingPointError(f"training diverged (loss {total / count}); {_remedy(rule)}")
     return {"train_loss": total / max(count, 1), "num_examples": int(len(yt)), "steps": steps}
+
+
+def _remedy(rule) -> str:
+    """Return what to change when training diverged: the rate, or the method's options."""
+    own = [] if rule is None else ["--" + k.replace("_", "-") for k in rule.options]
+    return "lower --lr" + (f" or check {', '.join(own)}" if own else "")
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor,

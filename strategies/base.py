@@ -7,12 +7,12 @@ one state dict, whatever the number of nodes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from strategies.options import Option, UnknownOptionError  # noqa: F401  (re-exported)
 from strategies.tensors import (  # noqa: F401  (re-exported: the strategies' toolkit)
     MergeError,
     StateDict,
@@ -120,68 +120,6 @@ class MergeContext:
         return float((probs.argmax(1) == self.val_y).float().mean())
 
 
-@dataclass(frozen=True)
-class Option:
-    """One setting a strategy takes, declared once next to the code that uses it.
-
-    The run config, the ``fedavg simulate`` / ``coordinator`` / ``merge`` options and the
-    ``fedavg strategies`` table are all generated from these declarations.
-
-    Attributes
-    ----------
-    name : str
-        Python name (``server_lr``); on the command line ``--server-lr``.
-    type : type
-        ``float``, ``int`` or ``str``.
-    default : object
-        Value when the option is not given.
-    help : str
-        One line for ``--help``.
-    choices : tuple of str
-        Allowed values of a ``str`` option (empty: any).
-    """
-
-    name: str
-    type: type
-    default: Any
-    help: str
-    choices: tuple[str, ...] = ()
-
-    @property
-    def flag(self) -> str:
-        """The command-line spelling, ``--server-lr``."""
-        return "--" + self.name.replace("_", "-")
-
-    def convert(self, value: Any) -> Any:
-        """Return ``value`` as this option's type.
-
-        Raises
-        ------
-        ValueError
-            Not convertible (``1.5`` for an int, a bool for a number), not finite, or not
-            one of ``choices``.
-        """
-        wrong = ValueError(f"{self.flag} expects {self.type.__name__}, got {value!r}")
-        if isinstance(value, bool) or (isinstance(value, str) and not value.strip()):
-            raise wrong
-        try:
-            out = self.type(value)
-        except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
-            raise wrong from None
-        if self.type is int and isinstance(value, float) and value != out:
-            raise wrong
-        if self.type is float and not math.isfinite(out):
-            raise ValueError(f"{self.flag} must be a finite number (got {value!r})")
-        if self.choices and out not in self.choices:
-            raise ValueError(f"{self.flag} must be one of {', '.join(self.choices)} "
-                             f"(got {value!r})")
-        return out
-
-
-class UnknownOptionError(ValueError):
-    """An option given to a strategy that does not declare it."""
-
-
 class Strategy:
     """A merge method: fold node models in with ``add``, read the result with ``result``.
 
@@ -203,6 +141,10 @@ class Strategy:
     names and values (e.g. FedProx's ``proximal_mu``)."""
     options: tuple[Option, ...] = ()
     """The settings this strategy takes (see :class:`Option`); each becomes an attribute."""
+    ordered: bool = False
+    """Fold a round's replies in partition order rather than as they arrive, so that a run
+    does not depend on which node answered first (the coordinator then holds the round's
+    replies at once). For methods that amplify rounding differences (SCAFFOLD)."""
     node_rule: type | None = None
     """A :class:`strategies.local.NodeRule` subclass when the method changes local
     training (SCAFFOLD, FedNova, MOON, FedDyn); nodes run it with :meth:`node_options`."""
@@ -234,6 +176,28 @@ class Strategy:
         ValueError
             A value outside the method's range, naming the option.
         """
+
+    def check_setup(self, model: torch.nn.Module, train: Mapping[str, Any]) -> list[str]:
+        """Check the run's model and node training settings before anything trains.
+
+        Parameters
+        ----------
+        model : torch.nn.Module
+            A fresh instance of the run's model.
+        train : mapping
+            Node training settings by name (``momentum``, ``optimizer``, ``lr`` ...).
+
+        Returns
+        -------
+        list of str
+            Notes for the user (settings that work, but not as the method intends).
+
+        Raises
+        ------
+        MergeError
+            A model the method cannot use, saying why.
+        """
+        return []
 
     def begin(self, reference: StateDict, buffers: frozenset[str] = frozenset(),
               context: "MergeContext | None" = None) -> None:

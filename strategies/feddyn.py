@@ -68,6 +68,14 @@ class FedDyn(Strategy):
         super().__init__(**options)
         self.h: dict[str, torch.Tensor] | None = None
 
+    def check_setup(self, model, train) -> list[str]:
+        """Note node momentum: the paper's local steps are plain SGD."""
+        if train.get("optimizer", "sgd") == "sgd" and float(train.get("momentum", 0)) > 0:
+            return [f"feddyn with --momentum {train['momentum']:g}: the paper's nodes take "
+                    "plain SGD steps; with momentum the merged model can swing between rounds "
+                    "(try --momentum 0, or a larger --alpha-dyn)"]
+        return []
+
     def check(self) -> None:
         """``alpha_dyn`` must be > 0."""
         if not self.alpha_dyn > 0:

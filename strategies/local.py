@@ -102,6 +102,16 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in parameters(model).items()}
 
 
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Return detached copies of every parameter entry of ``model``'s state dict.
+
+    Frozen parameters and second names of a shared one included: the state-dict entries a
+    coordinator counts as parameters (every floating entry that is not a buffer).
+    """
+    return {name: p.detach().clone()
+            for name, p in model.named_parameters(remove_duplicate=False)}
+
+
 def fitting(arrays: Mapping[str, torch.Tensor] | None, like: Mapping[str, torch.Tensor],
             what: str) -> dict[str, torch.Tensor] | None:
     """Return ``arrays`` as float tensors shaped like ``like``, or ``None`` if none given.

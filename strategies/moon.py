@@ -122,6 +122,21 @@ class Moon(FedAvg):
                Option("temperature", float, 0.5, "MOON contrastive temperature (> 0)"))
     node_rule = MoonNode
 
+    def check_setup(self, model: nn.Module, train) -> list[str]:
+        """Refuse a model without an ``nn.Linear``; note one whose representation is its input.
+
+        Raises
+        ------
+        MergeError
+            No ``nn.Linear`` layer in the model.
+        """
+        head = last_linear(model)
+        if {id(p) for p in model.parameters()} <= {id(p) for p in head.parameters()}:
+            return ["moon: the model's classifier is its only layer, so its representation is "
+                    "the input itself; the contrastive term is constant and moon trains as "
+                    "fedavg"]
+        return []
+
     def check(self) -> None:
         """``moon_mu >= 0`` and ``temperature > 0``."""
         if not self.moon_mu >= 0:

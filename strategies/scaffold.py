@@ -5,16 +5,19 @@ its own, so that local steps follow the global rather than the local objective. 
 ``K`` local steps with learning rates ``eta_k`` from the global model ``x`` to ``y_i``, the
 node updates its variate with the paper's option II, ``c_i+ = c_i - c + (x - y_i) / E``,
 keeps ``c_i+`` until its next round and replies with ``y_i`` and ``delta_c_i = c_i+ -
-c_i``. The server takes the sample-weighted mean of
-the ``y_i`` (global step size 1, as Flower Baselines' NIID-Bench) and moves
-``c += |S| / N * mean_w(delta_c_i)`` over the ``|S|`` replies of the round and the run's
-``N`` nodes. ``E = sum_k eta_k (1 - rho^(K - k)) / (1 - rho)`` is how far the ``K`` steps
-move per unit of mean gradient: ``K eta`` for constant-rate SGD as in the paper, and, with
-momentum ``rho``, up to ``1 / (1 - rho)`` times more, since the correction goes through the
-momentum here. (Flower Baselines apply the correction after the momentum step and divide by
-``K eta``: the same steps without momentum, and at steady state with it.) Control
-variates exist for trained parameters only; buffers are averaged as FedAvg does. ``c``
-starts at zero (the paper; Flower Baselines starts it at the initial weights).
+c_i``. The server takes the sample-weighted mean of the ``y_i`` (global step size 1, as
+Flower Baselines' NIID-Bench) and moves ``c += |S| / N * mean_w(delta_c_i)`` over the
+``|S|`` replies of the round and the run's ``N`` nodes, folding the replies in partition
+order (not as they arrive: the variates amplify rounding differences).
+
+``E = sum_k eta_k (1 - rho^(K - k)) / (1 - rho)`` is how far the ``K`` steps move per unit
+of mean gradient: ``K eta`` for constant-rate SGD as in the paper, and, with momentum
+``rho``, up to ``1 / (1 - rho)`` times more, since the correction goes through the
+momentum here. (Flower Baselines apply the correction after the momentum step and divide
+by ``K eta``: the same steps without momentum, and at steady state with it.) Control
+variates exist for every parameter entry of the state dict (a frozen one keeps a zero
+variate); buffers are averaged as FedAvg does. ``c`` starts at zero (the paper; Flower
+Baselines starts it at the initial weights).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from strategies.base import MergeError, StateDict, is_float, register
 from strategies.fedavg import FedAvg
 from strategies.fednova import normaliser
-from strategies.local import NodeRule, NodeUpdate, fitting, parameters, snapshot
+from strategies.local import NodeRule, NodeUpdate, fitting, parameters, weights
 
 #: Array record of the round's message holding the server control variate ``c``.
 SERVER_VARIATE = "scaffold-c"
@@ -50,7 +53,7 @@ class ScaffoldNode(NodeRule):
 
     def begin(self, model, received, state) -> None:
         """Keep ``x`` and the correction; ``state`` is ``c_i`` (zero the first time)."""
-        self.start = snapshot(model)
+        self.start = weights(model)
         c = fitting(received.get(SERVER_VARIATE), self.start, "the server control variate")
         if c is None:
             raise MergeError(f"the round's message has no {SERVER_VARIATE!r} record")
@@ -62,14 +65,14 @@ class ScaffoldNode(NodeRule):
     def before_step(self, model, lr: float) -> None:
         """Add ``c - c_i`` to each parameter's gradient."""
         super().before_step(model, lr)
-        for name, p in parameters(model).items():
+        for name, p in parameters(model).items():  # a shared parameter once, a frozen none
             if p.grad is not None:
                 p.grad.add_(self.correction[name])
 
     def finish(self, model) -> NodeUpdate:
         """Return ``delta_c_i`` and keep ``c_i+`` (unchanged when no step was taken)."""
         lr_sum = effective_lr(self.lrs, self.momentum)
-        trained = snapshot(model)
+        trained = weights(model)
         new = {}
         for k, x in self.start.items():
             new[k] = (self.c_i[k] - self.c[k] + (x - trained[k]) / lr_sum) if lr_sum > 0 \
@@ -92,6 +95,7 @@ class Scaffold(FedAvg):
     paper = ("Karimireddy et al. 2020, SCAFFOLD: Stochastic Controlled Averaging for "
              "Federated Learning, arXiv:1910.06378")
     node_rule = ScaffoldNode
+    ordered = True  # the variates amplify rounding: fold a round's replies in one order
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)

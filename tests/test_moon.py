@@ -68,3 +68,24 @@ def test_needs_a_linear_classifier_and_valid_options():
         strategies.get("moon", temperature=0)
     with pytest.raises(ValueError, match="--moon-mu"):
         strategies.get("moon", moon_mu=-1)
+
+
+def test_setup_refuses_a_model_without_linear_and_notes_a_linear_only_one():
+    from fedavg.config import RunConfig
+    from fedavg.errors import UserError
+    from fedavg.run import _strategy_notes
+
+    moon = strategies.get("moon")
+    assert moon.check_setup(net(), {}) == []
+    notes = moon.check_setup(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), {})
+    assert len(notes) == 1 and "trains as fedavg" in notes[0]
+    with pytest.raises(UserError, match="^moon: moon needs a model whose classifier is an "
+                                        "nn.Linear"):
+        _strategy_notes(moon, nn.Sequential(nn.Conv2d(1, 10, 8), nn.Flatten()),
+                        RunConfig().replace(strategy="moon"))
+
+
+def test_feddyn_notes_momentum():
+    feddyn = strategies.get("feddyn")
+    assert "--momentum 0.9" in feddyn.check_setup(net(), {"optimizer": "sgd", "momentum": 0.9})[0]
+    assert feddyn.check_setup(net(), {"optimizer": "sgd", "momentum": 0.0}) == []

@@ -137,3 +137,27 @@ def test_node_states_go_through_the_checkpoint(tmp_path):
     records = node_state_records("scaffold", back.node_states[0], back.round)
     kept = RecordDict(records)
     assert torch.equal(node_state(kept, "scaffold")["w"], torch.tensor([1.0, 2.0]))
+
+
+def test_scaffold_folds_a_round_in_partition_order_whatever_the_arrival(task_identity):
+    order = []
+
+    class Spy(strategies.strategy_class("scaffold")):
+        def add_reply(self, sd, weight, node="?", *, arrays=None, metrics=None):
+            order.append(metrics[keys.PARTITION_ID])
+            super().add_reply(sd, weight, node, arrays=arrays, metrics=metrics)
+
+    ref = {"w": torch.zeros(2)}
+    adapter = FlowerAdapter(Spy(), ref, lambda *a: None)
+    sent = Message(content=RecordDict(), dst_node_id=1, message_type="train")
+
+    def reply(pid):
+        return Message(RecordDict({
+            keys.ARRAYS: ArrayRecord({"w": torch.full((2,), float(pid))}),
+            VARIATE_CHANGE: ArrayRecord({"w": torch.ones(2)}),
+            keys.METRICS: MetricRecord({keys.NUM_EXAMPLES: 1, keys.PARTITION_ID: pid})}),
+            reply_to=sent)
+
+    adapter.merge.to_nodes(ref)
+    adapter.aggregate_train(1, iter([reply(p) for p in (2, 0, 1)]))
+    assert order == [0, 1, 2]

@@ -410,3 +410,13 @@ def test_a_checkpoint_older_than_a_setting_resumes_with_its_default():
     assert resume.resumed_config(ckpt, asked, "run").train.augment is False
     with pytest.raises(UserError, match="--augment true differs from the run's false"):
         resume.resumed_config(ckpt, asked.replace(augment=True), "run")
+
+
+def test_a_strategy_option_given_at_its_default_is_the_same_setting():
+    ckpt = resume.Checkpoint(round=1, model={"a": torch.zeros(1)},
+                             config=RunConfig().replace(rounds=2, strategy="moon").to_flat(),
+                             rounds=[rec(1)])
+    again = ckpt.run_config().replace(rounds=3, moon_mu=5.0, temperature=0.5)
+    assert resume.resumed_config(ckpt, again, "run").merge.rounds == 3
+    with pytest.raises(UserError, match=r"--moon-mu 1.0 differs from the run's 5.0"):
+        resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=3, moon_mu=1.0), "run")

@@ -170,3 +170,38 @@ def test_node_agrees_with_flower_baselines_without_momentum():
     for k, p in theirs.named_parameters():
         assert torch.allclose(ours.state_dict()[k], p.detach(), atol=1e-6), k
         assert torch.allclose(got_c[k], want_c[k], atol=1e-5), k
+
+
+class Aliased(nn.Module):
+    """Two layers, the second also registered under a second name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.alias = self.last
+
+    def forward(self, x):
+        """Run both layers."""
+        return self.last(torch.relu(self.first(x)))
+
+
+def test_frozen_and_shared_parameters_have_variates_on_both_sides():
+    torch.manual_seed(0)
+    model = Aliased()
+    model.first.requires_grad_(False)  # fine-tuning: a frozen layer
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    server = strategies.get("scaffold")
+    sent = server.to_nodes(reference)[SERVER_VARIATE]
+    assert set(sent) == set(reference)  # every parameter entry, the alias included
+    rule = ScaffoldNode({})
+    rule.begin(model, {SERVER_VARIATE: sent}, None)
+    spec = {"kind": "tabular", "mean": [0.0] * 3, "std": [1.0] * 3, "scale": 1.0}
+    train(model, torch.randn(8, 3).numpy(), torch.randint(0, 2, (8,)).numpy(), spec,
+          epochs=1, batch_size=4, lr=0.1, momentum=0.0, rule=rule)
+    update = rule.finish(model)
+    change = update.arrays[VARIATE_CHANGE]
+    assert torch.equal(change["first.weight"], torch.zeros(4, 3))  # frozen: no drift
+    assert torch.equal(change["alias.weight"], change["last.weight"])
+    server.begin(reference, context=ctx(1))
+    server.add_reply(model.state_dict(), 8, "n", arrays=update.arrays)
+    server.result()
