@@ -32,20 +32,29 @@ console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 
 
+#: Characters that ``str.splitlines`` breaks at: shown escaped, so an error stays one line.
+_LINE_BREAKS = {c: repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
+def one_line(text: str) -> str:
+    """Return ``text`` with its line-break characters escaped, as Python writes them."""
+    return text.translate(str.maketrans(_LINE_BREAKS))
+
+
 @contextlib.contextmanager
 def guard():
     """Turn user mistakes into one line on stderr and exit code 2 (1 for failed runs)."""
     try:
         yield
     except UserError as exc:
-        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False,
+        err_console.print(f"[bold red]error:[/] {escape(one_line(str(exc)))}", highlight=False,
                           soft_wrap=True)
         raise typer.Exit(2) from None
     except RunError as exc:
         from fedavg.output import RUN_OUTPUT
 
         hint = resume_hint(RUN_OUTPUT[0]) if RUN_OUTPUT else None
-        err_console.print(f"[bold red]run failed:[/] {escape(str(exc))}"
+        err_console.print(f"[bold red]run failed:[/] {escape(one_line(str(exc)))}"
                           + (f"; {escape(hint)}" if hint else ""), highlight=False,
                           soft_wrap=True)
         raise typer.Exit(1) from None
@@ -121,7 +130,7 @@ def run_app(app: typer.Typer) -> None:
             where = f"fedavg {sys.argv[1]}"
         message = exc.format_message()
         message = message[:1].lower() + message[1:]  # like our own errors
-        err_console.print(f"[bold red]error:[/] {escape(message)} (see `{where} --help`)",
+        err_console.print(f"[bold red]error:[/] {escape(one_line(message))} (see `{where} --help`)",
                           highlight=False)
         code = exc.exit_code
     except click.Abort:

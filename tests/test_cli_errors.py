@@ -303,3 +303,11 @@ def test_an_error_line_keeps_square_brackets(invoke):
     assert assert_one_error_line(err) == "error: no such file or folder: runs/x[old]/data.csv"
     code, err = invoke("evaluate", "no[such]model")
     assert code == 2 and "no[such]model" in assert_one_error_line(err)
+
+
+def test_line_breaks_in_a_user_value_stay_on_the_one_error_line():
+    from fedavg.cli_support import one_line
+
+    text = one_line("--resume a\nb\x85c\u2028d\re: no such folder")
+    assert len(text.splitlines()) == 1
+    assert text == "--resume a\\nb\\x85c\\u2028d\\re: no such folder"
