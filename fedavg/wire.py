@@ -157,7 +157,7 @@ class TrainSettings:
 
 def _method(strategy) -> dict[str, Any]:
     """Return the ``method`` fields of a strategy with a node rule (none for the others)."""
-    if getattr(strategy, "node_rule", None) is None:
+    if strategy.node_rule is None:
         return {}
     return {"method": strategy.name, "method_options": strategy.node_options()}
 
