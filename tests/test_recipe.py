@@ -123,8 +123,9 @@ def test_recipe_settings_are_checked_and_travel_to_the_nodes():
     assert RunConfig.from_flat(config.to_flat()).train.augment is True
     meta = {"model": {"name": "mlp"}, "input": TABULAR, "classes": ["a", "b"]}
 
-    class Plain:
+    class Plain:  # a strategy without a node rule, as fedavg's
         node_config: dict = {}
+        node_rule = None
 
     record = TrainSettings.for_run(config, meta, Plain()).to_record()
     settings = TrainSettings.from_record(record)
