@@ -606,6 +606,7 @@ def test_twenty_points_in_parallel_one_failing_resume_report_no_engine_left(tmp_
 [base]
 num-nodes = 2
 rounds = 1
+cpus-per-node = 2
 [grid]
 strategy = ["fedavg", "fedprox"]
 seed = {list(range(10))}
@@ -674,7 +675,8 @@ def _alive(pid: int) -> bool:
 def test_sigterm_stops_the_running_points_and_exits_130(tmp_path, no_leaks):
     import psutil
 
-    config = toml(tmp_path, "[base]\nnum-nodes = 2\nrounds = 1000\n[grid]\nseed = [0, 1, 2]\n")
+    config = toml(tmp_path, "[base]\nnum-nodes = 2\nrounds = 1000\ncpus-per-node = 2\n"
+                            "[grid]\nseed = [0, 1, 2]\n")
     out = tmp_path / "sweep"
     sweep = subprocess.Popen([sys.executable, "-m", "fedavg.cli", "sweep", str(config),
                               "--output", str(out), "--parallel", "2"],
