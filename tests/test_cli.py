@@ -185,8 +185,11 @@ def test_ctrl_c_while_the_cli_still_imports_is_one_line_and_exit_130(tmp_path):
     from pathlib import Path
 
     script = Path(sys.executable).parent / "fedavg"  # the console script, as a user runs it
+    # as from a terminal: a shell's background job (tests run with `&`) ignores SIGINT, and
+    # so would the CLI it starts
     proc = subprocess.Popen([str(script), "simulate", "--output", str(tmp_path / "run")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(0.3)  # torch and Flower are still importing
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
