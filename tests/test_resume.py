@@ -313,10 +313,9 @@ def test_run_killed_after_round_two_resumes_to_the_unbroken_result(runs, tmp_pat
     FedAdam, so the server optimiser's moments must come back too (plain FedAvg has no
     server state, and SCAFFOLD's node state is the next test's).
     """
-    strategy = "fedadam"
     # what the kill leaves behind stays in here (short: Ray's socket paths are limited)
     monkeypatch.setenv("TMPDIR", str(short_tmp))
-    args = [*SIM, "--strategy", strategy]
+    args = [*SIM, "--strategy", "fedadam"]
     unbroken = runs.start("unbroken", *args, "--output", tmp_path / "unbroken")
     assert runs.wait(unbroken) == 0, runs.log("unbroken")
 
