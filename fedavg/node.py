@@ -202,6 +202,16 @@ def keep_node_state(context: Context, method: str, state: dict[str, torch.Tensor
         context.state[key] = record
 
 
+def warm_up() -> None:
+    """Import, in a node process that is starting, what its first round would import.
+
+    Run by each simulated node's actor as it starts (:mod:`fedavg.ray_start`), while the
+    coordinator still sets up: this module (torch, unpickling this function imported it)
+    and ``torch._dynamo``, which every optimizer step imports (about 2 s of one core).
+    """
+    import torch._dynamo  # noqa: F401
+
+
 def make_client_app(data_path, device: str = "auto") -> ClientApp:
     """Build the node ClientApp for a run's node data.
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from fedavg import run
 from fedavg.config import RunConfig
-from fedavg.errors import RunError, UserError, first_line
+from fedavg.errors import RunError, UserError
 from fedavg.ray_cleanup import abortable, shutdown_ray
 from fedavg.tempdirs import PrivateDir
 
@@ -245,42 +245,60 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
     """Run the rounds on a Ray instance of this run's own, then stop it."""
     from fedavg.coordinator import make_server_app
     from fedavg.display import Progress
-    from fedavg.node import make_client_app
+    from fedavg.ray_start import RayStart
 
     with PrivateDir("fedavg-sim-") as tmp, _ray_folder(tmp) as (ray_dir, own), \
             abortable([tmp, own], ray_dir) as since:
-        cluster = "address" in backend["init_args"]
-        data_path = str(Path(tmp) / "train.safetensors")
-        if not cluster:  # memory-mapped by every node process of this machine
-            write_node_data(data_path, prepared.data.train.x, prepared.data.train.y,
-                            prepared.parts)
-        progress = Progress(console, config.merge.rounds,
-                            0 if resume_from is None else resume_from.round, trackers)
-        contexts = _node_contexts(prepared.strategy.name, resume_from)
-        server = make_server_app(config, prepared, out, state, progress,
-                                 resume_from=resume_from, node_contexts=contexts)
+        starting = RayStart(backend, ray_dir).start()  # while the rest is set up here
+        progress = None
         try:
-            progress.start()
-            state.marks["node_data"] = time.monotonic()
-            _init_ray(backend, ray_dir)
-            state.marks["ray"] = time.monotonic()
-            if cluster:  # nodes on other machines read it from the cluster's object store
-                import ray
+            cluster = "address" in backend["init_args"]
+            data_path = str(Path(tmp) / "train.safetensors")
+            if not cluster:  # memory-mapped by every node process of this machine
+                write_node_data(data_path, prepared.data.train.x, prepared.data.train.y,
+                                prepared.parts)
+            progress = Progress(console, config.merge.rounds,
+                                0 if resume_from is None else resume_from.round, trackers)
+            contexts = _node_contexts(prepared.strategy.name, resume_from)
+            server = make_server_app(config, prepared, out, state, progress,
+                                     resume_from=resume_from, node_contexts=contexts)
+            import flwr.simulation  # noqa: F401 - the engine's imports, while Ray starts
 
-                data_path = ray.put(node_arrays(prepared.data.train.x, prepared.data.train.y,
-                                                prepared.parts))
-            client = make_client_app(data_path, device=config.train.device)
-            with contexts.attached():
-                _run_engine(server, client, config.merge.num_nodes, backend, config.data.seed)
-        except UserError:
-            raise
-        except Exception as exc:
-            if state.error is not None:
-                raise state.error from None
-            raise RunError(f"simulation engine failed: {str(exc).splitlines()[0]}") from exc
+            _engine(config, prepared, state, backend, starting, server, contexts, data_path,
+                    progress)
         finally:
-            progress.stop()
+            if progress is not None:
+                progress.stop()
+            starting.settle()
             shutdown_ray(since, ray_dir)
+            starting.release()
+
+
+def _engine(config: RunConfig, prepared: run.Prepared, state: run.RunState, backend, starting,
+            server, contexts, data_path, progress) -> None:
+    """Wait for Ray and the node actors, then run the rounds on Flower's engine."""
+    from fedavg.flower_compat import prestarted_actors
+    from fedavg.node import make_client_app
+
+    try:
+        progress.start()
+        state.marks["node_data"] = time.monotonic()
+        actors = starting.wait()
+        state.marks["ray"] = time.monotonic()
+        if "address" in backend["init_args"]:  # other machines' nodes read the object store
+            import ray
+
+            data_path = ray.put(node_arrays(prepared.data.train.x, prepared.data.train.y,
+                                            prepared.parts))
+        client = make_client_app(data_path, device=config.train.device)
+        with contexts.attached(), prestarted_actors(actors):
+            _run_engine(server, client, config.merge.num_nodes, backend, config.data.seed)
+    except UserError:
+        raise
+    except Exception as exc:
+        if state.error is not None:
+            raise state.error from None
+        raise RunError(f"simulation engine failed: {str(exc).splitlines()[0]}") from exc
 
 
 def _node_contexts(method: str, resume_from=None):
@@ -315,58 +333,6 @@ def _ray_folder(tmp: str):
         if short is not None:
             short.cleanup()
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _init_ray(backend: dict[str, Any], temp_dir: str) -> None:
-    """Start Ray as Flower's Ray backend would, keeping the application's signal handlers.
-
-    Flower's backend reuses an initialised Ray. Starting it here lets a handler the
-    application installed for SIGINT / SIGTERM (the CLI's clean shutdown) stay in force:
-    ``ray.init`` replaces it with Ray's own, which exits without our clean-up.
-    """
-    import signal
-    import sys
-    import threading
-
-    import ray
-
-    from fedavg.flower_compat import disable_ray_auto_connect
-
-    # Flower's engine threads still call Ray while the run ends; with auto-connect on, such a
-    # call after shutdown starts a fresh Ray instance that outlives the command.
-    disable_ray_auto_connect()
-    if ray.is_initialized():
-        return
-    main = threading.current_thread() is threading.main_thread()
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
-    pythonpath = os.pathsep.join(sys.path)
-    if os.environ.get("PYTHONPATH"):
-        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
-    os.environ["PYTHONPATH"] = pythonpath
-    try:
-        # A Ray folder of this run's own: its processes can be told from another run's.
-        own = {} if "address" in backend["init_args"] else {"_temp_dir": temp_dir}
-        if own:  # a private instance: RAY_ADDRESS would send it to another cluster
-            os.environ.pop("RAY_ADDRESS", None)
-        ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **own,
-                 **backend["init_args"])
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        address = backend["init_args"].get("address")
-        if address is None:
-            raise
-        raise UserError(f"cannot use the Ray cluster at {address}: {first_line(exc)} (start "
-                        "it with `ray start --head`; every machine needs the same Ray, flwr "
-                        "and fedavg versions)") from None
-    except SystemExit as exc:
-        # A SIGTERM while Ray starts reaches Ray's handler (sys.exit(15)): stop as ours would.
-        handler = saved.get(exc.code) if isinstance(exc.code, int) else None
-        if callable(handler) and handler is not signal.default_int_handler:
-            handler(exc.code, None)
-        raise
-    finally:
-        for sig, handler in saved.items():
-            if callable(handler) and handler is not signal.default_int_handler:
-                signal.signal(sig, handler)
 
 
 def _run_engine(server, client, num_nodes: int, backend: dict[str, Any], seed: int) -> None:

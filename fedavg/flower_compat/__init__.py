@@ -8,7 +8,7 @@ Nothing outside this package imports ``flwr.cli``, ``flwr.proto``, ``flwr.superc
 
 - :mod:`~fedavg.flower_compat.checks`: that guard, and Ray's auto-connect switch;
 - :mod:`~fedavg.flower_compat.launch`: SuperLink / SuperNode entry points, SuperNode patches;
-- :mod:`~fedavg.flower_compat.engine`: the simulation engine's message dispatch and stop;
+- :mod:`~fedavg.flower_compat.engine`: the simulation engine's message dispatch, actors, stop;
 - :mod:`~fedavg.flower_compat.control`: the SuperLink's Control API (submit a run);
 - :mod:`~fedavg.flower_compat.fleet`: the Fleet API as a node sees it (is its key known?);
 - :mod:`~fedavg.flower_compat.tasks`: warm task workers on the runtime API;
@@ -33,6 +33,8 @@ from fedavg.flower_compat.engine import (
     QUEUE_WAIT_S,
     NodeContexts,
     fast_message_dispatch,
+    node_actors,
+    prestarted_actors,
     prompt_stop,
 )
 from fedavg.flower_compat.fleet import node_key_registered
@@ -91,11 +93,13 @@ __all__ = [
     "fast_message_dispatch",
     "is_certificate_failure",
     "most_telling_line",
+    "node_actors",
     "node_key_registered",
     "node_refusal",
     "parse_supernode_line",
     "patch_pull_backoff",
     "patch_supernode",
+    "prestarted_actors",
     "prompt_stop",
     "register_node_keys",
     "run_client_task",

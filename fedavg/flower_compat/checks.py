@@ -37,7 +37,12 @@ _SOURCES = {
         "def _register_node_info_stores(", "node_info_store[node_id].register_context(",
         "node_info_store[node_id].update_context("),
     "flwr.server.superlink.fleet.vce.backend.raybackend": (
-        "self.pool.terminate_all_actors()\n        ray.shutdown()",),
+        "self.pool.terminate_all_actors()\n        ray.shutdown()",
+        "actor_type=ClientAppActor,", "self.pool.add_actors_to_pool(self.pool.actors_capacity)"),
+    "flwr.simulation.ray_transport.ray_actor": (
+        "self.create_actor_fn = lambda: actor_type.options(",
+        "self.pool.append(self.create_actor_fn())",
+        "def __init__(self, on_actor_init_fn: Callable[[], None] | None = None) -> None:"),
     "flwr.supercore.exit.exit": ('f"Exit Code: {code}',),
     "flwr.supercore.exit.exit_code": ("could not establish a connection",),
     "flwr.supercore.error.http": ("[ApiError:{err.code}] {err.message}",),

@@ -88,6 +88,56 @@ def prompt_stop():
         vce_api.Queue, RayBackend.terminate = original_queue, original_terminate
 
 
+def node_actors(client_resources: dict[str, float], on_init: Callable[[], None]) -> list:
+    """Create as many node actors as Flower's Ray actor pool would, each running ``on_init``.
+
+    Parameters
+    ----------
+    client_resources : dict
+        ``num_cpus`` and ``num_gpus`` of each actor, as in the backend config.
+    on_init : callable
+        Run in each actor's own process as it starts (a module-level function).
+
+    Returns
+    -------
+    list
+        Handles of Flower's ``ClientAppActor``; this call does not wait for them to start.
+    """
+    from flwr.simulation.ray_transport.ray_actor import ClientAppActor, pool_size_from_resources
+
+    check_flower_internals()
+    return [ClientAppActor.options(**client_resources).remote(on_actor_init_fn=on_init)
+            for _ in range(pool_size_from_resources(client_resources))]
+
+
+@contextlib.contextmanager
+def prestarted_actors(actors: list):
+    """Within the block, Flower's Ray actor pool takes ``actors`` before creating its own.
+
+    Flower's Ray backend creates its node actors when the engine builds its pool, just
+    before the first round, and each then spends seconds importing (see
+    :mod:`fedavg.ray_start`). Actors created earlier with the pool's resources
+    (:func:`fedavg.ray_start.node_actors`) join the pool in their place; the pool creates
+    only the ones still missing.
+    """
+    from flwr.simulation.ray_transport import ray_actor
+
+    check_flower_internals()
+    original = ray_actor.BasicActorPool.__init__
+    spare = list(actors)
+
+    def __init__(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        create = self.create_actor_fn
+        self.create_actor_fn = lambda: spare.pop(0) if spare else create()
+
+    ray_actor.BasicActorPool.__init__ = __init__
+    try:
+        yield
+    finally:
+        ray_actor.BasicActorPool.__init__ = original
+
+
 class NodeContexts:
     """The simulated nodes' Flower contexts, read and seeded from the ServerApp's side.
 
