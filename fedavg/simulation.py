@@ -3,7 +3,8 @@
 Only what is Ray lives here; the run lifecycle (prepare, run folder, summary) is
 :mod:`fedavg.run`, the ServerApp :mod:`fedavg.coordinator`, the ClientApp :mod:`fedavg.node`.
 The driver writes the partitioned training arrays to a temporary file that every node
-process memory-maps once, starts Ray in a folder of its own and runs Flower's
+process memory-maps once, starts Ray in a folder of its own (in a thread, with the node
+actors, while the rest is set up: :mod:`fedavg.ray_start`) and runs Flower's
 ``run_simulation`` in this process: no SuperLink, no per-run dependency installation, and Ray
 is shut down on return, error or Ctrl-C (:mod:`fedavg.ray_cleanup`). Both folders are
 private ones (:class:`fedavg.tempdirs.PrivateDir`): the next run removes those of a run killed

@@ -2,9 +2,11 @@
 
 ``fedavg simulate`` marks its steps in :attr:`fedavg.run.RunState.marks` and writes the
 phases to ``summary.json`` (``startup_s``), so a slow first round can be explained without a
-profiler: imports, settings and data (``prepare``), the node data file and the ServerApp
-(``node_data``), Ray's start, Flower's engine up to the first round (``engine_start``), the
-first round itself (which also spawns the node actors) and the stop (Ray stopped).
+profiler: imports, settings and data (``prepare``), the node data file, the ServerApp and
+Flower's engine imports while Ray starts in a thread (``node_data``, see
+:mod:`fedavg.ray_start`), what is left of Ray's start and of creating the node actors
+(``ray_start``), Flower's engine up to the first round (``engine_start``), the first round
+itself (which also waits for the node actors' imports) and the stop (Ray stopped).
 """
 
 from __future__ import annotations

@@ -37,3 +37,16 @@ def test_scale_points_parse_and_bad_ones_are_one_line():
     for bad in ("10", "x:digits", "0:digits", "10:"):
         with pytest.raises(SystemExit, match="is not NODES:DATASET"):
             bench_scale.parse_points(bad)
+
+
+def test_cold_start_medians_and_table_cover_every_phase():
+    import bench_cold
+
+    runs = [{"wall": 10.0, "round1": 4.0, "round": 0.2}, {"wall": 14.0, "round1": 6.0,
+                                                         "round": 0.4},
+            {"wall": 12.0, "round1": 5.0, "round": 0.3}]
+    assert bench_cold.medians(runs) == {"wall": 12.0, "round1": 5.0, "round": 0.3}
+    text = bench_cold.table({"this": {"wall": 12.0, "round1": 5.0}})
+    header, row = text.splitlines()
+    assert header.split()[1:] == ["wall", *bench_cold.PHASES, "round"]
+    assert row.split()[:2] == ["this", "12.00"] and "nan" in row  # a phase not measured
