@@ -59,7 +59,7 @@ def run_once(tree: Path, timeout_s: float = 300.0) -> dict:
         if proc.returncode != 0:
             raise RuntimeError(f"{tree}: fedavg simulate exited {proc.returncode}:\n"
                                f"{(proc.stdout + proc.stderr)[-2000:]}")
-        left = list((work / "tmp").iterdir())
+        left = list((work / "tmp").glob("fedavg-*"))  # torch's own cache folder may stay
         if left:
             raise RuntimeError(f"{tree}: the run left {left} in its TMPDIR")
         summary = json.loads((work / "run" / "summary.json").read_text())
