@@ -8,8 +8,9 @@ digits with the same settings:
 - ``flower-supernode`` with Flower's default isolation: every message starts a fresh
   ClientApp process (the same ``fedavg.apps:client_app``), which re-imports torch.
 
-Printed per round: wall time at the coordinator (send to merged), the slowest node's
-training time, and the overhead (wall minus training). Summary: medians, excluding round 1,
+Every process runs torch on one thread (``OMP_NUM_THREADS=1`` unless set), as a simulated
+node does. Printed per round: wall time at the coordinator (send to merged), the slowest
+node's training time, and the overhead (wall minus training). Summary: medians, excluding round 1,
 which also loads and partitions the data. Usage::
 
     python experiments/deploy_rounds.py --nodes 3 --rounds 6 --plain-rounds 3
@@ -38,6 +39,9 @@ def run(kind: str, nodes: int, rounds: int, tmp: Path) -> list[dict]:
     bindir = os.path.dirname(sys.executable)  # flower-supernode starts flower-superexec
     env = {**os.environ, "FLWR_HOME": str(tmp / f"flwr-{kind}"), "COLUMNS": "150",
            "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+    # one thread per process, as a simulated node gets one CPU: with torch's default (all
+    # cores each), 3 nodes on 2 cores fight over them (0.5-2 s a round instead of 0.03 s)
+    env.setdefault("OMP_NUM_THREADS", "1")
     coord = subprocess.Popen(
         [sys.executable, "-m", "fedavg.cli", "coordinator", "--address", address, "--insecure",
          "--rounds", str(rounds), "--min-nodes", str(nodes), "--output", str(out)],

@@ -137,7 +137,10 @@ def test_flower_internals_are_the_ones_we_patch():
         "assert idle < 1 and wait < 0.3, (idle, wait)\n"
         "assert sci.time.monotonic is time.monotonic\n"
         "assert f.HEARTBEAT_DEFAULT_INTERVAL == heartbeat.HEARTBEAT_DEFAULT_INTERVAL == 10\n"
-        "assert iu.pull_objects.__kwdefaults__['initial_backoff'] == 0.05\n"
+        "for fn in (iu.pull_objects, iu.pull_and_inflate_object_from_tree):\n"
+        "    d = fn.__kwdefaults__\n"
+        "    assert (d['initial_backoff'], d['backoff_cap'], d['max_tries_per_object'],\n"
+        "            d['max_time']) == (0.05, 0.2, None, 7200), d\n"
         "assert auto_init_hook.enable_auto_connect is False\n"
         "print('ok')\n"
     )

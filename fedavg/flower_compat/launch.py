@@ -15,8 +15,11 @@ from fedavg.flower_compat.checks import check_flower_internals
 #: What the SuperNode's loop sleeps (seconds) when patched by :func:`patch_supernode`.
 IDLE_POLL_S = 0.2
 REPLY_WAIT_S = 0.02
-#: First retry (seconds) of Flower's object pulls, instead of 1 s.
+#: First retry (seconds) of Flower's object pulls, instead of 1 s, and the longest wait
+#: between two retries, instead of 10 s (an object not yet there is asked for again within
+#: 0.2 s of its arrival, instead of within up to 10 s).
 PULL_BACKOFF_S = 0.05
+PULL_BACKOFF_CAP_S = 0.2
 #: Seconds between a SuperNode's heartbeats (Flower: 30). The SuperLink counts a node as
 #: gone after two missed beats, so a crashed machine leaves its round within ~20 s.
 HEARTBEAT_S = 10
@@ -72,18 +75,27 @@ def patch_supernode() -> None:
 
 
 def patch_pull_backoff() -> None:
-    """Start Flower's object-pull retries at :data:`PULL_BACKOFF_S` instead of 1 s."""
+    """Retry Flower's object pulls after :data:`PULL_BACKOFF_S`, at most every 0.2 s.
+
+    Flower retries an object that is not there yet after 1 s, then 2, 4 and up to 10 s, at
+    most 500 times. Here the waits go from :data:`PULL_BACKOFF_S` to
+    :data:`PULL_BACKOFF_CAP_S`, with no cap on the tries: the pull's own time limit (Flower's
+    ``max_time``, 2 hours) still ends a wait for an object that never comes.
+    """
     from flwr.supercore.inflatable import inflatable_utils as iu
 
+    wanted = {"initial_backoff": PULL_BACKOFF_S, "backoff_cap": PULL_BACKOFF_CAP_S,
+              "max_tries_per_object": None}
     for fn in (iu.pull_objects, iu.pull_and_inflate_object_from_tree):
         names = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
         defaults = list(fn.__defaults__ or ())
         first = len(names) - len(defaults)
-        if "initial_backoff" in names[first:]:
-            defaults[names.index("initial_backoff") - first] = PULL_BACKOFF_S
-            fn.__defaults__ = tuple(defaults)
-        elif fn.__kwdefaults__ and "initial_backoff" in fn.__kwdefaults__:
-            fn.__kwdefaults__ = {**fn.__kwdefaults__, "initial_backoff": PULL_BACKOFF_S}
+        for name, value in wanted.items():
+            if name in names[first:]:
+                defaults[names.index(name) - first] = value
+            elif fn.__kwdefaults__ and name in fn.__kwdefaults__:
+                fn.__kwdefaults__ = {**fn.__kwdefaults__, name: value}
+        fn.__defaults__ = tuple(defaults) if defaults else fn.__defaults__
 
 
 @contextlib.contextmanager
