@@ -424,7 +424,8 @@ def test_node_gives_up_clearly_when_the_coordinator_is_gone(cluster, tmp_path):
     out = tmp_path / "run"
     coord = cluster.coordinator("--rounds", "50", "--min-nodes", "1", "--insecure",
                                 "--local-epochs", "5", "--output", out)
-    node = cluster.node("node", "--insecure", "--once")
+    # with --max-wait-time its SuperNode gives up too: that must not interrupt the node (130)
+    node = cluster.node("node", "--insecure", "--once", "--max-wait-time", "5")
     deadline = time.monotonic() + 120
     while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text()):
         assert time.monotonic() < deadline and coord.poll() is None, cluster.log("coordinator")

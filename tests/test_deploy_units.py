@@ -540,3 +540,56 @@ def test_the_end_of_run_announcement_makes_no_call_after_it_returns(task_identit
     assert grid.pulls, "the acknowledgements were never polled"
     assert 0.25 <= returned - started < 1.0
     assert max(grid.pulls) < returned
+
+
+def test_a_once_nodes_wait_for_a_lost_coordinator_is_max_wait_time_or_30_s(tmp_path):
+    from fedavg.deployment.node import LOST_AFTER_S, _Node
+
+    def node(max_wait_time):
+        return _Node("127.0.0.1:9092", [], None, None, True, max_wait_time, print, tmp_path)
+
+    assert LOST_AFTER_S == 30.0 and node(None).lost_after_s == 30.0
+    assert node(5.0).lost_after_s == 5.0
+
+
+class _HeartbeatClient:
+    """A runtime client whose heartbeat answers ``success`` or raises ``error``."""
+
+    def __init__(self, success=True, error=None):
+        self.success, self.error, self.calls = success, error, 0
+
+    def SendTaskHeartbeat(self, request):  # noqa: N802 - Flower's method name
+        """Answer one heartbeat."""
+        from types import SimpleNamespace
+
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+        return SimpleNamespace(success=self.success)
+
+
+def test_a_void_task_never_interrupts_a_warm_node(monkeypatch):
+    """Flower's own heartbeat and retry code SIGINT the process; a warm node must go on."""
+    import signal
+
+    import httpx
+
+    from fedavg.flower_compat import tasks
+
+    interrupted = []
+    monkeypatch.setattr(signal, "raise_signal", lambda sig: interrupted.append(sig))
+    monkeypatch.setattr(os, "kill", lambda pid, sig: interrupted.append(sig))
+    beat = tasks._task_heartbeat_fn(_HeartbeatClient(success=False))
+    assert beat() is True  # the SuperNode no longer knows the task: not retried, no SIGINT
+    refused = tasks._task_heartbeat_fn(_HeartbeatClient(error=httpx.ConnectError("gone")))
+    assert refused() is False  # unreachable: Flower's sender retries
+    request = httpx.Request("POST", "http://127.0.0.1:1/flwr.proto.ClientAppIo/PushMessage")
+    void = httpx.HTTPStatusError("401", request=request,
+                                 response=httpx.Response(401, request=request))
+    endpoint = tasks.Endpoint("127.0.0.1:1")
+    client = tasks._runtime_client(endpoint, [], tries=2, seconds=1.0, void_token_fails=True)
+    try:
+        assert client._retry_invoker.should_giveup(void) is True
+    finally:
+        client.close()
+    assert interrupted == []

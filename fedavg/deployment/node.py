@@ -32,7 +32,8 @@ from fedavg.errors import RunError, UserError
 
 log = logging.getLogger("fedavg")
 
-#: A ``--once`` node gives up on a run whose coordinator stays unreachable this long (s).
+#: A ``--once`` node gives up on a run whose coordinator stays unreachable this long (s),
+#: unless ``--max-wait-time`` says otherwise.
 LOST_AFTER_S = 30.0
 
 
@@ -73,7 +74,8 @@ def serve_node(
     once : bool
         Exit after the first run ends; by default the node serves runs until stopped.
     max_wait_time : float, optional
-        Seconds without reaching the coordinator before giving up (default: retry forever).
+        Seconds without reaching the coordinator before giving up: at the start (default:
+        retry forever) and, with ``once``, during the run (default: :data:`LOST_AFTER_S`).
     model : str, optional
         The run's user-code ``--model`` (a file: this machine's copy); needed to run it.
     console : rich.console.Console, optional
@@ -260,9 +262,14 @@ class _Node:
         if mismatch:
             self.refused = (mismatch, "", False)
 
+    @property
+    def lost_after_s(self) -> float:
+        """Seconds a ``--once`` run's coordinator may stay unreachable before the node stops."""
+        return LOST_AFTER_S if self.max_wait_time is None else self.max_wait_time
+
     def _unreachable_too_long(self) -> bool:
         since = self.unreachable_since
-        return self.once and since is not None and time.monotonic() - since > LOST_AFTER_S
+        return self.once and since is not None and time.monotonic() - since > self.lost_after_s
 
     def _stopped(self) -> bool:
         return self.refused is not None or self.exit is not None or not self.proc.alive()
@@ -402,7 +409,7 @@ class _Node:
             if self.runs and self._unreachable_too_long():
                 raise RunError(f"lost the coordinator at {self.superlink} during run "
                                f"{', '.join(map(str, self.runs))} (unreachable for "
-                               f"{LOST_AFTER_S:g} s)")
+                               f"{self.lost_after_s:g} s)")
             if self._stopped():
                 self.handle_stop()
                 continue

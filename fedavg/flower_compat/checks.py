@@ -19,7 +19,11 @@ FLOWER_VERSION = "1.42.0"
 _SOURCES = {
     "flwr.supernode.start_client_internal": ("time.sleep(3)", "time.sleep(0.5)",
                                              '"SuperNode ID: %s"'),
-    "flwr.supercore.retry.http_retry": ("Connection successful after",
+    "flwr.supercore.heartbeat": ("res = client.SendTaskHeartbeat(req)",
+                                 "signal.raise_signal(signal.SIGINT)"),
+    "flwr.supercore.retry.http_retry": ("if status_code == httpx.codes.UNAUTHORIZED:",
+                                        "os.kill(os.getpid(), signal.SIGINT)",
+                                        "Connection successful after",
                                         "Connection attempt failed, retrying in %.2f seconds",
                                         "Giving up reconnection"),
     "flwr.supercore.error.catalog": ("All SuperNodes must be registered",

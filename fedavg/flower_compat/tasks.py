@@ -36,18 +36,32 @@ class Endpoint:
         return self.root_certificates is None
 
 
-def _runtime_client(endpoint: Endpoint, interceptors: list, tries: int, seconds: float):
+def _runtime_client(endpoint: Endpoint, interceptors: list, tries: int, seconds: float,
+                    void_token_fails: bool = False):
     """Connect to a runtime API, giving up after ``tries`` / ``seconds``.
 
     Flower's HTTP invoker retries for ever; a local runtime API that went away must surface
-    as an error instead (the caller then checks whether its Flower process died).
+    as an error instead (the caller then checks whether its Flower process died). With
+    ``void_token_fails``, a 401 (the runtime API voided the task's token) fails the call:
+    Flower's invoker SIGINTs the process instead, which would stop a warm node.
     """
+    import httpx
     from flwr.supercore.retry import make_simple_http_retry_invoker
     from flwr.supercore.runtime import RuntimeHttpClient
 
     invoker = make_simple_http_retry_invoker()
     invoker.max_tries = tries
     invoker.max_time = seconds
+    if void_token_fails:
+        flower_giveup = invoker.should_giveup
+
+        def should_giveup(exc: Exception) -> bool:
+            if isinstance(exc, httpx.HTTPStatusError) \
+                    and exc.response.status_code == httpx.codes.UNAUTHORIZED:
+                return True
+            return flower_giveup(exc)
+
+        invoker.should_giveup = should_giveup
     return RuntimeHttpClient.from_server_address(
         server_address=endpoint.address, insecure=endpoint.insecure,
         root_certificates=endpoint.root_certificates, interceptors=interceptors,
@@ -94,6 +108,34 @@ class TaskSource:
         self._client.close()
 
 
+def _task_heartbeat_fn(client) -> Callable[[], bool]:
+    """Return a task heartbeat function that never interrupts this process.
+
+    Flower's (``make_task_heartbeat_fn_http``) raises SIGINT in the process when the runtime
+    API no longer knows the task: right for a ``flwr-clientapp`` process of that one task,
+    but a warm node would exit 130 (for example when its SuperNode gives up on a lost
+    coordinator). Here the task just goes on; its next call to the runtime API fails.
+    """
+    import httpx
+    from flwr.proto.runtime_pb2 import SendTaskHeartbeatRequest  # pylint: disable=E0611
+
+    def fn() -> bool:
+        try:
+            res = client.SendTaskHeartbeat(SendTaskHeartbeatRequest())
+        except httpx.TransportError:
+            return False
+        except httpx.HTTPStatusError as err:
+            if err.response.status_code in (httpx.codes.SERVICE_UNAVAILABLE,
+                                            httpx.codes.GATEWAY_TIMEOUT):
+                return False
+            raise
+        if not res.success:
+            log.debug("the runtime API no longer knows this task")
+        return True
+
+    return fn
+
+
 def run_client_task(endpoint: Endpoint, token: str, app) -> str | None:
     """Run one ClientApp task in this process, as ``flwr-clientapp`` would.
 
@@ -108,7 +150,7 @@ def run_client_task(endpoint: Endpoint, token: str, app) -> str | None:
     from flwr.app import Message
     from flwr.app.error import Error
     from flwr.common.constant import ErrorCode, SubStatus
-    from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+    from flwr.supercore.heartbeat import HeartbeatSender
     from flwr.supercore.interceptors import (
         RuntimeTokenHttpInterceptor,
         RuntimeVersionHttpInterceptor,
@@ -121,8 +163,9 @@ def run_client_task(endpoint: Endpoint, token: str, app) -> str | None:
 
     client = _runtime_client(
         endpoint, [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
-                   RuntimeTokenHttpInterceptor(token)], tries=20, seconds=60.0)
-    heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
+                   RuntimeTokenHttpInterceptor(token)], tries=20, seconds=60.0,
+        void_token_fails=True)
+    heartbeat = HeartbeatSender(_task_heartbeat_fn(client))
     heartbeat.start()
     message = reply = context = None
     status, details, failure = SubStatus.FAILED, "ClientApp task failed", "task failed"
@@ -142,6 +185,9 @@ def run_client_task(endpoint: Endpoint, token: str, app) -> str | None:
             if reply is not None and context is not None:
                 push_message(client, reply, context)
             push_task_output(client, context, status, details)
+        except Exception as exc:  # noqa: BLE001 - the SuperNode voided the task or went away
+            log.debug("could not deliver the task's reply: %s", exc)
+            failure = failure or f"the reply could not be delivered ({type(exc).__name__})"
         finally:
             heartbeat.stop()
             client.close()
