@@ -2,7 +2,7 @@
 
 A node actor is ready to train only after Ray's start (about 4-5 s: its GCS, raylet and
 agents) and its own imports (Ray, Flower's simulation engine, torch and ``torch._dynamo``,
-which every optimizer step imports: about 5-6 s of one core). :class:`RayStart` does both in
+which every optimizer step imports: about 4.5 s of one core). :class:`RayStart` does both in
 a thread while the driver writes the node data, builds the ServerApp and imports Flower's
 engine (:func:`fedavg.flower_compat.node_actors`); Flower's actor pool then takes these actors
 (:func:`~fedavg.flower_compat.prestarted_actors`) instead of creating its own as the first
@@ -21,7 +21,7 @@ from fedavg.errors import UserError, first_line
 
 #: The longest the driver waits for a Ray start it no longer needs (an error, Ctrl-C) before
 #: it stops whatever Ray processes there are.
-ABANDON_WAIT_S = 30.0
+SETTLE_WAIT_S = 30.0
 
 
 def init_ray(backend: dict[str, Any], temp_dir: str) -> None:
@@ -134,14 +134,14 @@ class RayStart:
         return self.actors
 
     def settle(self) -> None:
-        """Let a start still under way finish, unused (at most :data:`ABANDON_WAIT_S`).
+        """Let a start still under way finish, unused (at most :data:`SETTLE_WAIT_S`).
 
         Stopping Ray's processes while ``ray.init`` still starts them could leave one
         behind: the caller stops them after this returns, then calls :meth:`release`.
         """
-        self._ready.wait(ABANDON_WAIT_S)
+        self._ready.wait(SETTLE_WAIT_S)
 
     def release(self) -> None:
         """End the thread (Ray stopped by then: see the class notes)."""
         self._released.set()
-        self._thread.join(ABANDON_WAIT_S)
+        self._thread.join(SETTLE_WAIT_S)
