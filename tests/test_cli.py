@@ -177,7 +177,8 @@ def test_ctrl_c_and_sigterm_share_one_handler():
             signal.signal(sig, handler)
 
 
-def test_ctrl_c_while_the_cli_still_imports_is_one_line_and_exit_130(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_while_the_cli_still_imports_is_one_line_and_exit_130(tmp_path, sig):
     import signal
     import subprocess
     import sys
@@ -191,7 +192,7 @@ def test_ctrl_c_while_the_cli_still_imports_is_one_line_and_exit_130(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(0.3)  # torch and Flower are still importing
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, sig))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == ["interrupted before the command started"], err

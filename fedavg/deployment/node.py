@@ -74,8 +74,7 @@ def serve_node(
     once : bool
         Exit after the first run ends; by default the node serves runs until stopped.
     max_wait_time : float, optional
-        Seconds without reaching the coordinator before giving up: at the start (default:
-        retry forever) and, with ``once``, during the run (default: :data:`LOST_AFTER_S`).
+        Seconds without reaching the coordinator before giving up (retry; --once: 30 s mid-run).
     model : str, optional
         The run's user-code ``--model`` (a file: this machine's copy); needed to run it.
     console : rich.console.Console, optional
