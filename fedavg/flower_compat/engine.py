@@ -117,7 +117,7 @@ def prestarted_actors(actors: list):
     Flower's Ray backend creates its node actors when the engine builds its pool, just
     before the first round, and each then spends seconds importing (see
     :mod:`fedavg.ray_start`). Actors created earlier with the pool's resources
-    (:func:`fedavg.ray_start.node_actors`) join the pool in their place; the pool creates
+    (:func:`node_actors`) join the pool in their place; the pool creates
     only the ones still missing.
     """
     from flwr.simulation.ray_transport import ray_actor
