@@ -10,8 +10,8 @@ digits with the same settings:
 
 Every process runs torch on one thread (``OMP_NUM_THREADS=1`` unless set), as a simulated
 node does. Printed per round: wall time at the coordinator (send to merged), the slowest
-node's training time, and the overhead (wall minus training). Summary: medians, excluding round 1,
-which also loads and partitions the data. Usage::
+node's training time, and the overhead (wall minus training). Summary: medians, excluding
+round 1, which also loads and partitions the data. Usage::
 
     python experiments/deploy_rounds.py --nodes 3 --rounds 6 --plain-rounds 3
 """

@@ -16,11 +16,11 @@ def _terminated(signum, frame) -> None:
 
 def main() -> None:
     """Import the CLI, then run it (:func:`fedavg.cli.main`)."""
-    signal.signal(signal.SIGTERM, _terminated)  # until the CLI installs its own handler
+    previous = signal.signal(signal.SIGTERM, _terminated)  # until the CLI is imported
     try:
         from fedavg.cli import main as cli_main
     except KeyboardInterrupt:
         print("interrupted before the command started", file=sys.stderr)
         raise SystemExit(130) from None
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the commands install their own
+    signal.signal(signal.SIGTERM, previous)  # the commands that need one install their own
     cli_main()
