@@ -65,6 +65,7 @@ def main() -> None:
         dataset=args.data, num_nodes=args.nodes, partitioner="dirichlet", alpha=args.alpha,
         model="cnn-cifar", rounds=1, local_epochs=args.local_epochs, lr=args.lr, momentum=0.9,
         batch_size=64, strategy="distill", save_node_models=True, seed=args.seed,
+        round_timeout=86400.0,  # long local training on a few cores: wait for every node
         augment=args.recipe, lr_schedule="cosine" if args.recipe else "constant",
         weight_decay=(5e-4 if args.recipe else 0.0) if args.weight_decay is None
         else args.weight_decay,

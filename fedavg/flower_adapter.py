@@ -67,10 +67,12 @@ class StreamingGrid:
         destination = {mid: msg.metadata.dst_node_id for mid, msg in zip(ids, messages)}
         del messages
         deadline = None if timeout is None else time.monotonic() + timeout
-        return _Replies(self._replies(set(ids), destination, deadline), destination)
+        lost: set[str] = set()
+        return _Replies(self._replies(set(ids), destination, deadline, lost), destination,
+                        lost, timeout)
 
     def _replies(self, pending: set[str], destination: dict[str, int],
-                 deadline: float | None) -> Iterable[Message]:
+                 deadline: float | None, lost: set[str]) -> Iterable[Message]:
         checked = time.monotonic()
         while pending and (deadline is None or time.monotonic() < deadline):
             got = list(self._grid.pull_messages(pending))
@@ -81,23 +83,32 @@ class StreamingGrid:
             if pending and self.on_lost is not None \
                     and time.monotonic() - checked >= self.node_check_s:
                 checked = time.monotonic()
-                self._drop_lost(pending, destination)
+                self._drop_lost(pending, destination, lost)
             if pending:
                 time.sleep(self.poll_s)
 
-    def _drop_lost(self, pending: set[str], destination: dict[str, int]) -> None:
+    def _drop_lost(self, pending: set[str], destination: dict[str, int],
+                   lost: set[str]) -> None:
         online = set(self._grid.get_node_ids())
         for mid in [m for m in pending if destination.get(m) not in online]:
             pending.discard(mid)  # the node left: stop waiting for it
+            lost.add(mid)
             self.on_lost(destination[mid])
 
 
 class _Replies:
-    """The replies of a round (consumed once) and which node each message went to."""
+    """The replies of a round (consumed once) and what the merge needs to know about them.
 
-    def __init__(self, replies: Iterable[Message], destination: dict[str, int]) -> None:
+    ``destination`` maps each message id to its node, ``lost`` holds the messages whose node
+    left (already reported) and ``timeout`` is the round's limit in seconds.
+    """
+
+    def __init__(self, replies: Iterable[Message], destination: dict[str, int],
+                 lost: set[str] | None = None, timeout: float | None = None) -> None:
         self._replies = replies
         self.destination = destination
+        self.lost = set() if lost is None else lost
+        self.timeout = timeout
 
     def __iter__(self):
         return iter(self._replies)
@@ -242,12 +253,15 @@ class FlowerAdapter(FlowerFedAvg):
         self.merge.begin(self.reference, self.buffers, self.context)
         tally = _RoundTally()
         sent_to = getattr(replies, "destination", None) or {}
-        if getattr(self.merge, "ordered", False):
-            replies = sorted(replies, key=_fold_order)
-        for msg in replies:
+        answered: set[str] = set()
+        ordered = sorted(replies, key=_fold_order) if getattr(self.merge, "ordered", False) \
+            else replies
+        for msg in ordered:
             # an error reply made by the SuperLink (node gone) names the SuperLink as source
+            answered.add(msg.metadata.reply_to_message_id)
             node = sent_to.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
             self._fold(server_round, node, msg, tally)
+        self._tally_silent(server_round, replies, answered, tally)
         merged = self._finish_round(server_round, tally)
         self.last_merged = merged
         self.last_train = tally.summary()
@@ -282,6 +296,22 @@ class FlowerAdapter(FlowerFedAvg):
             self.on_failure(server_round, node, reason)
             return
         tally.add(weight, metrics)
+
+    def _tally_silent(self, server_round: int, replies: Any, answered: set[str],
+                      tally: _RoundTally) -> None:
+        """Count the nodes that neither replied nor left before the round's timeout."""
+        sent_to = getattr(replies, "destination", None) or {}
+        lost = getattr(replies, "lost", set())
+        timeout = getattr(replies, "timeout", None)
+        limit = f"{timeout:g} s" if timeout is not None else "the round's time"
+        for mid, node in sent_to.items():
+            if mid in answered or mid in lost:
+                continue
+            tally.failed += 1
+            reason = (f"no reply within --round-timeout {limit}; its model is left out "
+                      "(raise --round-timeout for long local training)")
+            tally.reasons.append(f"node {node}: {reason}")
+            self.on_failure(server_round, node, reason)
 
     def _check_norm(self, state: dict[str, torch.Tensor], node: int) -> None:
         if self.max_update_norm is None:

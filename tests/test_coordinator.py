@@ -154,3 +154,26 @@ def test_streaming_grid_stops_waiting_for_a_node_that_left():
     assert [r.metadata.reply_to_message_id for r in replies] == ["id0", "id2"]
     assert lost == [2]  # reported once, and the round did not wait for the timeout
     assert time.monotonic() - start < 5
+
+
+def test_nodes_silent_at_the_timeout_are_counted_and_reported_once(task_identity):
+    """A node that never replied is a failure naming --round-timeout; one that left is not.
+
+    The one that left was reported when it left.
+    """
+    from fedavg.flower_adapter import _Replies
+
+    failures = []
+    a = adapter(failures)
+    answer = good(11, [2.0, 4.0], 3)
+    mid = answer.metadata.reply_to_message_id
+    replies = _Replies(iter([answer]), {mid: 11, "silent": 12, "gone": 13}, lost={"gone"},
+                       timeout=600.0)
+    arrays, _ = a.aggregate_train(1, replies)
+    assert torch.allclose(arrays.to_torch_state_dict()["w"], torch.tensor([2.0, 4.0]))
+    assert a.last_train["num_nodes"] == 1 and a.last_train["num_failed"] == 1
+    assert [(r, node) for r, node, _ in failures] == [(1, 12)]
+    assert "no reply within --round-timeout 600 s" in failures[0][2]
+    # no node replied at all: the error names the timeout, not an empty reason
+    with pytest.raises(RunError, match="node 12: no reply within --round-timeout 5 s"):
+        adapter([]).aggregate_train(2, _Replies(iter([]), {"silent": 12}, timeout=5.0))
