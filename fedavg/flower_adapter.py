@@ -143,7 +143,16 @@ class _RoundTally:
         self.used = self.failed = 0
         self.loss_sum = self.weight_sum = 0.0
         self.train_s: float | None = None
-        self.reasons: list[str] = []
+        self.reasons: list[tuple[int, str]] = []  # (node, why it was left out)
+
+    def detail(self, most: int = 3) -> str:
+        """Return the failures in one line; nodes with the same reason share it."""
+        nodes: dict[str, list[int]] = {}
+        for node, reason in self.reasons:
+            nodes.setdefault(reason, []).append(node)
+        parts = [f"node {ids[0]}: {why}" if len(ids) == 1 else f"{len(ids)} nodes: {why}"
+                 for why, ids in list(nodes.items())[:most]]
+        return "; ".join(parts) or "no replies before --round-timeout"
 
     def add(self, weight: float, metrics: MetricRecord) -> None:
         self.used += 1
@@ -292,7 +301,7 @@ class FlowerAdapter(FlowerFedAvg):
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if partition >= 0:  # Flower's node ids mean little to a user; partitions do
                 reason = f"(partition {partition}) {reason}"
-            tally.reasons.append(f"node {node}: {reason}")
+            tally.reasons.append((node, reason))
             self.on_failure(server_round, node, reason)
             return
         tally.add(weight, metrics)
@@ -308,9 +317,9 @@ class FlowerAdapter(FlowerFedAvg):
             if mid in answered or mid in lost:
                 continue
             tally.failed += 1
-            reason = (f"no reply within --round-timeout {limit}; its model is left out "
-                      "(raise --round-timeout for long local training)")
-            tally.reasons.append(f"node {node}: {reason}")
+            reason = (f"no reply within --round-timeout {limit}, model left out (raise "
+                      "--round-timeout for long local training)")
+            tally.reasons.append((node, reason))
             self.on_failure(server_round, node, reason)
 
     def _check_norm(self, state: dict[str, torch.Tensor], node: int) -> None:
@@ -324,8 +333,8 @@ class FlowerAdapter(FlowerFedAvg):
 
     def _finish_round(self, server_round: int, tally: _RoundTally) -> strategies.Merged:
         if not tally.used:
-            detail = "; ".join(tally.reasons[:3]) or "no replies before --round-timeout"
-            raise RunError(f"round {server_round}: no usable model from any node ({detail})")
+            raise RunError(f"round {server_round}: no usable model from any node "
+                           f"({tally.detail()})")
         if tally.used < self.min_replies:
             raise RunError(f"round {server_round}: only {tally.used} usable model(s), fewer "
                            f"than --min-nodes-per-round {self.min_replies}")

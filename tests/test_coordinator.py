@@ -175,5 +175,8 @@ def test_nodes_silent_at_the_timeout_are_counted_and_reported_once(task_identity
     assert [(r, node) for r, node, _ in failures] == [(1, 12)]
     assert "no reply within --round-timeout 600 s" in failures[0][2]
     # no node replied at all: the error names the timeout, not an empty reason
-    with pytest.raises(RunError, match="node 12: no reply within --round-timeout 5 s"):
+    with pytest.raises(RunError, match=r"any node \(node 12: no reply within --round-timeout 5 s"):
         adapter([]).aggregate_train(2, _Replies(iter([]), {"silent": 12}, timeout=5.0))
+    with pytest.raises(RunError, match=r"any node \(2 nodes: no reply within --round-timeout 5 s"
+                                       r"[^;]*\)$"):
+        adapter([]).aggregate_train(2, _Replies(iter([]), {"a": 12, "b": 13}, timeout=5.0))
