@@ -134,7 +134,8 @@ def test_the_niid_bench_configs_hold_its_settings_and_a_quick_variant():
     assert {(c.data.dataset.rsplit("/", 1)[-1], c.data.partitioner, c.merge.strategy)
             for c in federated} == {(d, part, s) for d in ("mnist", "cifar10")
                                     for part in ("iid", "dirichlet")
-                                    for s in ("fedavg", "fedprox")}
+                                    for s in ("fedavg", "fedprox")} \
+        | {("cifar10", "dirichlet", "scaffold")}
     for c in [p.config for p in full.points]:
         assert (c.merge.rounds, c.train.local_epochs, c.train.batch_size, c.train.lr,
                 c.train.momentum, c.train.model, c.merge.fraction) == \
@@ -151,14 +152,15 @@ def test_only_keeps_matching_points_by_value_or_name_part():
     pair = select(spec, ["dataset=cifar10", "partitioner=dirichlet"])
     assert [p.name for p in pair.points] == [
         "num-nodes=10_dataset=cifar10_partitioner=dirichlet_strategy=fedavg",
-        "num-nodes=10_dataset=cifar10_partitioner=dirichlet_strategy=fedprox_mu=0.01"]
+        "num-nodes=10_dataset=cifar10_partitioner=dirichlet_strategy=fedprox_mu=0.01",
+        "num-nodes=10_dataset=cifar10_partitioner=dirichlet_strategy=scaffold"]
     assert len(select(spec, ["dataset=../shared/data/mnist", "num-nodes=1"]).points) == 1
     assert select(spec, []).points == spec.points
     # numbers match as numbers: the config's 2 is the point's 2.0, mu=1e-2 is 0.01
     assert len(select(spec, ["cpus-per-node=2"]).points) == 2
     assert len(select(spec, ["mu=1e-2", "fraction=1"]).points) == 4
     for only, message in ((["strategy"], "write KEY=VALUE"), (["foo=1"], "sets 'foo'"),
-                          (["strategy=scaffold"], "no point")):
+                          (["strategy=moon"], "no point")):
         with pytest.raises(UserError, match=message):
             select(spec, only)
 
