@@ -299,6 +299,9 @@ def node(
     model: Annotated[Optional[str], typer.Option(
         help="Model code of yours this node may run: the coordinator's --model "
              "module:function or file.py:function (a file: this machine's copy)")] = None,
+    threads: Annotated[Optional[int], typer.Option(
+        help="CPU threads torch trains with (default: one per core); nodes sharing a "
+             "machine: cores / nodes each")] = None,
 ) -> None:
     """Join runs of a coordinator: a Flower SuperNode plus one warm training process."""
     from fedavg.deployment import serve_gpu_nodes, serve_node
@@ -314,12 +317,13 @@ def node(
                                        num_partitions=num_partitions, device=device,
                                        certs=certs, insecure=insecure, auth_key=auth_key,
                                        once=once, max_wait_time=max_wait_time, model=model,
-                                       console=console)
+                                       threads=threads, console=console)
             else:
                 n = serve_node(coordinator, dataset=dataset, partition_id=partition_id,
                                num_partitions=num_partitions, device=device, certs=certs,
                                insecure=insecure, auth_key=auth_key, once=once,
-                               max_wait_time=max_wait_time, model=model, console=console)
+                               max_wait_time=max_wait_time, model=model, threads=threads,
+                               console=console)
                 console.print(f"node done: {n} task(s) run")
     except typer.Exit as exc:
         code = exc.exit_code

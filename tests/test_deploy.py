@@ -140,7 +140,8 @@ def test_coordinator_and_three_nodes_over_tls(cluster, certs, tmp_path):
     coord = cluster.coordinator("--rounds", "3", "--min-nodes", "3", "--certs", certs,
                                 "--output", out)
     nodes = [cluster.node(f"node{i}", "--certs", certs, "--partition-id", i,
-                          "--num-partitions", 3, "--once") for i in range(3)]
+                          "--num-partitions", 3, "--once", *(["--threads", 1] if i == 0 else []))
+             for i in range(3)]
     assert cluster.wait(coord) == 0, cluster.log("coordinator")
     for n in nodes:
         assert cluster.wait(n, 60) == 0, cluster.log(n.name)
@@ -161,6 +162,9 @@ def test_coordinator_and_three_nodes_over_tls(cluster, certs, tmp_path):
     # every node trained its own partition in every round and then left (--once)
     for n in nodes:
         assert "node done: 4 task(s) run" in cluster.log(n.name)  # 3 rounds + end notice
+    # --threads: node0 trains on one thread, the others on torch's default (one per core)
+    assert ", 1 CPU thread(s)" in cluster.log("node0")
+    assert re.search(r", \d+ CPU thread\(s\)", cluster.log("node1"))
 
 
 def test_node_killed_in_round_two_run_still_finishes(cluster, tmp_path):

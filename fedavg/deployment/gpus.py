@@ -54,15 +54,17 @@ def serve_gpu_nodes(gpus: str, *, coordinator: str, dataset: str, partition_id: 
                     num_partitions: int | None, device: str, certs: Path | None,
                     insecure: bool, auth_key: Path | None, once: bool,
                     max_wait_time: float | None, model: str | None = None,
-                    console=None) -> int:
+                    threads: int | None = None, console=None) -> int:
     """Start one ``fedavg node`` process per GPU and wait for them all.
 
     Parameters
     ----------
     gpus : str
         Comma-separated CUDA device indices (see :func:`plan_gpu_nodes`).
-    coordinator, dataset, partition_id, num_partitions, certs, insecure, once, max_wait_time, model
+    coordinator, dataset, partition_id, num_partitions, certs, insecure, once, max_wait_time
         As for :func:`fedavg.deployment.serve_node`; each node gets its own partition.
+    model, threads
+        As for :func:`fedavg.deployment.serve_node`, passed to every node.
     device, auth_key
         Must be ``"auto"`` and ``None``: each node gets its own GPU, and one key fits one node.
     console : rich.console.Console, optional
@@ -97,6 +99,8 @@ def serve_gpu_nodes(gpus: str, *, coordinator: str, dataset: str, partition_id: 
         base += ["--max-wait-time", str(max_wait_time)]
     if model is not None:
         base += ["--model", model]
+    if threads is not None:
+        base += ["--threads", str(threads)]
     try:
         procs = []
         for dev, pid in plan:

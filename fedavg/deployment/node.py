@@ -50,6 +50,7 @@ def serve_node(
     once: bool = False,
     max_wait_time: float | None = None,
     model: str | None = None,
+    threads: int | None = None,
     console=None,
 ) -> int:
     """Run one node: a Flower SuperNode plus a warm process that trains every task.
@@ -77,6 +78,9 @@ def serve_node(
         Seconds without reaching the coordinator before giving up (retry; --once: 30 s mid-run).
     model : str, optional
         The run's user-code ``--model`` (a file: this machine's copy); needed to run it.
+    threads : int, optional
+        CPU threads torch trains with in this node (default: torch's, one per core). Nodes
+        sharing a machine each take ``cores / nodes``, or they slow each other down.
     console : rich.console.Console, optional
         Where to print progress.
 
@@ -97,7 +101,11 @@ def serve_node(
 
     host, port = split_address(coordinator, "--coordinator")
     certs, model = _check_node_options(dataset, partition_id, num_partitions, device, certs,
-                                       insecure, auth_key, max_wait_time, model)
+                                       insecure, auth_key, max_wait_time, model, threads)
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
     flower_compat.check_flower_internals()
     flower_compat.patch_pull_backoff()
     quiet_logs(False)
@@ -110,7 +118,8 @@ def serve_node(
                      certs, auth_key, once, max_wait_time, say, Path(tmp.name))
         say(f"node: data [bold]{dataset}[/]"
             + (f" partition {partition_id}/{num_partitions}" if partition_id is not None else "")
-            + f", device {device}" + (f", model code {escape(model)}" if model else "")
+            + f", device {device}, {torch.get_num_threads()} CPU thread(s)"
+            + (f", model code {escape(model)}" if model else "")
             + f"; connecting to {host}:{port}" + (" (TLS)" if certs else " (NO TLS)"))
         return node.serve()
     finally:
@@ -121,7 +130,8 @@ def serve_node(
 
 def _check_node_options(dataset: str, partition_id: int | None, num_partitions: int | None,
                         device: str, certs: Path | None, insecure: bool, auth_key: Path | None,
-                        max_wait_time: float | None, model: str | None = None):
+                        max_wait_time: float | None, model: str | None = None,
+                        threads: int | None = None):
     """Check the options of :func:`serve_node`; return the certificate folder and model code.
 
     The model code (``--model``) is this machine's, checked before connecting.
@@ -146,6 +156,8 @@ def _check_node_options(dataset: str, partition_id: int | None, num_partitions: 
         check_node_key(auth_key)
     if max_wait_time is not None and max_wait_time <= 0:
         raise UserError(f"--max-wait-time must be > 0 seconds, got {max_wait_time:g}")
+    if threads is not None and threads < 1:
+        raise UserError(f"--threads must be at least 1, got {threads}")
     return certs, node_model(model)
 
 
