@@ -302,7 +302,7 @@ def test_two_nodes_with_one_key(cluster, certs, tmp_path):
                                 "--auth-keys", certs / "authorized-nodes.pub",
                                 "--output", tmp_path / "run", "--wait-timeout", "120")
     first = cluster.node("first", "--certs", certs, "--auth-key", certs / "node-0.key", "--once")
-    cluster.wait_for("first", "connected to")
+    cluster.wait_for("first", r"(?m)^connected to \S+ as node \d+")
     again = cluster.node("again", "--certs", certs, "--auth-key", certs / "node-0.key")
     assert cluster.wait(again, 60) == 2, cluster.log("again")
     text = cluster.log("again")

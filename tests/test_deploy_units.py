@@ -415,6 +415,7 @@ def test_a_key_already_connected_is_said_in_one_line(tmp_path, monkeypatch):
         monkeypatch.setattr(flower_compat, "node_key_registered", lambda *a, r=registered: r)
         node._reset()
         node.key_retries = 3  # no more "may still be starting" retries
+        node.key_registered = True  # the key was registered when the node was last refused
         node.proc = types.SimpleNamespace(lines=[], stop=lambda: None, alive=lambda: False)
         node.on_line("ERROR : [code: 2004] Failed to activate SuperNode.")
         node.on_line("ERROR : The SuperNode could not establish a connection to the SuperLink.")
@@ -422,6 +423,34 @@ def test_a_key_already_connected_is_said_in_one_line(tmp_path, monkeypatch):
         with pytest.raises(UserError) as err:
             node.handle_stop()
         assert str(err.value).startswith(words), str(err.value)
+
+
+def test_a_key_refused_before_the_coordinator_registered_it_is_tried_again(tmp_path,
+                                                                             monkeypatch):
+    """Refused, then registered: one more try at once; refused again: in use, one line."""
+    import types
+
+    from fedavg import flower_compat
+
+    node, said = _node(tmp_path, once=False)
+    node.certs, node.auth_key = tmp_path, tmp_path / "node-0.key"
+    monkeypatch.setattr(flower_compat, "node_key_registered", lambda *a: True)
+    starts = []
+    monkeypatch.setattr(node, "start_supernode", lambda: starts.append(1))
+
+    def refused():
+        node._reset()
+        node.proc = types.SimpleNamespace(lines=[], stop=lambda: None, alive=lambda: False)
+        node.on_line("ERROR : [code: 2004] Failed to activate SuperNode.")
+        node.on_line("ERROR : The SuperNode could not establish a connection to the SuperLink.")
+
+    refused()
+    node.handle_stop()  # registered only now: not in use, the SuperNode starts again
+    assert starts == [1] and said == []
+    refused()
+    with pytest.raises(UserError, match="a node with this key is already connected"):
+        node.handle_stop()
+    assert starts == [1]
 
 
 def test_a_failed_run_tells_the_nodes_why(tmp_path, monkeypatch, task_identity):

@@ -19,6 +19,12 @@ from typing import Callable
 from rich.markup import escape
 
 from fedavg import flower_compat
+from fedavg.deployment.node_options import (
+    check_node_options,
+    describe_node,
+    node_config,
+    use_threads,
+)
 from fedavg.deployment.processes import (
     FlowerProcess,
     PrivateDir,
@@ -27,7 +33,7 @@ from fedavg.deployment.processes import (
     secret_file,
     split_address,
 )
-from fedavg.deployment.tls import CA_CERT, check_node_key, resolve_certs, tls_mismatch
+from fedavg.deployment.tls import CA_CERT, tls_mismatch
 from fedavg.errors import RunError, UserError
 
 log = logging.getLogger("fedavg")
@@ -66,10 +72,8 @@ def serve_node(
         ``fedavg simulate`` would with the run's partitioner); default: all of it.
     device : str
         ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
-    certs : path, optional
-        Folder holding the coordinator's CA certificate ``ca.crt``.
-    insecure : bool
-        No TLS (only when asked for; warns).
+    certs, insecure : path or None, bool
+        Folder holding the coordinator's CA certificate ``ca.crt``; or ``insecure``: no TLS.
     auth_key : path, optional
         This node's private key (from ``fedavg certs --nodes``) for SuperNode authentication.
     once : bool
@@ -79,8 +83,7 @@ def serve_node(
     model : str, optional
         The run's user-code ``--model`` (a file: this machine's copy); needed to run it.
     threads : int, optional
-        CPU threads torch trains with in this node (default: torch's, one per core). Nodes
-        sharing a machine each take ``cores / nodes``, or they slow each other down.
+        CPU threads torch trains with (default: one per core; nodes sharing cores: fewer).
     console : rich.console.Console, optional
         Where to print progress.
 
@@ -100,12 +103,9 @@ def serve_node(
     from fedavg.run import quiet_logs
 
     host, port = split_address(coordinator, "--coordinator")
-    certs, model = _check_node_options(dataset, partition_id, num_partitions, device, certs,
-                                       insecure, auth_key, max_wait_time, model, threads)
-    import torch
-
-    if threads is not None:
-        torch.set_num_threads(threads)
+    certs, model = check_node_options(dataset, partition_id, num_partitions, device, certs,
+                                      insecure, auth_key, max_wait_time, model, threads)
+    threads = use_threads(threads)
     flower_compat.check_flower_internals()
     flower_compat.patch_pull_backoff()
     quiet_logs(False)
@@ -114,65 +114,15 @@ def serve_node(
     node = None
     try:
         node = _Node(f"{host}:{port}",
-                     _node_config(dataset, device, partition_id, num_partitions, model),
+                     node_config(dataset, device, partition_id, num_partitions, model),
                      certs, auth_key, once, max_wait_time, say, Path(tmp.name))
-        say(f"node: data [bold]{dataset}[/]"
-            + (f" partition {partition_id}/{num_partitions}" if partition_id is not None else "")
-            + f", device {device}, {torch.get_num_threads()} CPU thread(s)"
-            + (f", model code {escape(model)}" if model else "")
-            + f"; connecting to {host}:{port}" + (" (TLS)" if certs else " (NO TLS)"))
+        say(describe_node(dataset, partition_id, num_partitions, device, threads, model,
+                          f"{host}:{port}", certs is not None))
         return node.serve()
     finally:
         if node is not None:
             node.close()
         tmp.cleanup()
-
-
-def _check_node_options(dataset: str, partition_id: int | None, num_partitions: int | None,
-                        device: str, certs: Path | None, insecure: bool, auth_key: Path | None,
-                        max_wait_time: float | None, model: str | None = None,
-                        threads: int | None = None):
-    """Check the options of :func:`serve_node`; return the certificate folder and model code.
-
-    The model code (``--model``) is this machine's, checked before connecting.
-    """
-    from fedavg.data import looks_like_path
-    from fedavg.model_sources import node_model
-    from fedavg.train import resolve_device
-
-    if (partition_id is None) != (num_partitions is None):
-        raise UserError("give --partition-id and --num-partitions together")
-    if num_partitions is not None and num_partitions < 1:
-        raise UserError(f"--num-partitions must be at least 1, got {num_partitions}")
-    if partition_id is not None and not 0 <= partition_id < num_partitions:
-        raise UserError(f"--partition-id must be in 0..{num_partitions - 1}, got {partition_id}")
-    if looks_like_path(dataset) and not Path(dataset).expanduser().exists():
-        raise UserError(f"--dataset {dataset} does not exist")
-    resolve_device(device)
-    certs = resolve_certs(certs, insecure, "node")
-    if auth_key is not None:
-        if certs is None:
-            raise UserError("--auth-key needs TLS: pass --certs, not --insecure")
-        check_node_key(auth_key)
-    if max_wait_time is not None and max_wait_time <= 0:
-        raise UserError(f"--max-wait-time must be > 0 seconds, got {max_wait_time:g}")
-    if threads is not None and threads < 1:
-        raise UserError(f"--threads must be at least 1, got {threads}")
-    return certs, node_model(model)
-
-
-def _node_config(dataset: str, device: str, partition_id: int | None,
-                 num_partitions: int | None, model: str | None = None) -> list[str]:
-    """List the SuperNode's ``--node-config`` items (read by :mod:`fedavg.apps`)."""
-    from fedavg.data import looks_like_path
-
-    config = [f'dataset="{Path(dataset).expanduser().resolve()}"'
-              if looks_like_path(dataset) else f'dataset="{dataset}"', f'device="{device}"']
-    if partition_id is not None:
-        config += [f"partition-id={partition_id}", f"num-partitions={num_partitions}"]
-    if model is not None:
-        config.append(f'model="{model}"')
-    return config
 
 
 class _Node:
@@ -197,7 +147,7 @@ class _Node:
         self.endpoint: flower_compat.Endpoint | None = None
         self.source: flower_compat.TaskSource | None = None
         self.runs: set[int] = set()
-        self.tasks = self.key_retries = 0
+        self.tasks, self.key_retries, self.key_registered = 0, 0, False
         self.quiet = self.hinted = False
         self.tls_checked = -1e9
         self.waiting = False  # a run ended: quiet about the coordinator until it is back
@@ -302,11 +252,16 @@ class _Node:
         was_connected = self.connected
         proc.stop()
         self._close_source()
+        # Keys are registered just after the coordinator starts listening: a key refused
+        # before that is registered a moment later. A registered key refused again is in use.
         if reason and key_refused and self._key_in_use():
-            raise UserError(f"a node with this key is already connected to {self.superlink}: "
-                            f"{flower_compat.KEY_HINT}")
+            if self.key_registered:
+                raise UserError(f"a node with this key is already connected to "
+                                f"{self.superlink}: {flower_compat.KEY_HINT}")
+            self.key_registered = True
+            self.start_supernode()
+            return
         if reason and key_refused and self.key_retries < 3:
-            # the coordinator registers node keys just after it starts listening
             self.key_retries += 1
             self.say(f"[yellow]node:[/] the coordinator refused this node's key; it may still "
                      f"be starting: retrying in 3 s ({self.key_retries}/3)")
@@ -373,7 +328,7 @@ class _Node:
         if not done:
             return False
         self.runs -= done
-        self.key_retries = 0
+        self.key_retries, self.key_registered = 0, False
         if self.once:
             self.quiet = True
             time.sleep(1.0)  # let the SuperNode deliver the last acknowledgement
