@@ -105,9 +105,14 @@ def test_the_experiment_configs_load():
     mnist = load_sweep(configs / "mnist_fedavg.toml")
     assert [p.name for p in mnist.points] == ["partitioner=iid", "partitioner=dirichlet"]
     assert mnist.points[1].config.data.alpha == 0.5
+    rules = load_sweep(configs / "node_rules.toml")  # what .ci/run sweeps
+    assert [p.config.merge.strategy for p in rules.points] == [
+        "scaffold", "fednova", "moon", "feddyn"]
+    assert {(p.config.data.dataset, p.config.merge.rounds, p.config.merge.num_nodes)
+            for p in rules.points} == {("digits", 3, 3)}
     assert sorted(p.name for p in configs.glob("*.toml")) == [
         "compare_strategies.toml", "methods_quick.toml", "mnist_fedavg.toml", "niid.toml",
-        "niid_quick.toml", "tiny.toml"]
+        "niid_quick.toml", "node_rules.toml", "tiny.toml"]
 
 
 def test_the_methods_config_is_niid_quick_cifar_dirichlet_for_six_methods_with_and_without_recipe():
