@@ -3,17 +3,22 @@
 Usage::
 
     python experiments/one_shot.py [--data ../shared/data/cifar10] [--nodes 5] [--alpha 0.5]
-        [--local-epochs 20] [--recipe] [--distill-steps 2000] [--out runs/one-shot]
+        [--local-epochs 20] [--recipe] [--distill-steps 2000] [--model cnn-cifar]
+        [--batch-size 64] [--out runs/one-shot]
+
+``--model cnn-dense --batch-size 256`` is DENSE's own network and batch size (47x the
+compute of ``cnn-cifar``; DENSE trains it for 400 local epochs).
 
 ``--recipe`` turns on the node recipe (``--augment``, cosine learning rate over the whole
 local training, weight decay 5e-4) and augmented distillation (each batch cropped and flipped
 and labelled anew by the ensemble, as FedDF does).
 
-Five nodes, Dirichlet(alpha) label skew, the NIID-Bench ``cnn-cifar`` model, one round of local
-training (``fedavg simulate --strategy distill --rounds 1 --save-node-models``). The same node
-models are then merged by every one-shot method, with the run's held-out validation slice
-(kept from the nodes) for greedy soup, accuracy/fitted ensemble weights and distillation's
-early stopping, and its unlabeled slice for distillation. Prints one table of test accuracy.
+Five nodes, Dirichlet(alpha) label skew, the NIID-Bench ``cnn-cifar`` model (``--model``), one
+round of local training (``fedavg simulate --strategy distill --rounds 1 --save-node-models``).
+The same node models are then merged by every one-shot method, with the run's held-out
+validation slice (kept from the nodes) for greedy soup, accuracy/fitted ensemble weights and
+distillation's early stopping, and its unlabeled slice for distillation. Prints one table of
+test accuracy.
 
 Published reference for this setting (DENSE, Zhang et al. 2022, data-free): single clients
 55-62 %, one-shot parameter average 30.9 %, output ensemble 71.8 %, distilled model 62.2 %.
@@ -55,6 +60,8 @@ def main() -> None:
                         help="augment, cosine schedule, weight decay 5e-4, augmented distillation")
     parser.add_argument("--weight-decay", type=float, default=None,
                         help="node weight decay (default 5e-4 with --recipe, else 0)")
+    parser.add_argument("--model", default="cnn-cifar")
+    parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/one-shot")
     args = parser.parse_args()
@@ -63,8 +70,8 @@ def main() -> None:
 
     config = RunConfig().replace(
         dataset=args.data, num_nodes=args.nodes, partitioner="dirichlet", alpha=args.alpha,
-        model="cnn-cifar", rounds=1, local_epochs=args.local_epochs, lr=args.lr, momentum=0.9,
-        batch_size=64, strategy="distill", save_node_models=True, seed=args.seed,
+        model=args.model, rounds=1, local_epochs=args.local_epochs, lr=args.lr, momentum=0.9,
+        batch_size=args.batch_size, strategy="distill", save_node_models=True, seed=args.seed,
         round_timeout=86400.0,  # long local training on a few cores: wait for every node
         augment=args.recipe, lr_schedule="cosine" if args.recipe else "constant",
         weight_decay=(5e-4 if args.recipe else 0.0) if args.weight_decay is None
@@ -110,7 +117,7 @@ def main() -> None:
     rows["distill (FedDF)"] = run.accuracy
 
     table = Table(title=f"One-shot merging on CIFAR-10: {args.nodes} nodes, Dirichlet "
-                        f"({args.alpha}), cnn-cifar, {args.local_epochs} local epochs")
+                        f"({args.alpha}), {args.model}, {args.local_epochs} local epochs")
     table.add_column("method")
     table.add_column("test accuracy", justify="right")
     for label, acc in rows.items():

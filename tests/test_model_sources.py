@@ -152,6 +152,22 @@ def test_builtin_models_take_their_declared_arguments_only():
         build_model("cnn-cifar", (3, 32, 32), 10, width=3)
 
 
+def test_cnn_dense_is_densess_cifar_cnn_by_parameter_count_and_shape():
+    """Three 3x3 convs of 128 (32 -> 30 -> pool 15 -> 13 -> pool 6 -> 4), then 2048 -> 10."""
+    import torch
+
+    net = build_model("cnn-dense", (3, 32, 32), 10)
+    conv1 = 3 * 3 * 3 * 128 + 128  # 3,584
+    conv23 = 2 * (128 * 3 * 3 * 128 + 128)  # 2 x 147,584
+    linear = 128 * 4 * 4 * 10 + 10  # 20,490
+    assert sum(p.numel() for p in net.parameters()) == conv1 + conv23 + linear == 319_242
+    assert net(torch.zeros(5, 3, 32, 32)).shape == (5, 10)
+    narrow = build_model("cnn-dense", (1, 28, 28), 4, width=8)  # 28 -> 26 -> 13 -> 11 -> 5 -> 3
+    assert narrow[-1].in_features == 8 * 3 * 3 and narrow(torch.zeros(2, 1, 28, 28)).shape == (2, 4)
+    with pytest.raises(UserError, match="cnn-dense needs image inputs"):
+        build_model("cnn-dense", (64,), 10)
+
+
 def test_user_builder_arguments_are_checked_before_the_call(user_file):
     with pytest.raises(UserError) as exc:
         build_model(f"{user_file}:build", (1, 8, 8), 10, hiden=3)
