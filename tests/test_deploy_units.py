@@ -275,7 +275,9 @@ def test_node_partition_matches_simulate(tmp_path):
     (["coordinator", "--insecure", "--min-nodes", "2", "--min-nodes-per-round", "0"],
      "--min-nodes-per-round must be in 1..--min-nodes (2), got 0"),
     (["node", "--insecure", "--max-wait-time", "-1"], "--max-wait-time must be > 0"),
-    (["node", "--insecure", "--threads", "0"], "--threads must be at least 1, got 0"),
+    (["node", "--insecure", "--threads", "0"],
+     f"--threads must be in 1..{os.cpu_count()} (this machine's CPU cores), got 0"),
+    (["node", "--insecure", "--threads", "100000"], "got 100000"),
 ])
 def test_deployment_user_errors_are_one_line(args, words):
     """Bad coordinator / node / certs options: exit 2 with one line, no traceback."""

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rich.markup import escape
@@ -57,8 +58,10 @@ def check_node_options(dataset: str, partition_id: int | None, num_partitions: i
         check_node_key(auth_key)
     if max_wait_time is not None and max_wait_time <= 0:
         raise UserError(f"--max-wait-time must be > 0 seconds, got {max_wait_time:g}")
-    if threads is not None and threads < 1:
-        raise UserError(f"--threads must be at least 1, got {threads}")
+    cores = os.cpu_count() or 1
+    if threads is not None and not 1 <= threads <= cores:
+        raise UserError(f"--threads must be in 1..{cores} (this machine's CPU cores), "
+                        f"got {threads}")
     return certs, node_model(model)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -93,7 +94,9 @@ def start_run(client, app_dir: Path) -> int:
     from flwr.proto.control_pb2 import StartRunRequest  # pylint: disable=E0611
     from flwr.supercore.fab import Fab
 
-    fab_bytes = build_fab_from_disk(app_dir)
+    with warnings.catch_warnings():  # pathspec's deprecation notes, made visible by
+        warnings.simplefilter("ignore", DeprecationWarning)  # flwr.simulation's filter
+        fab_bytes = build_fab_from_disk(app_dir)
     fab = Fab(hashlib.sha256(fab_bytes).hexdigest(), fab_bytes, {})
     res = client.StartRun(StartRunRequest(fab=fab_to_proto(fab)))
     if not res.HasField("run_id"):

@@ -8,6 +8,7 @@ SuperNode.``). :func:`node_key_registered` tells the two apart.
 from __future__ import annotations
 
 import logging
+import ssl
 from pathlib import Path
 
 log = logging.getLogger("fedavg")
@@ -57,7 +58,8 @@ def node_key_registered(superlink: str, ca_cert: Path | None, private_key: Path,
         with FleetHttpClient(
                 f"{'http' if ca_cert is None else 'https'}://{superlink}",
                 interceptors=interceptors, timeout=timeout_s,
-                verify=False if ca_cert is None else str(Path(ca_cert).resolve())) as client:
+                verify=False if ca_cert is None
+                else ssl.create_default_context(cafile=str(Path(ca_cert).resolve()))) as client:
             client.ActivateNode(ActivateNodeRequest(public_key=public_key_to_bytes(public),
                                                     heartbeat_interval=0.0))
     except httpx.HTTPStatusError as exc:
