@@ -230,6 +230,9 @@ def prepare(config: RunConfig, *, model: bool = True) -> Prepared:
     if config.train.augment and data.kind != "image":
         data.notes.append(f"--augment does nothing for {data.kind} inputs (it augments "
                           "images only)")
+    if d.tokenizer != "hashed" and data.kind != "text":
+        data.notes.append(f"--tokenizer {d.tokenizer} does nothing for {data.kind} inputs "
+                          "(it tokenizes text only)")
     validation, distill_x = _merge_data(config, strategy, data)
     parts = partition(data.train.y, config.merge.num_nodes, d.partitioner, alpha=d.alpha,
                       classes_per_node=d.classes_per_node, groups=data.train.groups,

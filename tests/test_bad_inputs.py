@@ -451,3 +451,11 @@ def test_refused_merge_leaves_no_runs_folder(tmp_path, cli):
     (tmp_path / "runs" / "earlier").mkdir(parents=True)  # a runs/ folder in use stays
     assert cli("merge", "no-such-model")[0] == 2
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["earlier"]
+
+
+def test_text_options_on_image_data_are_noted_not_silently_taken():
+    """--tokenizer on digits: the run goes on and says the option does nothing there."""
+    prepared = prepare(RunConfig().replace(tokenizer="/no/such/tokenizer.json"), model=False)
+    assert "--tokenizer /no/such/tokenizer.json does nothing for image inputs (it tokenizes " \
+        "text only)" in prepared.data.notes
+    assert not any("--tokenizer" in n for n in prepare(RunConfig(), model=False).data.notes)
