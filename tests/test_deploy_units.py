@@ -449,10 +449,15 @@ def test_a_key_refused_before_the_coordinator_registered_it_is_tried_again(tmp_p
     refused()
     node.handle_stop()  # registered only now: not in use, the SuperNode starts again
     assert starts == [1] and said == []
+    node.on_line("INFO : SuperNode ID: 42")  # it got in: a later refusal starts afresh
+    assert node.connected and said == ["connected to 127.0.0.1:9 as node [bold]42[/]"]
+    refused()
+    node.handle_stop()
+    assert starts == [1, 1]
     refused()
     with pytest.raises(UserError, match="a node with this key is already connected"):
         node.handle_stop()
-    assert starts == [1]
+    assert starts == [1, 1]
 
 
 def test_a_failed_run_tells_the_nodes_why(tmp_path, monkeypatch, task_identity):

@@ -199,7 +199,7 @@ class _Node:
             self.say("[yellow]node:[/] the coordinator closed the connection: if it uses TLS, "
                      "pass --certs DIR instead of --insecure")
         if ev.node_id is not None:
-            self.connected, self.waiting = True, False
+            self.connected, self.waiting, self.key_registered = True, False, False
             self.say(f"connected to {self.superlink} as node [bold]{escape(ev.node_id)}[/]")
         elif self.quiet or self.waiting or self.refused is not None:
             return
