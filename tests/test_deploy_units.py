@@ -278,6 +278,7 @@ def test_node_partition_matches_simulate(tmp_path):
     (["node", "--insecure", "--threads", "0"],
      f"--threads must be in 1..{os.cpu_count()} (this machine's CPU cores), got 0"),
     (["node", "--insecure", "--threads", "100000"], "got 100000"),
+    (["node", "--insecure", "--gpus", "0", "--threads", "0"], "--threads must be in 1.."),
 ])
 def test_deployment_user_errors_are_one_line(args, words):
     """Bad coordinator / node / certs options: exit 2 with one line, no traceback."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fedavg.deployment.node_options import check_threads
 from fedavg.deployment.processes import start_command, stop_commands
 from fedavg.errors import UserError
 
@@ -78,7 +79,8 @@ def serve_gpu_nodes(gpus: str, *, coordinator: str, dataset: str, partition_id: 
     Raises
     ------
     UserError
-        Bad ``gpus`` (see :func:`plan_gpu_nodes`), ``--device`` or ``--auth-key`` given too.
+        Bad ``gpus`` (see :func:`plan_gpu_nodes`) or ``threads``, ``--device`` or
+        ``--auth-key`` given too.
     """
     import torch
 
@@ -87,6 +89,7 @@ def serve_gpu_nodes(gpus: str, *, coordinator: str, dataset: str, partition_id: 
     if auth_key is not None:
         raise UserError("each node needs its own key: with --auth-key, start one node per GPU "
                         "(--device cuda:N --auth-key node-N.key)")
+    check_threads(threads)  # once here, not once per node started
     plan = plan_gpu_nodes(gpus, partition_id, num_partitions, torch.cuda.device_count())
     base = ["node", "--coordinator", coordinator, "--dataset", dataset]
     if certs is not None:

@@ -31,12 +31,12 @@ def check_node_options(dataset: str, partition_id: int | None, num_partitions: i
                        threads: int | None = None):
     """Check the options of ``serve_node``; return the certificate folder and model code.
 
+    The model code (``--model``) is this machine's, checked before connecting.
+
     Raises
     ------
     UserError
         An option is out of range, a path is missing, or TLS / key options do not fit.
-
-    The model code (``--model``) is this machine's, checked before connecting.
     """
     from fedavg.data import looks_like_path
     from fedavg.model_sources import node_model
@@ -58,11 +58,22 @@ def check_node_options(dataset: str, partition_id: int | None, num_partitions: i
         check_node_key(auth_key)
     if max_wait_time is not None and max_wait_time <= 0:
         raise UserError(f"--max-wait-time must be > 0 seconds, got {max_wait_time:g}")
+    check_threads(threads)
+    return certs, node_model(model)
+
+
+def check_threads(threads: int | None) -> None:
+    """Refuse a ``--threads`` outside 1..this machine's CPU cores.
+
+    Raises
+    ------
+    UserError
+        ``threads`` is below 1 or above ``os.cpu_count()``.
+    """
     cores = os.cpu_count() or 1
     if threads is not None and not 1 <= threads <= cores:
         raise UserError(f"--threads must be in 1..{cores} (this machine's CPU cores), "
                         f"got {threads}")
-    return certs, node_model(model)
 
 
 def node_config(dataset: str, device: str, partition_id: int | None,
