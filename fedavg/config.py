@@ -109,6 +109,9 @@ class TrainConfig:
     lr_schedule : str
         ``constant``, ``cosine`` or ``step`` over a node's local epochs of a round
         (:mod:`fedavg.recipe`).
+    lr_decay : float
+        In (0, 1]: round ``r`` trains from ``lr * lr_decay ** (r - 1)`` (1: every round
+        from ``lr``; :func:`fedavg.recipe.round_lr`).
     augment : bool
         Augment the nodes' training batches (random crop, and flip for colour images;
         nothing for text or tabular data); never the evaluation.
@@ -129,6 +132,8 @@ class TrainConfig:
     optimizer: str = setting("sgd", "Node optimizer: sgd (with --momentum) or adam")
     lr_schedule: str = setting("constant", "Learning rate over a node's local epochs: "
                                "constant, cosine (to 0) or step (x0.1 at 1/2 and 3/4)")
+    lr_decay: float = setting(1.0, "Learning-rate decay per round: round r starts from "
+                              "--lr x lr-decay^(r-1)")
     augment: bool = setting(False, "Augment node batches: random crop (+ flip for colour "
                             "images); never at evaluation")
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
@@ -379,6 +384,8 @@ def _check_train(c: RunConfig) -> str | None:
         return f"--momentum must be in [0, 1) (got {t.momentum})"
     if not 0 <= t.weight_decay < math.inf:
         return f"--weight-decay must be >= 0 and finite (got {t.weight_decay})"
+    if not 0 < t.lr_decay <= 1:
+        return f"--lr-decay must be in (0, 1] (got {t.lr_decay})"
     if t.optimizer not in OPTIMIZERS:
         return f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {t.optimizer!r})"
     from fedavg.recipe import LR_SCHEDULES

@@ -122,6 +122,8 @@ def _recipe(config: RunConfig) -> str:
     """``, cosine learning rate, augmented batches`` when the node recipe is on."""
     t = config.train
     parts = [f"{t.lr_schedule} learning rate"] if t.lr_schedule != "constant" else []
+    if t.lr_decay != 1:
+        parts.append(f"learning rate x{t.lr_decay:g} per round")
     if t.augment:
         parts.append("augmented batches")
     return "".join(f", {p}" for p in parts)

@@ -23,6 +23,7 @@ from flwr.clientapp import ClientApp
 
 from fedavg import keys
 from fedavg.models import build_model
+from fedavg.recipe import round_lr
 from fedavg.train import resolve_device, train
 from fedavg.wire import TrainSettings
 
@@ -159,7 +160,7 @@ def _train_with(rule, model, x, y, cfg: TrainSettings, device: str, partition_id
         model, x, y, cfg.input,
         epochs=cfg.local_epochs,
         batch_size=cfg.batch_size,
-        lr=cfg.lr,
+        lr=round_lr(cfg.lr, cfg.lr_decay, cfg.server_round),
         momentum=cfg.momentum,
         weight_decay=cfg.weight_decay,
         device=resolve_device(device),

@@ -14,6 +14,10 @@ prediction and merging never see augmented inputs.
   ``constant``; ``cosine``, from ``lr`` down to 0 (Loshchilov and Hutter 2017,
   arXiv:1608.03983, without restarts); ``step``, times 0.1 after half and again after three
   quarters of the steps.
+- ``--lr-decay``: the learning rate across rounds: round ``r`` starts from
+  ``lr * lr_decay ** (r - 1)`` (:func:`round_lr`), as in the decaying step sizes FedAvg needs
+  to converge on non-IID data (Li et al. 2020, arXiv:1907.02189). A node's schedule then runs
+  from that rate.
 """
 
 from __future__ import annotations
@@ -24,6 +28,20 @@ import torch
 
 #: Learning-rate schedules of ``--lr-schedule``.
 LR_SCHEDULES = ("constant", "cosine", "step")
+
+
+def round_lr(lr: float, decay: float, server_round: int) -> float:
+    """Return the learning rate round ``server_round`` (1-based) starts from.
+
+    ``lr * decay ** (server_round - 1)``; rounds below 1 (one-shot runs, a node's own
+    tests) take ``lr``.
+
+    Examples
+    --------
+    >>> round_lr(0.1, 0.5, 3)
+    0.025
+    """
+    return lr * decay ** max(int(server_round) - 1, 0)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, schedule: str, total_steps: int):

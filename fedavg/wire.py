@@ -47,6 +47,8 @@ class TrainSettings:
         ``sgd`` or ``adam``.
     lr_schedule : str
         ``constant``, ``cosine`` or ``step`` (:mod:`fedavg.recipe`).
+    lr_decay : float
+        Per-round decay of ``lr``, in (0, 1] (:func:`fedavg.recipe.round_lr`).
     augment : bool
         Augment the training batches.
     seed : int
@@ -72,6 +74,7 @@ class TrainSettings:
     proximal_mu: float = 0.0
     optimizer: str = "sgd"
     lr_schedule: str = "constant"
+    lr_decay: float = 1.0
     augment: bool = False
     method: str = ""
     method_options: dict = dataclasses.field(default_factory=dict)
@@ -86,7 +89,8 @@ class TrainSettings:
         return cls(model=meta["model"], input=meta["input"], classes=list(meta["classes"]),
                    local_epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr,
                    momentum=t.momentum, weight_decay=t.weight_decay, seed=config.data.seed,
-                   optimizer=t.optimizer, lr_schedule=t.lr_schedule, augment=t.augment,
+                   optimizer=t.optimizer, lr_schedule=t.lr_schedule, lr_decay=t.lr_decay,
+                   augment=t.augment,
                    **_method(strategy), **strategy.node_config)
 
     def to_record(self):
@@ -147,6 +151,7 @@ class TrainSettings:
             ("optimizer", self.optimizer in ("sgd", "adam"), "sgd or adam"),
             ("lr-schedule", self.lr_schedule in ("constant", "cosine", "step"),
              "constant, cosine or step"),
+            ("lr-decay", 0 < self.lr_decay <= 1, "in (0, 1]"),
             ("method-options", isinstance(self.method_options, dict), "a JSON object"),
         ]
         for key, ok, need in problems:

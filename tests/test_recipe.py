@@ -12,7 +12,7 @@ from torch import nn
 import fedavg.train as train_mod
 from fedavg.config import RunConfig
 from fedavg.errors import UserError
-from fedavg.recipe import augmenter, make_scheduler
+from fedavg.recipe import augmenter, make_scheduler, round_lr
 from fedavg.train import train
 from fedavg.wire import TrainSettings
 
@@ -59,6 +59,34 @@ def test_train_steps_the_schedule_over_the_local_epochs(monkeypatch):
                   lr_schedule="cosine")
     assert stats["steps"] == 4
     assert seen == pytest.approx([0.1, 0.0853553, 0.05, 0.0146447], abs=1e-7)
+
+
+def test_round_lr_decays_by_hand():
+    assert round_lr(0.1, 0.5, 1) == 0.1
+    assert round_lr(0.1, 0.5, 3) == pytest.approx(0.025)  # 0.1 * 0.5^2
+    assert round_lr(0.1, 0.5, 0) == 0.1  # one-shot runs and bare calls: no decay
+    assert round_lr(0.2, 1.0, 50) == 0.2
+
+
+def test_a_node_trains_round_three_from_the_decayed_rate_then_its_schedule(monkeypatch):
+    from fedavg.node import _train_with
+
+    seen = []
+    real = train_mod.make_optimizer
+
+    def spying(*args, **kwargs):
+        opt = real(*args, **kwargs)
+        opt.register_step_pre_hook(lambda o, *_: seen.append(o.param_groups[0]["lr"]))
+        return opt
+
+    monkeypatch.setattr(train_mod, "make_optimizer", spying)
+    x = np.random.default_rng(0).normal(size=(8, 2)).astype(np.float32)
+    cfg = TrainSettings(model={"name": "mlp"}, input=TABULAR, classes=["a", "b"],
+                        local_epochs=1, batch_size=4, lr=0.1, momentum=0.0, weight_decay=0.0,
+                        seed=0, lr_schedule="cosine", lr_decay=0.5, server_round=3)
+    _train_with(None, nn.Linear(2, 2), x, np.array([0, 1] * 4), cfg, "cpu", 0)
+    # round 3 starts from 0.1 * 0.5^2 = 0.025; a cosine over 2 steps: 0.025, 0.0125
+    assert seen == pytest.approx([0.025, 0.0125], abs=1e-9)
 
 
 def _shifts(image: torch.Tensor, pad: int, flips: bool):
@@ -130,6 +158,15 @@ def test_recipe_settings_are_checked_and_travel_to_the_nodes():
     record = TrainSettings.for_run(config, meta, Plain()).to_record()
     settings = TrainSettings.from_record(record)
     assert (settings.lr_schedule, settings.augment) == ("step", True)
+    with pytest.raises(UserError, match=r"--lr-decay must be in \(0, 1\] \(got 0.0\)"):
+        RunConfig().replace(lr_decay=0.0).validate()
+    decayed = RunConfig().replace(lr_decay=0.95)
+    assert TrainSettings.from_record(
+        TrainSettings.for_run(decayed, meta, Plain()).to_record()).lr_decay == 0.95
+    bad = TrainSettings.for_run(decayed, meta, Plain()).to_record()
+    bad["lr-decay"] = 1.5
+    with pytest.raises(ValueError, match="'lr-decay' must be in"):
+        TrainSettings.from_record(bad)
     record["augment"] = 1
     with pytest.raises(ValueError, match="'augment' is not bool"):
         TrainSettings.from_record(record)
