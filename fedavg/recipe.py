@@ -33,8 +33,8 @@ LR_SCHEDULES = ("constant", "cosine", "step")
 def round_lr(lr: float, decay: float, server_round: int) -> float:
     """Return the learning rate round ``server_round`` (1-based) starts from.
 
-    ``lr * decay ** (server_round - 1)``; rounds below 1 (one-shot runs, a node's own
-    tests) take ``lr``.
+    ``lr * decay ** (server_round - 1)``: round 1 (a one-shot run's only round) takes
+    ``lr``, and so does a round number below 1 (settings built outside a run).
 
     Examples
     --------
