@@ -42,7 +42,9 @@ def test_schedules_by_hand():
         make_scheduler(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), "linear", 4)
 
 
-def test_train_steps_the_schedule_over_the_local_epochs(monkeypatch):
+@pytest.fixture
+def stepped_lrs(monkeypatch) -> list[float]:
+    """Record the learning rate of every optimizer step that training takes, in order."""
     seen = []
     real = train_mod.make_optimizer
 
@@ -52,13 +54,17 @@ def test_train_steps_the_schedule_over_the_local_epochs(monkeypatch):
         return opt
 
     monkeypatch.setattr(train_mod, "make_optimizer", spying)
+    return seen
+
+
+def test_train_steps_the_schedule_over_the_local_epochs(stepped_lrs):
     x = np.random.default_rng(0).normal(size=(8, 2)).astype(np.float32)
     y = np.array([0, 1] * 4)
     # 8 samples, batch 4: 2 steps per epoch, 2 epochs: 4 steps of a cosine from 0.1
     stats = train(nn.Linear(2, 2), x, y, TABULAR, epochs=2, batch_size=4, lr=0.1,
                   lr_schedule="cosine")
     assert stats["steps"] == 4
-    assert seen == pytest.approx([0.1, 0.0853553, 0.05, 0.0146447], abs=1e-7)
+    assert stepped_lrs == pytest.approx([0.1, 0.0853553, 0.05, 0.0146447], abs=1e-7)
 
 
 def test_round_lr_decays_by_hand():
@@ -68,25 +74,16 @@ def test_round_lr_decays_by_hand():
     assert round_lr(0.2, 1.0, 50) == 0.2
 
 
-def test_a_node_trains_round_three_from_the_decayed_rate_then_its_schedule(monkeypatch):
+def test_a_node_trains_round_three_from_the_decayed_rate_then_its_schedule(stepped_lrs):
     from fedavg.node import _train_with
 
-    seen = []
-    real = train_mod.make_optimizer
-
-    def spying(*args, **kwargs):
-        opt = real(*args, **kwargs)
-        opt.register_step_pre_hook(lambda o, *_: seen.append(o.param_groups[0]["lr"]))
-        return opt
-
-    monkeypatch.setattr(train_mod, "make_optimizer", spying)
     x = np.random.default_rng(0).normal(size=(8, 2)).astype(np.float32)
     cfg = TrainSettings(model={"name": "mlp"}, input=TABULAR, classes=["a", "b"],
                         local_epochs=1, batch_size=4, lr=0.1, momentum=0.0, weight_decay=0.0,
                         seed=0, lr_schedule="cosine", lr_decay=0.5, server_round=3)
     _train_with(None, nn.Linear(2, 2), x, np.array([0, 1] * 4), cfg, "cpu", 0)
     # round 3 starts from 0.1 * 0.5^2 = 0.025; a cosine over 2 steps: 0.025, 0.0125
-    assert seen == pytest.approx([0.025, 0.0125], abs=1e-9)
+    assert stepped_lrs == pytest.approx([0.025, 0.0125], abs=1e-9)
 
 
 def _shifts(image: torch.Tensor, pad: int, flips: bool):
