@@ -7,7 +7,8 @@ image is built from a Debian base made here and a wheelhouse made on the host, t
 1. a coordinator and 3 nodes train 2 rounds on digits; the merged model in the output folder
    loads with ``fedavg evaluate`` on the host, and the files are readable and removable by the
    (non-root) user the stack ran as;
-2. again for 3 rounds, with one node killed (``docker kill``) during round 2: the run finishes;
+2. again for 4 rounds, with one node killed (``docker kill``) after round 1: the run finishes
+   and every round begun after the kill trained on the other two;
 3. ``fedavg simulate`` (Ray) runs inside the image;
 
 and afterwards no container, network, volume, image, dockerd, mount, network interface or
@@ -130,8 +131,13 @@ def train_and_evaluate(engine, root):
 
 
 def lose_a_node(engine, root):
-    """Stage 2: kill node 3 while round 2 trains; the run finishes with the other two."""
-    env = stack_env(root, ROUNDS="3", LOCAL_EPOCHS="2")  # a round of seconds
+    """Stage 2: kill node 3 once round 1 is done; the run finishes with the other two.
+
+    The kill lands while round 2 trains or, when rounds are quick, just after it: every round
+    that began after ``docker kill`` returned (from two rounds after the last one recorded by
+    then) must have trained on 2 nodes.
+    """
+    env = stack_env(root, ROUNDS="4", LOCAL_EPOCHS="5")  # a round of seconds
     output = Path(env["OUTPUT"])
     compose(engine, env, "up", "-d")
     deadline = time.monotonic() + 600
@@ -139,13 +145,16 @@ def lose_a_node(engine, root):
         time.sleep(0.2)
     assert metrics(output), logs(engine, env)
     engine.docker("kill", f"{PROJECT}-node-3")
+    done_at_kill = len(metrics(output))
     code = compose(engine, env, "wait", "coordinator", check=False, timeout=900)
     text = logs(engine, env)
     assert code.returncode == 0 and "exited with status code 0" in code.stdout, text
     rounds = metrics(output)
-    assert [r["round"] for r in rounds] == [1, 2, 3], text
-    assert rounds[0]["num_nodes"] == 3 and rounds[1]["num_nodes"] == 2, rounds
-    assert json.loads((output / "summary.json").read_text())["rounds"] == 3
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4], text
+    after = rounds[done_at_kill + 1:]  # rounds that started after the kill
+    assert rounds[0]["num_nodes"] == 3 and after, (done_at_kill, rounds)
+    assert all(r["num_nodes"] == 2 for r in after), (done_at_kill, rounds)
+    assert json.loads((output / "summary.json").read_text())["rounds"] == 4
     assert "certificates in /certs kept" in text
     compose(engine, env, "down", "-v")
     assert as_user("rm", "-r", str(output)).returncode == 0
