@@ -173,7 +173,8 @@ def run(num_nodes: int, fraction: float, rounds: int, extra: list[str],
         keep: Path | None = None, timeout_s: float = 900.0, dataset: str = "digits") -> dict:
     """Run ``fedavg simulate`` on ``dataset`` and watch its memory; return the figures.
 
-    The figures hold the run's ``metrics.jsonl`` rows (``metrics``), the memory sample taken
+    The figures hold the run's ``metrics.jsonl`` rows (``metrics``) and ``summary.json``
+    (``summary``), the memory sample taken
     as each round's line appeared (``at_round``, with ``t_s``: seconds since the command
     started), the peak sample and the command's wall time (``wall_s``).
 
@@ -214,6 +215,7 @@ def run(num_nodes: int, fraction: float, rounds: int, extra: list[str],
         return {"num_nodes": num_nodes, "fraction": fraction, "rounds": rounds,
                 "dataset": dataset, "wall_s": round(time.monotonic() - t0, 1),
                 "metrics": [json.loads(line) for line in metrics.read_text().splitlines()],
+                "summary": json.loads((out / "summary.json").read_text()),
                 "rounds_written": rounds_done(out / "metrics.jsonl"),
                 "at_round": {r: asdict(s) for r, s in sorted(at_round.items())},
                 "peak": asdict(peak) if peak else None,

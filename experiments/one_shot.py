@@ -4,10 +4,11 @@ Usage::
 
     python experiments/one_shot.py [--data ../shared/data/cifar10] [--nodes 5] [--alpha 0.5]
         [--local-epochs 20] [--recipe] [--distill-steps 2000] [--model cnn-cifar]
-        [--batch-size 64] [--out runs/one-shot]
+        [--batch-size 64] [--gpus-per-node G] [--cpus-per-node C] [--out runs/one-shot]
 
 ``--model cnn-dense --batch-size 256`` is DENSE's own network and batch size (47x the
-compute of ``cnn-cifar``; DENSE trains it for 400 local epochs).
+compute of ``cnn-cifar``; DENSE trains it for 400 local epochs). On one GPU,
+``--gpus-per-node 0.2 --cpus-per-node 3`` trains the five nodes at once.
 
 ``--recipe`` turns on the node recipe (``--augment``, cosine learning rate over the whole
 local training, weight decay 5e-4) and augmented distillation (each batch cropped and flipped
@@ -63,6 +64,9 @@ def main() -> None:
     parser.add_argument("--model", default="cnn-cifar")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpus-per-node", type=float, default=None,
+                        help="GPU share of each node (0.2: the 5 nodes train at once on one GPU)")
+    parser.add_argument("--cpus-per-node", type=float, default=1.0)
     parser.add_argument("--out", default="runs/one-shot")
     args = parser.parse_args()
     console = Console()
@@ -78,7 +82,8 @@ def main() -> None:
         else args.weight_decay,
         distill_steps=args.distill_steps, distill_temperature=args.distill_temperature,
         distill_augment="default" if args.recipe else "none")
-    run = fedavg.simulate(config, output=out / "run", console=console)
+    run = fedavg.simulate(config, output=out / "run", console=console,
+                          cpus_per_node=args.cpus_per_node, gpus_per_node=args.gpus_per_node)
 
     # the same data, partitions and held-out slices as the run (all seeded)
     prepared = prepare(config)
