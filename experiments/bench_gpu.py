@@ -61,11 +61,11 @@ class GpuMemory(threading.Thread):
         self.peak: dict[int, int] = {}
         self.roles: dict[int, str] = {}
         self.total_peak = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         """Sample until stopped."""
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             res = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
                                   "--format=csv,noheader,nounits"],
                                  capture_output=True, text=True, timeout=30)
@@ -79,11 +79,11 @@ class GpuMemory(threading.Thread):
                 if pid not in self.roles:
                     self.roles[pid] = bench_memory.role(pid)
             self.total_peak = max(self.total_peak, sum(now.values()))
-            self._stop.wait(self.every_s)
+            self._halt.wait(self.every_s)
 
     def stop(self) -> None:
         """Stop sampling and wait for the thread."""
-        self._stop.set()
+        self._halt.set()
         self.join()
 
 

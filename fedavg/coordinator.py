@@ -28,7 +28,7 @@ from fedavg.display import Progress
 from fedavg.flower_adapter import FlowerAdapter, StreamingGrid
 from fedavg.models import merge_context
 from fedavg.run import Prepared, RoundRecord, RunState
-from fedavg.train import evaluate
+from fedavg.train import evaluate, evaluation_device
 from fedavg.wire import TrainSettings
 
 log = logging.getLogger("fedavg")
@@ -162,6 +162,7 @@ class ServerRun:
         self.node_contexts = node_contexts
         self.metrics_path = output / "metrics.jsonl"
         self.model: torch.nn.Module | None = None
+        self.eval_device = torch.device("cpu")  # the merged model's evaluation
         self.adapter: FlowerAdapter | None = None
 
     def __call__(self, grid: Grid) -> None:
@@ -171,6 +172,7 @@ class ServerRun:
         torch.manual_seed(seed)
         # only a new run's initial model loads weights (pretrained, an hf: folder's)
         self.model = self.prepared.spec.build(initial=self.resume_from is None)
+        self.eval_device = evaluation_device(self.config.train.device)
         initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         done = 0 if self.resume_from is None else self.resume_from.round
         if self.resume_from is not None:
@@ -272,7 +274,8 @@ class ServerRun:
             self.model.load_state_dict(arrays.to_torch_state_dict())
             scored = self.model
         test = self.prepared.data.test
-        res = evaluate(scored, test.x, test.y, self.prepared.meta["input"])
+        res = evaluate(scored, test.x, test.y, self.prepared.meta["input"],
+                       device=self.eval_device)
         record = self._record(server_round, res)
         self.state.rounds.append(record)
         now = time.monotonic()  # the first round this process ran: start-up ends there

@@ -4,11 +4,11 @@ Both act inside a node's local training only (:func:`fedavg.train.train`); evalu
 prediction and merging never see augmented inputs.
 
 - ``--augment``: drawn per sample, applied to a whole batch at once. Colour images: a
-  random crop of the image's own size after zero padding of an eighth of its height (4 pixels at 32x32),
-  and a horizontal flip with probability 0.5 (the CIFAR-10 recipe of He et al. 2016,
-  arXiv:1512.03385). Grey images: the random crop only, padding a fourteenth of the height
-  (2 pixels at 28x28, at least 1), as digits are not mirror-symmetric. Text and tabular
-  inputs: none.
+  random crop of the image's own size after zero padding of an eighth of its height (4
+  pixels at 32x32), and a horizontal flip with probability 0.5 (the CIFAR-10 recipe of He
+  et al. 2016, arXiv:1512.03385). Grey images: the random crop only, padding a fourteenth of
+  the height (2 pixels at 28x28, at least 1), as digits are not mirror-symmetric. Text and
+  tabular inputs: none.
 - ``--lr-schedule``: the learning rate over one call of local training (one round's local
   epochs; for one-shot strategies, which run one round, the whole local training):
   ``constant``; ``cosine``, from ``lr`` down to 0 (Loshchilov and Hutter 2017,

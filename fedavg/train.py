@@ -40,6 +40,23 @@ def resolve_device(device: str = "auto") -> torch.device:
     return dev
 
 
+def evaluation_device(device: str = "auto") -> torch.device:
+    """Where the coordinator evaluates the merged model, for the run's ``--device``.
+
+    The run's CUDA device when this machine has it, the first CUDA device when it has another
+    one (a coordinator whose nodes have more GPUs), else the CPU; ``cpu`` stays on the CPU.
+    Never raises for a device the nodes have and this machine lacks.
+    """
+    if device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    from fedavg.errors import UserError
+
+    try:
+        return resolve_device(device)
+    except UserError:
+        return torch.device("cuda")
+
+
 def _batches(n: int, batch_size: int, generator: torch.Generator | None):
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
     for start in range(0, n, batch_size):

@@ -15,7 +15,7 @@ from fedavg.errors import UserError
 from fedavg.models import build_model
 from fedavg.partition import partition
 from fedavg.run import check_output, default_output, prepare
-from fedavg.train import resolve_device
+from fedavg.train import evaluation_device, resolve_device
 
 
 def write_csv(path, header, rows):
@@ -68,6 +68,20 @@ def test_seed_and_device_checks():
         with pytest.raises(UserError, match="unknown device"):
             resolve_device(bad)
     assert resolve_device("cpu").type == "cpu"
+
+
+def test_the_coordinator_evaluates_on_its_own_gpu_or_cpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for setting in ("auto", "cpu", "cuda", "cuda:1"):  # nodes' GPUs the coordinator lacks
+        assert evaluation_device(setting) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert evaluation_device("auto") == torch.device("cuda")
+    assert evaluation_device("cuda:0") == torch.device("cuda:0")
+    assert evaluation_device("cuda:3") == torch.device("cuda")  # a node's index, not here
+    assert evaluation_device("cpu") == torch.device("cpu")
 
 
 def test_natural_partition_refuses_empty_ids():
