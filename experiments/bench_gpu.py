@@ -13,7 +13,7 @@ run has the same data, partitions (IID), model, seed, rounds and local epochs; t
 is evaluated on the test split after each round.
 
 While a run goes, ``nvidia-smi`` is asked every 0.5 s for the memory each process holds on the
-GPU (``--query-compute-apps``): the node actors are the processes other than the driver.
+GPU (``--query-compute-apps``); the node actors are its ``ray::ClientAppActor`` processes.
 
 Per run it prints:
 

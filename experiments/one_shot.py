@@ -43,7 +43,7 @@ from fedavg import checkpoint
 from fedavg.config import RunConfig
 from fedavg.models import ModelSpec, merge_context
 from fedavg.run import prepare
-from fedavg.train import evaluate
+from fedavg.train import evaluate, evaluation_device
 
 
 def main() -> None:
@@ -98,13 +98,15 @@ def main() -> None:
     names = [f"node {meta['node']['partition_id']}" for _, meta in loaded]
     buffers = frozenset(n for n, _ in spec.build().named_buffers())
 
+    device = evaluation_device(config.train.device)  # the GPU when there is one
+
     def acc_of(merged: strategies.Merged) -> float:
         if merged.is_ensemble:
             model = spec.build_ensemble(merged.members, merged.member_weights)
         else:
             model = spec.build()
             model.load_state_dict(merged.state_dict)
-        return evaluate(model, test.x, test.y, input_spec)["accuracy"]
+        return evaluate(model, test.x, test.y, input_spec, device=device)["accuracy"]
 
     rows: dict[str, float] = {}
     singles = {n: acc_of(strategies.Merged(sd, 1, w)) for n, sd, w in zip(names, states, weights)}
