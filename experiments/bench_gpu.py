@@ -4,7 +4,10 @@ Usage::
 
     python experiments/bench_gpu.py [--dataset ../shared/data/cifar10] [--model resnet18]
         [--num-nodes 10] [--rounds 5] [--local-epochs 1] [--batch-size 64]
-        [--shares 1,10] [--json FILE]
+        [--shares 1,10] [--device cuda] [--timeout 900] [--json FILE]
+
+``--device cpu`` tries the script on a machine without a GPU (``k`` then only sets how
+many nodes train at once on the cores, and the GPU memory columns read ``-``).
 
 For each share count ``k`` in ``--shares`` it runs one ``fedavg simulate`` process, as a user
 would, with ``--gpus-per-node 1/k`` (and ``--cpus-per-node`` the machine's cores over ``k``):
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -97,6 +101,9 @@ def measure(share: int, args: argparse.Namespace) -> dict:
         extra += ["--gpus-per-node", f"{1 / share:.6g}"]
     gpu = GpuMemory()
     if args.device != "cpu":
+        if shutil.which("nvidia-smi") is None:
+            raise SystemExit("error: nvidia-smi not found: bench_gpu.py needs an NVIDIA GPU "
+                             "(or --device cpu to try it)")
         gpu.start()
     try:
         result = bench_memory.run(args.num_nodes, 1.0, args.rounds, extra, dataset=args.dataset,
@@ -134,6 +141,9 @@ def measure(share: int, args: argparse.Namespace) -> dict:
 def table(points: list[dict]) -> str:
     """One row per share count, with the speed-up over one node at a time."""
     base = next((p for p in points if p["share"] == 1), None)
+    def mib(value: int | None) -> str:
+        return "-" if not value else str(value)
+
     rows = ["nodes/GPU  start-up s  round 1 s  round s  node samples/s  run samples/s  "
             "node GPU MiB  driver GPU MiB  all GPU MiB  accuracy  speed-up"]
     for p in points:
@@ -141,9 +151,9 @@ def table(points: list[dict]) -> str:
                  if base and p["round_median_s"] else "")
         rows.append(f"{p['share']:>9}  {p['startup_s'] or 0:>10.1f}  {p['round1_s']:>9.1f}  "
                     f"{p['round_median_s']:>7.2f}  {p['node_samples_per_s']:>14.0f}  "
-                    f"{p['run_samples_per_s']:>13.0f}  {p['node_gpu_mib'] or 0:>12}  "
-                    f"{p['driver_gpu_mib'] or 0:>14}  "
-                    f"{p['gpu_total_peak_mib']:>11}  {p['accuracy']:>8.4f}  {speed:>8}")
+                    f"{p['run_samples_per_s']:>13.0f}  {mib(p['node_gpu_mib']):>12}  "
+                    f"{mib(p['driver_gpu_mib']):>14}  "
+                    f"{mib(p['gpu_total_peak_mib']):>11}  {p['accuracy']:>8.4f}  {speed:>8}")
     return "\n".join(rows)
 
 
@@ -162,8 +172,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
+    try:  # checked before any run: a typo late in the list must not cost the runs before it
+        shares = [int(s) for s in args.shares.split(",")]
+    except ValueError:
+        shares = []
+    if not shares or min(shares) < 1:
+        parser.error(f"--shares must be whole numbers >= 1 separated by commas, got "
+                     f"{args.shares!r}")
     points = []
-    for share in (int(s) for s in args.shares.split(",")):
+    for share in shares:
         point = measure(share, args)
         print(json.dumps(point), flush=True)
         points.append(point)

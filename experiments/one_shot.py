@@ -41,6 +41,7 @@ import fedavg
 import strategies
 from fedavg import checkpoint
 from fedavg.config import RunConfig
+from fedavg.errors import RunError, UserError, first_line
 from fedavg.models import ModelSpec, merge_context
 from fedavg.run import prepare
 from fedavg.train import evaluate, evaluation_device
@@ -147,4 +148,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    main()
+    try:
+        main()
+    except (UserError, RunError) as exc:  # a bad option or data: one line, as the CLI says it
+        raise SystemExit(f"error: {first_line(exc)}") from None

@@ -114,17 +114,21 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
         f"{prepared.spec.num_classes} classes; strategy [bold]{config.merge.strategy}[/], "
         f"{_plural(config.merge.rounds, 'round')}, "
         f"{config.nodes_per_round}/{config.merge.num_nodes} "
-        f"nodes per round, {config.train.local_epochs} local epoch(s)" + _recipe(config)
+        f"nodes per round, {config.train.local_epochs} local epoch(s)"
+        + _recipe(config, prepared.data.kind)
     )
 
 
-def _recipe(config: RunConfig) -> str:
-    """``, cosine learning rate, augmented batches`` when the node recipe is on."""
+def _recipe(config: RunConfig, kind: str = "image") -> str:
+    """``, cosine learning rate, augmented batches`` when the node recipe is on.
+
+    Batches are augmented for images only (``kind``); other inputs get a note instead.
+    """
     t = config.train
     parts = [f"{t.lr_schedule} learning rate"] if t.lr_schedule != "constant" else []
     if t.lr_decay != 1:
         parts.append(f"learning rate x{t.lr_decay:g} per round")
-    if t.augment:
+    if t.augment and kind == "image":
         parts.append("augmented batches")
     return "".join(f", {p}" for p in parts)
 

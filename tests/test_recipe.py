@@ -11,6 +11,7 @@ from torch import nn
 
 import fedavg.train as train_mod
 from fedavg.config import RunConfig
+from fedavg.display import _recipe
 from fedavg.errors import UserError
 from fedavg.recipe import augmenter, make_scheduler, round_lr
 from fedavg.train import train
@@ -116,6 +117,10 @@ def test_augmentation_is_a_padded_crop_and_flip_per_sample(shape, pad, flips):
 def test_no_augmentation_for_text_or_tabular():
     assert augmenter({"kind": "text", "shape": [16]}) is None
     assert augmenter(TABULAR) is None
+    # the run's model line says so too (a note explains why --augment is ignored)
+    config = RunConfig().replace(augment=True, lr_schedule="cosine")
+    assert _recipe(config, "image") == ", cosine learning rate, augmented batches"
+    assert _recipe(config, "text") == _recipe(config, "tabular") == ", cosine learning rate"
 
 
 def test_augmented_training_is_seeded_and_leaves_the_data_alone():
