@@ -162,7 +162,7 @@ class ServerRun:
         self.node_contexts = node_contexts
         self.metrics_path = output / "metrics.jsonl"
         self.model: torch.nn.Module | None = None
-        self.eval_device = torch.device("cpu")  # the merged model's evaluation
+        self.eval_device = evaluation_device(config.train.device)  # the merged model's
         self.adapter: FlowerAdapter | None = None
 
     def __call__(self, grid: Grid) -> None:
@@ -172,7 +172,6 @@ class ServerRun:
         torch.manual_seed(seed)
         # only a new run's initial model loads weights (pretrained, an hf: folder's)
         self.model = self.prepared.spec.build(initial=self.resume_from is None)
-        self.eval_device = evaluation_device(self.config.train.device)
         initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         done = 0 if self.resume_from is None else self.resume_from.round
         if self.resume_from is not None:

@@ -119,7 +119,7 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
     )
 
 
-def _recipe(config: RunConfig, kind: str = "image") -> str:
+def _recipe(config: RunConfig, kind: str) -> str:
     """``, cosine learning rate, augmented batches`` when the node recipe is on.
 
     Batches are augmented for images only (``kind``); other inputs get a note instead.
