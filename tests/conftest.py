@@ -18,25 +18,49 @@ ENGINE_PROCESS_MARKERS = ("raylet", "gcs_server", "ray::", "flower-superlink",
                           "flower-supernode", "flwr-clientapp", "default_worker.py")
 
 
-def engine_processes() -> list[str]:
-    """Live (non-zombie) Ray / Flower processes of this test session.
+# Every process a test starts carries this worker's tag in its environment (children inherit
+# it, also once re-parented), so the engine processes of parallel test workers (pytest-xdist)
+# and of other jobs on the machine are told apart from this worker's own.
+SESSION_TAG = "FEDAVG_TEST_SESSION"
+os.environ[SESSION_TAG] = f"{os.getpid()}-{os.urandom(4).hex()}"
 
-    Commands started by the tests share pytest's process group, and so do the engine
-    processes they start (also once re-parented), so other jobs on the machine are not
-    counted.
-    """
+
+def engine_processes() -> list[str]:
+    """Live (non-zombie) Ray / Flower processes started by this test worker."""
     found = []
-    pgid = os.getpgid(0)
+    mine = os.environ[SESSION_TAG]
     for proc in psutil.process_iter(["pid", "cmdline", "status", "name"]):
         try:
-            if proc.info["status"] == psutil.STATUS_ZOMBIE or os.getpgid(proc.pid) != pgid:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
             cmd = " ".join(proc.info["cmdline"] or []) or (proc.info["name"] or "")
+            if not any(marker in cmd for marker in ENGINE_PROCESS_MARKERS):
+                continue
+            if proc.environ().get(SESSION_TAG) != mine:
+                continue
         except (psutil.Error, OSError):
             continue
-        if any(marker in cmd for marker in ENGINE_PROCESS_MARKERS):
-            found.append(f"{proc.info['pid']}: {cmd[:120]}")
+        found.append(f"{proc.info['pid']}: {cmd[:120]}")
     return found
+
+
+def pytest_collection_modifyitems(config, items):
+    """Put the tests marked ``long`` at even spacings, the first at the head of the list.
+
+    pytest-xdist's ``worksteal`` schedule hands each of its N workers one contiguous share
+    of the collected tests, then moves tests from a busy worker's tail to an idle one. With
+    as many long tests as workers, each share begins with one: the long tests start at once,
+    side by side, and the short ones fill in around them instead of queueing behind them at
+    the end. The order depends only on the collected items, so every worker sees the same.
+    """
+    long = [item for item in items if item.get_closest_marker("long")]
+    if not long:
+        return
+    rest = [item for item in items if not item.get_closest_marker("long")]
+    spacing = len(items) // len(long)
+    for i, item in enumerate(long):
+        rest.insert(i * spacing, item)
+    items[:] = rest
 
 
 def run_cli(*args, timeout=600, check=True, env=None):

@@ -191,6 +191,7 @@ def scenario(engine, root, timer):
 
 
 @pytest.mark.timeout(3600)
+@pytest.mark.long
 def test_compose_stack_on_a_real_engine_trains_survives_a_lost_node_and_leaves_nothing():
     started = time.monotonic()
     timer = Timer()

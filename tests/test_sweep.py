@@ -607,6 +607,7 @@ def _record(out: Path) -> dict:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(1800)
+@pytest.mark.long
 def test_twenty_points_in_parallel_one_failing_resume_report_no_engine_left(tmp_path,
                                                                           no_leaks):
     config = toml(tmp_path, f"""
