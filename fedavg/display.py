@@ -115,20 +115,23 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
         f"{_plural(config.merge.rounds, 'round')}, "
         f"{config.nodes_per_round}/{config.merge.num_nodes} "
         f"nodes per round, {config.train.local_epochs} local epoch(s)"
-        + _recipe(config, prepared.data.kind)
+        + _recipe(config, {"kind": prepared.data.kind, "shape": list(prepared.spec.input_shape)})
     )
 
 
-def _recipe(config: RunConfig, kind: str) -> str:
+def _recipe(config: RunConfig, input_spec: dict[str, Any]) -> str:
     """``, cosine learning rate, augmented batches`` when the node recipe is on.
 
-    Batches are augmented for images only (``kind``); other inputs get a note instead.
+    Batches are augmented only where :func:`fedavg.recipe.augmenter` has an augmentation
+    for ``input_spec`` (images); other inputs get a note instead.
     """
+    from fedavg.recipe import augmenter
+
     t = config.train
     parts = [f"{t.lr_schedule} learning rate"] if t.lr_schedule != "constant" else []
     if t.lr_decay != 1:
         parts.append(f"learning rate x{t.lr_decay:g} per round")
-    if t.augment and kind == "image":
+    if t.augment and augmenter(input_spec) is not None:
         parts.append("augmented batches")
     return "".join(f", {p}" for p in parts)
 

@@ -318,6 +318,7 @@ def merge_context(spec: ModelSpec, input_spec: dict[str, Any], seed: int,
     """
     import strategies
     from fedavg.data import normalize
+    from fedavg.recipe import augmenter
     from fedavg.train import resolve_device
 
     return strategies.MergeContext(
@@ -328,29 +329,8 @@ def merge_context(spec: ModelSpec, input_spec: dict[str, Any], seed: int,
         distill_x=None if distill_x is None else torch.as_tensor(distill_x),
         device=resolve_device(device),
         seed=seed,
-        augment=lazy_augmenter(input_spec),
+        augment=augmenter(input_spec),
     )
-
-
-def lazy_augmenter(input_spec: dict[str, Any]):
-    """Return :func:`fedavg.recipe.augmenter`'s batch augmentation, built on first use.
-
-    ``None`` for inputs without a default augmentation (text, tabular); torchvision's
-    transforms are imported only when a batch is augmented.
-    """
-    shape = tuple(input_spec.get("shape") or ())
-    if input_spec.get("kind", "image") != "image" or len(shape) != 3:
-        return None
-    built = []
-
-    def apply(batch: torch.Tensor) -> torch.Tensor:
-        if not built:
-            from fedavg.recipe import augmenter
-
-            built.append(augmenter(input_spec))
-        return built[0](batch)
-
-    return apply
 
 
 # registers the built-in image / tabular models, then the text models

@@ -25,23 +25,24 @@ SESSION_TAG = "FEDAVG_TEST_SESSION"
 os.environ[SESSION_TAG] = f"{os.getpid()}-{os.urandom(4).hex()}"
 
 
-def engine_processes() -> list[str]:
-    """Live (non-zombie) Ray / Flower processes started by this test worker."""
+def tagged_processes(key: str, value: str) -> list[str]:
+    """``"PID: command line"`` of the live processes whose environment has ``key=value``."""
     found = []
-    mine = os.environ[SESSION_TAG]
     for proc in psutil.process_iter(["pid", "cmdline", "status", "name"]):
         try:
-            if proc.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            cmd = " ".join(proc.info["cmdline"] or []) or (proc.info["name"] or "")
-            if not any(marker in cmd for marker in ENGINE_PROCESS_MARKERS):
-                continue
-            if proc.environ().get(SESSION_TAG) != mine:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.environ().get(key) != value:
                 continue
         except (psutil.Error, OSError):
             continue
+        cmd = " ".join(proc.info["cmdline"] or []) or (proc.info["name"] or "")
         found.append(f"{proc.info['pid']}: {cmd[:120]}")
     return found
+
+
+def engine_processes() -> list[str]:
+    """Live (non-zombie) Ray / Flower processes started by this test worker."""
+    return [p for p in tagged_processes(SESSION_TAG, os.environ[SESSION_TAG])
+            if any(marker in p.split(": ", 1)[1] for marker in ENGINE_PROCESS_MARKERS)]
 
 
 def pytest_collection_modifyitems(config, items):

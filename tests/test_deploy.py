@@ -13,8 +13,8 @@ import sys
 import time
 import uuid
 
+import conftest
 import numpy as np
-import psutil
 import pytest
 
 from fedavg.deployment import free_port
@@ -24,16 +24,7 @@ pytestmark = pytest.mark.e2e  # real SuperLink / SuperNode processes
 
 def tagged_processes(tag: str) -> list[str]:
     """Live processes started under this test's tag (env FEDAVG_TEST_TAG), children too."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
-        try:
-            if proc.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            if proc.environ().get("FEDAVG_TEST_TAG") == tag:
-                found.append(f"{proc.pid}: {' '.join(proc.info['cmdline'] or [])[:120]}")
-        except (psutil.Error, OSError):
-            continue
-    return found
+    return conftest.tagged_processes("FEDAVG_TEST_TAG", tag)
 
 
 class Cluster:

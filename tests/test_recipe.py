@@ -119,8 +119,10 @@ def test_no_augmentation_for_text_or_tabular():
     assert augmenter(TABULAR) is None
     # the run's model line says so too (a note explains why --augment is ignored)
     config = RunConfig().replace(augment=True, lr_schedule="cosine")
-    assert _recipe(config, "image") == ", cosine learning rate, augmented batches"
-    assert _recipe(config, "text") == _recipe(config, "tabular") == ", cosine learning rate"
+    image = {"kind": "image", "shape": [3, 8, 8]}
+    assert _recipe(config, image) == ", cosine learning rate, augmented batches"
+    assert _recipe(config, {"kind": "text", "shape": [16]}) == _recipe(config, TABULAR) \
+        == ", cosine learning rate"
 
 
 def test_augmented_training_is_seeded_and_leaves_the_data_alone():
