@@ -2,17 +2,15 @@
 
 import io
 import math
-from pathlib import Path
 
 import datasets
 import numpy as np
 import pytest
+from conftest import MNIST  # ../shared/data, or FEDAVG_SHARED_DATA
 from PIL import Image
 
 from fedavg.data import LoadedData, Split, load
 from fedavg.errors import UserError
-
-MNIST = Path("/work/shared/data/mnist")
 
 
 def png(value: int, size: int = 6, mode: str = "L") -> bytes:
