@@ -171,6 +171,11 @@ class MergeConfig:
     max_update_norm : float or None
         Reject a node's model whose L2 distance from the round's starting model is larger
         (:func:`strategies.tensors.update_norm`); ``None`` accepts any finite update.
+    swa_start : int or None
+        Server-side stochastic weight averaging (:mod:`strategies.swa`): from this round on,
+        the run evaluates and saves the mean of the rounds' merged models (rounds
+        ``swa_start`` to the current one) while nodes go on from the last merged model;
+        ``None``: off.
     options : mapping
         The strategy's options given explicitly (``mu``, ``server_lr`` ...); each strategy
         declares its own (``strategies.Option``) and defaults the rest.
@@ -194,6 +199,9 @@ class MergeConfig:
     max_update_norm: float | None = setting(None, "Reject node updates whose L2 distance "
                                             "from the round's model exceeds this (default: "
                                             "off)")
+    swa_start: int | None = setting(None, "Average the merged models from this round on "
+                                    "(server-side SWA); the average is evaluated and saved "
+                                    "(default: off)")
     options: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
 
 
@@ -408,6 +416,9 @@ def _check_merge(c: RunConfig) -> str | None:
         return f"--round-timeout must be > 0 seconds (got {m.round_timeout})"
     if m.max_update_norm is not None and not 0 < m.max_update_norm < math.inf:
         return f"--max-update-norm must be > 0 and finite (got {m.max_update_norm})"
+    if m.swa_start is not None and not 1 <= m.swa_start <= m.rounds:
+        return (f"--swa-start must be a round from 1 to --rounds {m.rounds} "
+                f"(got {m.swa_start}); try 3/4 of the rounds")
     for name in ("validation_fraction", "distill_fraction"):
         if not 0 < getattr(m, name) < 0.5:
             return f"--{_kebab(name)} must be in (0, 0.5)"
@@ -428,6 +439,9 @@ def _check_strategy(c: RunConfig) -> str | None:
     if cls.one_shot and m.rounds != 1:
         return (f"{m.strategy} is a one-shot merge of fully trained node models: "
                 "use --rounds 1 (and --local-epochs to train longer)")
+    if cls.one_shot and m.swa_start is not None:
+        return (f"--swa-start averages the models of several rounds; {m.strategy} is a "
+                "one-shot merge of one round: leave --swa-start out")
     if cls.node_rule is not None and c.train.optimizer not in cls.node_rule.optimizers:
         return (f"{m.strategy}'s update rule assumes {' or '.join(cls.node_rule.optimizers)} "
                 f"local steps; use --optimizer {cls.node_rule.optimizers[0]}")

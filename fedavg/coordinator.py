@@ -9,6 +9,7 @@ Flower's round loop.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -30,6 +31,7 @@ from fedavg.models import merge_context
 from fedavg.run import Prepared, RoundRecord, RunState
 from fedavg.train import evaluate, evaluation_device
 from fedavg.wire import TrainSettings
+from strategies.swa import WeightAverage
 
 log = logging.getLogger("fedavg")
 
@@ -164,6 +166,7 @@ class ServerRun:
         self.model: torch.nn.Module | None = None
         self.eval_device = evaluation_device(config.train.device)  # the merged model's
         self.adapter: FlowerAdapter | None = None
+        self.swa = WeightAverage() if config.merge.swa_start is not None else None
 
     def __call__(self, grid: Grid) -> None:
         """Run every round on ``grid``."""
@@ -211,10 +214,29 @@ class ServerRun:
             self.prepared.strategy.load_state(ckpt.strategy, fresh)
         except strategies.MergeError as exc:
             raise UserError(f"{where} does not fit this run: {exc}") from None
+        self._resume_swa(ckpt, fresh)
         self.state.rounds[:] = [RoundRecord(**r) for r in ckpt.rounds]
         self.state.failures[:] = ckpt.failures
         resume.write_metrics(self.metrics_path, [r.as_dict() for r in self.state.rounds])
         return ckpt.model
+
+    def _resume_swa(self, ckpt: resume.Checkpoint, fresh: dict[str, torch.Tensor]) -> None:
+        """Take the checkpoint's weight average (``--swa-start``), checked against its round."""
+        import strategies
+        from fedavg.errors import UserError
+
+        start = self.config.merge.swa_start
+        expected = 0 if start is None else max(0, ckpt.round - start + 1)
+        where = self.output / resume.CHECKPOINT
+        if ckpt.swa_models != expected:
+            raise UserError(f"{where} is damaged: it holds a weight average of "
+                            f"{ckpt.swa_models} model(s) where --swa-start {start} after round "
+                            f"{ckpt.round} makes {expected}; start a new run")
+        if expected:
+            try:
+                self.swa.load(ckpt.swa, expected, fresh)
+            except strategies.MergeError as exc:
+                raise UserError(f"{where} is damaged: {exc}; start a new run") from None
 
     def _adapter(self, grid: Grid, initial: dict[str, torch.Tensor],
                  done: int) -> FlowerAdapter:
@@ -267,15 +289,26 @@ class ServerRun:
             return None
         server_round += self.adapter.round_offset
         merged = self.adapter.last_merged
+        state_dict = arrays.to_torch_state_dict()  # what the next round starts from
+        test, last = self.prepared.data.test, None
         if merged is not None and merged.is_ensemble:
             scored = self.prepared.spec.build_ensemble(merged.members, merged.member_weights)
         else:
-            self.model.load_state_dict(arrays.to_torch_state_dict())
+            self.model.load_state_dict(state_dict)
             scored = self.model
-        test = self.prepared.data.test
+            if self.swa is not None and server_round >= self.config.merge.swa_start:
+                last = evaluate(scored, test.x, test.y, self.prepared.meta["input"],
+                                device=self.eval_device)
+                averaged = self.swa.add(state_dict)
+                self.model.load_state_dict(averaged)
+                merged = dataclasses.replace(merged, state_dict=averaged, info={
+                    **merged.info, "swa": {"start": self.config.merge.swa_start,
+                                           "models": self.swa.count}})
         res = evaluate(scored, test.x, test.y, self.prepared.meta["input"],
                        device=self.eval_device)
         record = self._record(server_round, res)
+        if last is not None:
+            record.merged_accuracy, record.merged_loss = last["accuracy"], last["loss"]
         self.state.rounds.append(record)
         now = time.monotonic()  # the first round this process ran: start-up ends there
         if "round1_end" not in self.state.marks:
@@ -285,8 +318,9 @@ class ServerRun:
             **self.prepared.meta, "rounds": server_round,
             "metrics": {"accuracy": record.accuracy, "loss": record.loss}})
         resume.save(self.output, resume.capture(
-            server_round, arrays.to_torch_state_dict(), self.config, self.prepared.strategy,
-            [r.as_dict() for r in self.state.rounds], self.state.failures, self._node_states()))
+            server_round, state_dict, self.config, self.prepared.strategy,
+            [r.as_dict() for r in self.state.rounds], self.state.failures, self._node_states(),
+            swa=self.swa))
         with open(self.metrics_path, "a") as fh:  # after the checkpoint: a round listed is
             fh.write(json.dumps(record.as_dict()) + "\n")  # one a resume can go on from
         self.progress.on_round(record)

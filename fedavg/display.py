@@ -133,6 +133,8 @@ def _recipe(config: RunConfig, input_spec: dict[str, Any]) -> str:
         parts.append(f"learning rate x{t.lr_decay:g} per round")
     if t.augment and augmenter(input_spec) is not None:
         parts.append("augmented batches")
+    if config.merge.swa_start is not None:
+        parts.append(f"weight average of rounds >= {config.merge.swa_start} (SWA)")
     return "".join(f", {p}" for p in parts)
 
 
@@ -145,14 +147,21 @@ def rounds_table(rounds: list[dict[str, Any]]):
     from rich.table import Table
 
     table = Table(title="rounds", title_justify="left")
+    swa = any(r.get("merged_accuracy") is not None for r in rounds)
     for col in ("round", "accuracy", "loss", "train loss", "nodes", "wall s"):
         table.add_column(col, justify="right")
+    if swa:  # accuracy is the weight average's from --swa-start on
+        table.add_column("round's model", justify="right")
     for r in rounds:
         tl = r.get("train_loss")
         nodes = f"{r['num_nodes']}" + (f" ({r['num_failed']} failed)" if r.get("num_failed")
                                        else "")
-        table.add_row(str(r["round"]), f"{r['accuracy']:.4f}", f"{r['loss']:.4f}",
-                      "-" if tl is None else f"{tl:.4f}", nodes, f"{r['wall_s']:.2f}")
+        row = [str(r["round"]), f"{r['accuracy']:.4f}", f"{r['loss']:.4f}",
+               "-" if tl is None else f"{tl:.4f}", nodes, f"{r['wall_s']:.2f}"]
+        if swa:
+            m = r.get("merged_accuracy")
+            row.append("-" if m is None else f"{m:.4f}")
+        table.add_row(*row)
     return table
 
 
@@ -211,8 +220,10 @@ class Progress:
         if self._bar is None:
             return
         train_loss = "None" if rec.train_loss is None else format(rec.train_loss, ".4f")
+        own = ("" if rec.merged_accuracy is None
+               else f" (weight average; round's model {rec.merged_accuracy:.4f})")
         self._bar.console.print(
-            f"round {rec.round:>3}/{self.rounds}: accuracy {rec.accuracy:.4f}  "
+            f"round {rec.round:>3}/{self.rounds}: accuracy {rec.accuracy:.4f}{own}  "
             f"loss {rec.loss:.4f}  train loss {train_loss}  nodes {rec.num_nodes}  "
             f"{rec.wall_s:.2f} s")
         nxt = rec.round + 1

@@ -7,6 +7,7 @@ completed round as the current checkpoint. One file holds:
 - ``model.<key>``: the global model after the round (what the next round starts from);
 - ``strategy.<name>``: the strategy's tensors (server optimiser moments, ...);
 - ``rng.torch``: the coordinator's torch random state;
+- ``swa.<key>``: with ``--swa-start``, the weight average of the rounds' models so far;
 - the metadata entry ``state``: JSON with the round, the run's settings, the strategy's
   other state, Python's random state (Flower samples nodes with it), the rounds' metrics
   and the failures so far.
@@ -82,6 +83,11 @@ class Checkpoint:
     node_states : dict of int to state dict
         By partition id, the node state of methods that keep one on their nodes (SCAFFOLD's
         control variates, FedDyn's gradients, MOON's previous models), in simulation.
+    swa : dict of str to torch.Tensor
+        With ``--swa-start``: the exact weight average so far
+        (:meth:`strategies.swa.WeightAverage.state`, float64); empty before it starts.
+    swa_models : int
+        How many rounds' models ``swa`` averages.
     """
 
     round: int
@@ -93,6 +99,8 @@ class Checkpoint:
     python_random: list = field(default_factory=list)
     torch_random: torch.Tensor | None = None
     node_states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    swa: dict[str, torch.Tensor] = field(default_factory=dict)
+    swa_models: int = 0
 
     def run_config(self) -> RunConfig:
         """Return the checkpoint's settings as a :class:`~fedavg.config.RunConfig`."""
@@ -109,13 +117,19 @@ class Checkpoint:
 
 def capture(round_: int, model: dict[str, torch.Tensor], config: RunConfig, strategy,
             rounds: list[dict[str, Any]], failures: list[str],
-            node_states: dict[int, dict[str, torch.Tensor]] | None = None) -> Checkpoint:
-    """Take a checkpoint of the run now (the random states are read here)."""
+            node_states: dict[int, dict[str, torch.Tensor]] | None = None,
+            swa=None) -> Checkpoint:
+    """Take a checkpoint of the run now (the random states are read here).
+
+    ``swa`` is the run's :class:`strategies.swa.WeightAverage` (``--swa-start``) or ``None``.
+    """
     version, internal, gauss = random.getstate()
     return Checkpoint(round=round_, model=model, config=absolute_paths(config.to_flat()),
                       strategy=strategy.state(), rounds=list(rounds), failures=list(failures),
                       python_random=[version, list(internal), gauss],
-                      torch_random=torch.get_rng_state(), node_states=dict(node_states or {}))
+                      torch_random=torch.get_rng_state(), node_states=dict(node_states or {}),
+                      swa={} if swa is None else swa.state(),
+                      swa_models=0 if swa is None else swa.count)
 
 
 def save(folder: str | Path, ckpt: Checkpoint) -> Path:
@@ -136,9 +150,11 @@ def save(folder: str | Path, ckpt: Checkpoint) -> Path:
     for pid, node in sorted(ckpt.node_states.items()):
         for name, value in storable(node).items():
             tensors[f"node.{pid}.{name}"] = value
+    for name, value in ckpt.swa.items():
+        tensors[f"swa.{name}"] = value.detach().cpu().contiguous()
     state = {"round": ckpt.round, "config": ckpt.config, "strategy": plain,
              "rounds": ckpt.rounds, "failures": ckpt.failures,
-             "python_random": ckpt.python_random}
+             "python_random": ckpt.python_random, "swa_models": ckpt.swa_models}
     path = Path(folder) / CHECKPOINT
     meta = {"format": FORMAT, "state": json.dumps(state)}
     meta["sha256"] = _digest(tensors, meta["state"])
@@ -216,7 +232,12 @@ def _from_parts(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Chec
                       strategy={**dict(state["strategy"]), **group("strategy.")},
                       rounds=records, failures=state["failures"],
                       python_random=list(state["python_random"]),
-                      torch_random=tensors.get("rng.torch"), node_states=_node_states(tensors))
+                      torch_random=tensors.get("rng.torch"), node_states=_node_states(tensors),
+                      swa=group("swa."), swa_models=state.get("swa_models", 0))
+    if not isinstance(ckpt.swa_models, int) or isinstance(ckpt.swa_models, bool) \
+            or ckpt.swa_models < 0 or bool(ckpt.swa) != (ckpt.swa_models > 0):
+        raise ValueError(f"a weight average of {ckpt.swa_models!r} models in "
+                         f"{len(ckpt.swa)} tensors")
     if ckpt.round < 1 or len(ckpt.rounds) != ckpt.round or not ckpt.model:
         raise ValueError(f"round {ckpt.round} with {len(ckpt.rounds)} round records")
     _check_random(ckpt)

@@ -53,6 +53,10 @@ class RoundRecord:
         Seconds from sending the round's messages to its saved checkpoint.
     train_s : float or None
         The slowest node's training time (seconds); ``wall_s`` minus this is overhead.
+    merged_accuracy, merged_loss : float or None
+        With ``--swa-start``, from that round on: the test accuracy and loss of the round's
+        merged model itself (``accuracy`` and ``loss`` are then the weight average's, the
+        model saved); ``None`` otherwise.
     """
 
     round: int
@@ -63,6 +67,8 @@ class RoundRecord:
     num_failed: int
     wall_s: float
     train_s: float | None = None
+    merged_accuracy: float | None = None
+    merged_loss: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict for JSON."""

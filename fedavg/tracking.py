@@ -22,7 +22,8 @@ from fedavg.errors import UserError, first_line
 log = logging.getLogger(__name__)
 
 #: Round scalars (``RoundRecord`` fields) logged by both trackers; ``None`` values are left out.
-SCALARS = ("accuracy", "loss", "train_loss", "wall_s", "train_s", "num_nodes", "num_failed")
+SCALARS = ("accuracy", "loss", "train_loss", "wall_s", "train_s", "num_nodes", "num_failed",
+           "merged_accuracy", "merged_loss")
 #: Files of the run folder logged to MLflow as the ``model`` artifact.
 MODEL_FILES = ("model.safetensors", "model.json", "summary.json", "metrics.jsonl",
                "tokenizer.json")

@@ -339,13 +339,15 @@ def test_run_killed_after_round_two_resumes_to_the_unbroken_result(runs, tmp_pat
 
 @pytest.mark.e2e
 def test_node_states_resume_with_the_run(runs, tmp_path, short_tmp, monkeypatch):
-    """SCAFFOLD's node variates go into the checkpoint and come back on --resume.
+    """SCAFFOLD's node variates and the weight average come back on --resume.
 
-    A run stopped after round 2 and resumed to 4 ends exactly where the unbroken run does.
+    The node variates and the server's weight average (``--swa-start 2``) go into the
+    checkpoint. A run stopped after round 2 and resumed to 4 ends exactly where the unbroken
+    run does.
     """
     monkeypatch.setenv("TMPDIR", str(short_tmp))
     args = ["simulate", "--num-nodes", "4", "--fraction", "0.5", "--seed", "3",
-            "--local-epochs", "2", "--strategy", "scaffold", "--rounds"]
+            "--local-epochs", "2", "--strategy", "scaffold", "--swa-start", "2", "--rounds"]
     unbroken = runs.start("unbroken", *args, "4", "--output", tmp_path / "unbroken")
     assert runs.wait(unbroken) == 0, runs.log("unbroken")
     out = tmp_path / "split"
@@ -358,6 +360,17 @@ def test_node_states_resume_with_the_run(runs, tmp_path, short_tmp, monkeypatch)
     assert runs.wait(again) == 0, runs.log("resumed")
     got, want = rounds_of(out), rounds_of(tmp_path / "unbroken")
     assert [r["accuracy"] for r in got] == [r["accuracy"] for r in want]
+    assert [r["merged_accuracy"] for r in got] == [r["merged_accuracy"] for r in want]
+    assert got[0]["merged_accuracy"] is None and None not in [r["merged_loss"] for r in got[1:]]
+    assert saved.swa_models == 1  # round 2's model alone
+    # the saved model is the average of rounds 2-4, not round 4's model the nodes go on from
+    from safetensors.torch import load_file
+
+    final, model = resume.load(out), load_file(out / "model.safetensors")
+    assert final.swa_models == 3
+    assert all(torch.equal(model[k], final.swa[k].to(model[k].dtype)) for k in model)
+    assert any(not torch.equal(model[k], final.model[k]) for k in model)
+    assert got[-1]["loss"] != got[-1]["merged_loss"]
 
 
 @pytest.mark.e2e
