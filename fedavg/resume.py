@@ -341,8 +341,11 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
             hint = (f"; the run's {saved[key]} is gone: put it back there" if missing else
                     "; only --rounds (and --round-timeout, --device, --max-update-norm) may "
                     "change: start a new run with another --output for other settings")
-            raise UserError(f"--resume {where}: --{key} {_shown(asked.get(key))} differs from "
-                            f"the run's {_shown(saved.get(key))}{hint}")
+            given = (f"--{key} {_shown(asked[key])}" if asked.get(key) is not None
+                     else f"leaving out --{key}")
+            had = (f"the run's {_shown(saved[key])}" if saved.get(key) is not None
+                   else f"the run, which had no --{key}")
+            raise UserError(f"--resume {where}: {given} differs from {had}{hint}")
     # every round done but no summary.json (stopped while finishing): the resume finishes it
     finished = (Path(where) / "summary.json").exists()
     if config.merge.rounds < ckpt.round or (config.merge.rounds == ckpt.round and finished):
@@ -352,9 +355,7 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
 
 
 def _shown(value: Any) -> str:
-    """Return a setting's value as written on a command line (``true``, ``0.5``, ``unset``)."""
-    if value is None:
-        return "unset"
+    """Return a setting's value as written on a command line (``true``, ``0.5``)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)

@@ -227,8 +227,13 @@ def test_only_the_rounds_may_change(tmp_path):
         resume.resumed_config(ckpt, ckpt.run_config().replace(lr=0.1), "run")
     with pytest.raises(UserError, match=r"--strategy fedadam differs from the run's fedavg"):
         resume.resumed_config(ckpt, ckpt.run_config().replace(strategy="fedadam"), "run")
-    with pytest.raises(UserError, match=r"--validation other differs from the run's unset"):
+    with pytest.raises(UserError, match=r"--validation other differs from the run, which had "
+                                        r"no --validation; only --rounds"):
         resume.resumed_config(ckpt, ckpt.run_config().replace(validation="other"), "run")
+    averaged = resume.Checkpoint(round=2, model={"a": torch.zeros(1)}, rounds=[rec(1), rec(2)],
+                                 config=RunConfig().replace(rounds=4, swa_start=3).to_flat())
+    with pytest.raises(UserError, match=r"leaving out --swa-start differs from the run's 3"):
+        resume.resumed_config(averaged, RunConfig().replace(rounds=4), "run")
     bound = ckpt.run_config().replace(max_update_norm=2.0, rounds=5)  # to go on after a refusal
     assert resume.resumed_config(ckpt, bound, "run").merge.max_update_norm == 2.0
     assert resume.resumed_config(ckpt, ckpt.run_config().replace(device="cpu", rounds=5),
