@@ -191,6 +191,9 @@ def list_strategies() -> None:
                           for o in cls.options)
         table.add_row(name, f"{cls.description}{options}\n[dim]{cls.paper}[/]")
     console.print(table)
+    console.print("Every strategy that is not one-shot also takes --swa-start R: from round R the "
+                  "run saves the mean of the rounds' merged models (server-side SWA, Izmailov "
+                  "et al. 2018, arXiv:1803.05407).")
 
 
 def models() -> None:

@@ -66,6 +66,7 @@ def test_strategies_table_reads_whole_at_any_width(width):
         assert name in flat
         for opt in cls.options:
             assert opt.flag in flat.replace(" ", "") or opt.flag in flat, (name, opt.flag)
+    assert "also takes --swa-start R" in flat  # the run-level averaging, for every strategy
 
 
 def test_long_lines_are_not_broken_in_a_log_file(tmp_path):
