@@ -122,8 +122,9 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
 def _recipe(config: RunConfig, input_spec: dict[str, Any]) -> str:
     """``, cosine learning rate, augmented batches`` when the node recipe is on.
 
-    Batches are augmented only where :func:`fedavg.recipe.augmenter` has an augmentation
-    for ``input_spec`` (images); other inputs get a note instead.
+    The server's weight average (``--swa-start``) is named too. Batches are augmented only
+    where :func:`fedavg.recipe.augmenter` has an augmentation for ``input_spec`` (images);
+    other inputs get a note instead.
     """
     from fedavg.recipe import augmenter
 

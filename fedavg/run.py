@@ -44,7 +44,8 @@ class RoundRecord:
     round : int
         Round number, from 1.
     accuracy, loss : float
-        Test accuracy (fraction) and mean cross-entropy (nats) of the merged model.
+        Test accuracy (fraction) and mean cross-entropy (nats) of the model saved after the
+        round: the merged model, or from ``--swa-start`` on the weight average.
     train_loss : float or None
         Sample-weighted mean training loss the nodes reported.
     num_nodes, num_failed : int
