@@ -221,22 +221,17 @@ class ServerRun:
         return ckpt.model
 
     def _resume_swa(self, ckpt: resume.Checkpoint, fresh: dict[str, torch.Tensor]) -> None:
-        """Take the checkpoint's weight average (``--swa-start``), checked against its round."""
+        """Take the checkpoint's weight average (``--swa-start``); it must fit the model."""
         import strategies
         from fedavg.errors import UserError
 
-        start = self.config.merge.swa_start
-        expected = 0 if start is None else max(0, ckpt.round - start + 1)
-        where = self.output / resume.CHECKPOINT
-        if ckpt.swa_models != expected:
-            raise UserError(f"{where} is damaged: it holds a weight average of "
-                            f"{ckpt.swa_models} model(s) where --swa-start {start} after round "
-                            f"{ckpt.round} makes {expected}; start a new run")
-        if expected:
+        count = resume.averaged_rounds(self.config.merge.swa_start, ckpt.round)
+        if count:
             try:
-                self.swa.load(ckpt.swa, expected, fresh)
+                self.swa.load(ckpt.swa, count, fresh)
             except strategies.MergeError as exc:
-                raise UserError(f"{where} is damaged: {exc}; start a new run") from None
+                raise UserError(f"{self.output / resume.CHECKPOINT} is damaged: {exc}; start "
+                                "a new run") from None
 
     def _adapter(self, grid: Grid, initial: dict[str, torch.Tensor],
                  done: int) -> FlowerAdapter:

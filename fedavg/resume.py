@@ -85,9 +85,8 @@ class Checkpoint:
         control variates, FedDyn's gradients, MOON's previous models), in simulation.
     swa : dict of str to torch.Tensor
         With ``--swa-start``: the exact weight average so far
-        (:meth:`strategies.swa.WeightAverage.state`, float64); empty before it starts.
-    swa_models : int
-        How many rounds' models ``swa`` averages.
+        (:meth:`strategies.swa.WeightAverage.state`, float64) of
+        :func:`averaged_rounds` models; empty before it starts.
     """
 
     round: int
@@ -100,7 +99,6 @@ class Checkpoint:
     torch_random: torch.Tensor | None = None
     node_states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     swa: dict[str, torch.Tensor] = field(default_factory=dict)
-    swa_models: int = 0
 
     def run_config(self) -> RunConfig:
         """Return the checkpoint's settings as a :class:`~fedavg.config.RunConfig`."""
@@ -128,8 +126,7 @@ def capture(round_: int, model: dict[str, torch.Tensor], config: RunConfig, stra
                       strategy=strategy.state(), rounds=list(rounds), failures=list(failures),
                       python_random=[version, list(internal), gauss],
                       torch_random=torch.get_rng_state(), node_states=dict(node_states or {}),
-                      swa={} if swa is None else swa.state(),
-                      swa_models=0 if swa is None else swa.count)
+                      swa={} if swa is None else swa.state())
 
 
 def save(folder: str | Path, ckpt: Checkpoint) -> Path:
@@ -154,7 +151,7 @@ def save(folder: str | Path, ckpt: Checkpoint) -> Path:
         tensors[f"swa.{name}"] = value.detach().cpu().contiguous()
     state = {"round": ckpt.round, "config": ckpt.config, "strategy": plain,
              "rounds": ckpt.rounds, "failures": ckpt.failures,
-             "python_random": ckpt.python_random, "swa_models": ckpt.swa_models}
+             "python_random": ckpt.python_random}
     path = Path(folder) / CHECKPOINT
     meta = {"format": FORMAT, "state": json.dumps(state)}
     meta["sha256"] = _digest(tensors, meta["state"])
@@ -233,16 +230,21 @@ def _from_parts(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Chec
                       rounds=records, failures=state["failures"],
                       python_random=list(state["python_random"]),
                       torch_random=tensors.get("rng.torch"), node_states=_node_states(tensors),
-                      swa=group("swa."), swa_models=state.get("swa_models", 0))
-    if not isinstance(ckpt.swa_models, int) or isinstance(ckpt.swa_models, bool) \
-            or ckpt.swa_models < 0 or bool(ckpt.swa) != (ckpt.swa_models > 0):
-        raise ValueError(f"a weight average of {ckpt.swa_models!r} models in "
-                         f"{len(ckpt.swa)} tensors")
+                      swa=group("swa."))
     if ckpt.round < 1 or len(ckpt.rounds) != ckpt.round or not ckpt.model:
         raise ValueError(f"round {ckpt.round} with {len(ckpt.rounds)} round records")
     _check_random(ckpt)
-    ckpt.run_config().validate()
+    start = ckpt.run_config().validate().merge.swa_start
+    if bool(ckpt.swa) != (averaged_rounds(start, ckpt.round) > 0):
+        raise ValueError(f"a weight average in {len(ckpt.swa)} tensors where --swa-start "
+                         f"{start} after round {ckpt.round} averages "
+                         f"{averaged_rounds(start, ckpt.round)} models")
     return ckpt
+
+
+def averaged_rounds(swa_start: int | None, round_: int) -> int:
+    """Return how many rounds' models ``--swa-start`` has averaged after ``round_`` (0: none)."""
+    return 0 if swa_start is None else max(0, round_ - swa_start + 1)
 
 
 def _node_states(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:

@@ -367,12 +367,14 @@ def test_node_states_resume_with_the_run(runs, tmp_path, short_tmp, monkeypatch)
     assert [r["accuracy"] for r in got] == [r["accuracy"] for r in want]
     assert [r["merged_accuracy"] for r in got] == [r["merged_accuracy"] for r in want]
     assert got[0]["merged_accuracy"] is None and None not in [r["merged_loss"] for r in got[1:]]
-    assert saved.swa_models == 1  # round 2's model alone
+    # round 2's model alone: the mean is that model, kept exactly (float64)
+    assert all(torch.equal(saved.swa[k], saved.model[k].double()) for k in saved.model)
     # the saved model is the average of rounds 2-4, not round 4's model the nodes go on from
     from safetensors.torch import load_file
 
     final, model = resume.load(out), load_file(out / "model.safetensors")
-    assert final.swa_models == 3
+    info = json.loads((out / "model.json").read_text())["merge_info"]["swa"]
+    assert info == {"start": 2, "models": 3}
     assert all(torch.equal(model[k], final.swa[k].to(model[k].dtype)) for k in model)
     assert any(not torch.equal(model[k], final.model[k]) for k in model)
     assert got[-1]["loss"] != got[-1]["merged_loss"]

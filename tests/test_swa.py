@@ -68,9 +68,10 @@ def test_the_average_through_a_checkpoint_file_continues_exactly(tmp_path):
                           [_rec(1), _rec(2)], [], swa=first)
     resume.save(tmp_path, ckpt)
     back = resume.load(tmp_path)
-    assert back.swa_models == 2 and back.swa["w"].dtype == torch.float64  # the exact mean
+    assert back.swa["w"].dtype == torch.float64  # the exact mean
+    assert resume.averaged_rounds(back.run_config().merge.swa_start, back.round) == 2
     again = WeightAverage()
-    again.load(back.swa, back.swa_models, models[0])
+    again.load(back.swa, 2, models[0])
     got = again.add(models[2])
     assert torch.equal(got["w"], want["w"]) and got["w"].dtype == torch.float32
 
@@ -85,30 +86,42 @@ def test_a_checkpoint_without_an_average_still_loads_and_a_broken_one_is_damage(
                            [_rec(1)], [])
     resume.save(tmp_path, plain)
     back = resume.load(tmp_path)
-    assert (back.swa, back.swa_models) == ({}, 0)
+    assert back.swa == {}
 
     avg = WeightAverage()
     avg.add({"w": torch.ones(2)})
-    ckpt = resume.capture(1, {"w": torch.ones(2)}, RunConfig().replace(swa_start=1),
-                          strategies.get("fedavg"), [_rec(1)], [], swa=avg)
-    ckpt.swa_models = 0  # tensors but no count
+    # an average in a run without --swa-start
+    ckpt = resume.capture(1, {"w": torch.ones(2)}, RunConfig(), strategies.get("fedavg"),
+                          [_rec(1)], [], swa=avg)
     resume.save(tmp_path, ckpt)
-    with pytest.raises(UserError, match="is damaged.*weight average of 0 models in 1 tensors"):
+    with pytest.raises(UserError, match=r"is damaged.*weight average in 1 tensors where "
+                                        r"--swa-start None after round 1 averages 0 models"):
         resume.load(tmp_path)
+    # no average where --swa-start 1 after round 1 makes one
+    ckpt = resume.capture(1, {"w": torch.ones(2)}, RunConfig().replace(swa_start=1),
+                          strategies.get("fedavg"), [_rec(1)], [])
+    resume.save(tmp_path, ckpt)
+    with pytest.raises(UserError, match=r"is damaged.*weight average in 0 tensors where "
+                                        r"--swa-start 1 after round 1 averages 1 models"):
+        resume.load(tmp_path)
+
+
+def test_averaged_rounds_by_hand():
+    assert resume.averaged_rounds(None, 7) == 0
+    assert resume.averaged_rounds(3, 2) == 0  # not started yet
+    assert resume.averaged_rounds(3, 3) == 1
+    assert resume.averaged_rounds(3, 6) == 4  # rounds 3, 4, 5, 6
 
 
 def _server(tmp_path, **settings):
     return ServerRun(RunConfig().replace(**settings), None, tmp_path, RunState())
 
 
-def test_resume_checks_the_average_against_the_round(tmp_path):
+def test_resume_checks_the_average_against_the_model(tmp_path):
     model = {"w": torch.zeros(2)}
     run = _server(tmp_path, rounds=6, swa_start=3)
-    ckpt = resume.Checkpoint(round=4, model=model, config={}, swa={}, swa_models=0)
-    with pytest.raises(UserError, match=r"average of 0 model\(s\) where --swa-start 3 after "
-                                        r"round 4 makes 2; start a new run"):
-        run._resume_swa(ckpt, model)
-    ckpt.swa, ckpt.swa_models = {"w": torch.zeros(3, dtype=torch.float64)}, 2
+    ckpt = resume.Checkpoint(round=4, model=model, config={},
+                             swa={"w": torch.zeros(3, dtype=torch.float64)})
     with pytest.raises(UserError, match=r"damaged: the saved weight average: 'w' is \(3,\)"):
         run._resume_swa(ckpt, model)
     ckpt.swa = {"w": torch.tensor([1.0, 3.0], dtype=torch.float64)}
@@ -118,9 +131,6 @@ def test_resume_checks_the_average_against_the_round(tmp_path):
     fresh = _server(tmp_path, rounds=6, swa_start=3)
     fresh._resume_swa(before, model)
     assert fresh.swa.count == 0
-    off = _server(tmp_path, rounds=6)
-    with pytest.raises(UserError, match="average of 2 model"):  # a run without SWA
-        off._resume_swa(ckpt, model)
 
 
 @pytest.mark.parametrize("settings, message", [
