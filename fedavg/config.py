@@ -115,6 +115,10 @@ class TrainConfig:
     augment : bool
         Augment the nodes' training batches (random crop, and flip for colour images;
         nothing for text or tabular data); never the evaluation.
+    sam_rho : float
+        >= 0: sharpness-aware minimisation on the nodes (FedSAM), each step's gradient
+        taken ``rho`` away along the gradient (:func:`fedavg.train.sharpness_aware_gradient`;
+        twice a step's cost); 0: off.
     device : str
         ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
     """
@@ -136,6 +140,8 @@ class TrainConfig:
                               "--lr x lr-decay^(r-1)")
     augment: bool = setting(False, "Augment node batches: random crop (+ flip for colour "
                             "images); never at evaluation")
+    sam_rho: float = setting(0.0, "Sharpness-aware minimisation on the nodes (FedSAM): "
+                             "neighbourhood radius rho, e.g. 0.05; twice a step's cost; 0: off")
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
 
 
@@ -394,6 +400,8 @@ def _check_train(c: RunConfig) -> str | None:
         return f"--weight-decay must be >= 0 and finite (got {t.weight_decay})"
     if not 0 < t.lr_decay <= 1:
         return f"--lr-decay must be in (0, 1] (got {t.lr_decay})"
+    if not 0 <= t.sam_rho < math.inf:
+        return f"--sam-rho must be >= 0 and finite (got {t.sam_rho}); 0 turns SAM off"
     if t.optimizer not in OPTIMIZERS:
         return f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {t.optimizer!r})"
     from fedavg.recipe import LR_SCHEDULES

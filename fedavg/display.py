@@ -134,6 +134,8 @@ def _recipe(config: RunConfig, input_spec: dict[str, Any]) -> str:
         parts.append(f"learning rate x{t.lr_decay:g} per round")
     if t.augment and augmenter(input_spec) is not None:
         parts.append("augmented batches")
+    if t.sam_rho > 0:
+        parts.append(f"SAM rho {t.sam_rho:g}")
     if config.merge.swa_start is not None:
         parts.append(f"weight average of rounds >= {config.merge.swa_start} (SWA)")
     return "".join(f", {p}" for p in parts)

@@ -170,6 +170,7 @@ def _train_with(rule, model, x, y, cfg: TrainSettings, device: str, partition_id
         optimizer=cfg.optimizer,
         lr_schedule=cfg.lr_schedule,
         augment=cfg.augment,
+        sam_rho=cfg.sam_rho,
         rule=rule,
     )
     return stats, (strategies.NodeUpdate() if rule is None else rule.finish(model))

@@ -97,6 +97,7 @@ def train(
     optimizer: str = "sgd",
     lr_schedule: str = "constant",
     augment: bool = False,
+    sam_rho: float = 0.0,
     rule=None,
 ) -> dict[str, float]:
     """Train ``model`` in place with SGD (or Adam) on one node's samples.
@@ -124,6 +125,11 @@ def train(
     lr_schedule, augment
         ``constant``, ``cosine`` or ``step`` over this call's steps; augment each batch with
         the default of its kind of input (both :mod:`fedavg.recipe`).
+    sam_rho : float
+        Sharpness-aware minimisation (SAM, Foret et al. 2021, arXiv:2010.01412; on the nodes
+        of a federation, FedSAM, Caldarola et al. 2022, arXiv:2203.11834): each step takes
+        its gradient at ``w + rho * g / ||g||``, ``g`` the batch's gradient at ``w``, for
+        twice the cost of a step. 0 is plain SGD.
     rule : strategies.NodeRule, optional
         A method's node side, begun: its ``loss`` joins each batch's, ``before_step`` runs.
 
@@ -152,7 +158,8 @@ def train(
                 if len(idx) < 2 and has_bn:
                     continue  # BatchNorm cannot train on a single sample
                 xb = normalize((xt[idx] if aug is None else aug(xt[idx])).to(device), input_spec)
-                loss = _step(model, opt, xb, yt[idx].to(device), anchor, proximal_mu, rule)
+                loss = _step(model, opt, xb, yt[idx].to(device), anchor, proximal_mu, rule,
+                             sam_rho)
                 if sched is not None:
                     sched.step()
                 total, count, steps = total + loss * len(idx), count + len(idx), steps + 1
@@ -168,9 +175,24 @@ def _remedy(rule) -> str:
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor,
-          anchor: list[torch.Tensor] | None, proximal_mu: float, rule=None) -> float:
+          anchor: list[torch.Tensor] | None, proximal_mu: float, rule=None,
+          sam_rho: float = 0.0) -> float:
     """One optimizer step on a batch; return its cross-entropy (without the extra terms)."""
     opt.zero_grad(set_to_none=True)
+    loss, total = _losses(model, xb, yb, anchor, proximal_mu, rule)
+    total.backward()
+    if sam_rho > 0:
+        sharpness_aware_gradient(
+            model, lambda: _losses(model, xb, yb, anchor, proximal_mu, rule)[1], sam_rho)
+    if rule is not None:
+        rule.before_step(model, float(opt.param_groups[0]["lr"]))
+    opt.step()
+    return float(loss.detach())
+
+
+def _losses(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor,
+            anchor: list[torch.Tensor] | None, proximal_mu: float, rule):
+    """Return the batch's cross-entropy and the loss to descend (plus the extra terms)."""
     logits = model(xb)
     loss = nn.functional.cross_entropy(logits, yb)
     total = loss
@@ -181,11 +203,52 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: to
         extra = rule.loss(model, xb, logits)
         if extra is not None:
             total = total + extra
-    total.backward()
-    if rule is not None:
-        rule.before_step(model, float(opt.param_groups[0]["lr"]))
-    opt.step()
-    return float(loss.detach())
+    return loss, total
+
+
+def sharpness_aware_gradient(model: nn.Module, loss_fn, rho: float) -> None:
+    """Replace the parameters' gradients ``g`` by SAM's: the gradient at ``w + rho*g/||g||``.
+
+    Foret et al. 2021 (arXiv:2010.01412), the first-order form: the weights move by
+    ``e = rho * g / ||g||`` (``||g||`` the L2 norm over all parameters' gradients), the loss
+    is taken and differentiated there, and the weights move back by ``e``; the optimizer
+    then steps with the new gradient from the original weights. BatchNorm layers keep their
+    running statistics through the perturbed pass (it is not a step of its own). A zero or
+    non-finite ``||g||`` leaves ``g`` as it is.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Its parameters hold ``g`` (after ``backward``); they hold SAM's gradient after.
+    loss_fn : callable
+        Returns the scalar loss to differentiate, computed afresh from ``model``.
+    rho : float
+        Neighbourhood radius, in the parameters' own units (L2), > 0.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    if not (math.isfinite(float(norm)) and float(norm) > 0):
+        return
+    moves = [p.grad * (rho / norm) for p in params]
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and m.track_running_stats]
+    with torch.no_grad():
+        for p, e in zip(params, moves):
+            p.add_(e)
+    for p in model.parameters():
+        p.grad = None
+    try:
+        for m in norms:  # batch statistics, without updating the running ones
+            m.track_running_stats = False
+        loss_fn().backward()
+    finally:
+        for m in norms:
+            m.track_running_stats = True
+        with torch.no_grad():
+            for p, e in zip(params, moves):
+                p.sub_(e)
 
 
 @torch.no_grad()

@@ -51,6 +51,8 @@ class TrainSettings:
         Per-round decay of ``lr``, in (0, 1] (:func:`fedavg.recipe.round_lr`).
     augment : bool
         Augment the training batches.
+    sam_rho : float
+        SAM's neighbourhood radius, >= 0 (0: plain steps; :func:`fedavg.train.train`).
     seed : int
         Run seed (each node and round derives its own batch order from it).
     proximal_mu : float
@@ -76,6 +78,7 @@ class TrainSettings:
     lr_schedule: str = "constant"
     lr_decay: float = 1.0
     augment: bool = False
+    sam_rho: float = 0.0
     method: str = ""
     method_options: dict = dataclasses.field(default_factory=dict)
     server_round: int = 0
@@ -90,7 +93,7 @@ class TrainSettings:
                    local_epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr,
                    momentum=t.momentum, weight_decay=t.weight_decay, seed=config.data.seed,
                    optimizer=t.optimizer, lr_schedule=t.lr_schedule, lr_decay=t.lr_decay,
-                   augment=t.augment,
+                   augment=t.augment, sam_rho=t.sam_rho,
                    **_method(strategy), **strategy.node_config)
 
     def to_record(self):
@@ -152,6 +155,7 @@ class TrainSettings:
             ("lr-schedule", self.lr_schedule in ("constant", "cosine", "step"),
              "constant, cosine or step"),
             ("lr-decay", 0 < self.lr_decay <= 1, "in (0, 1]"),
+            ("sam-rho", 0 <= self.sam_rho < math.inf, ">= 0 and finite"),
             ("method-options", isinstance(self.method_options, dict), "a JSON object"),
         ]
         for key, ok, need in problems:

@@ -178,3 +178,91 @@ def test_recipe_settings_are_checked_and_travel_to_the_nodes():
     with pytest.raises(ValueError, match="lr-schedule"):
         TrainSettings.from_record(record)
     assert math.isclose(settings.lr, config.train.lr)
+
+
+def test_sam_gradient_by_hand():
+    from fedavg.train import sharpness_aware_gradient
+
+    model = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, 2.0]]))
+
+    def loss():  # sum(w^3) / 3: gradient w^2
+        return (model.weight ** 3).sum() / 3
+
+    loss().backward()  # g = (1, 4), ||g|| = sqrt(17)
+    sharpness_aware_gradient(model, loss, rho=math.sqrt(17))
+    # e = sqrt(17) * g / sqrt(17) = (1, 4): the gradient at (2, 6) is (4, 36) ...
+    assert model.weight.grad.flatten().tolist() == pytest.approx([4.0, 36.0])
+    # ... and the weights are back where they were
+    assert model.weight.detach().flatten().tolist() == pytest.approx([1.0, 2.0])
+
+    model.weight.grad = torch.zeros_like(model.weight)  # a zero gradient: nothing to follow
+    sharpness_aware_gradient(model, loss, rho=0.5)
+    assert model.weight.grad.tolist() == [[0.0, 0.0]]
+
+
+def test_sam_keeps_batchnorm_running_statistics():
+    from fedavg.train import sharpness_aware_gradient
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 1)).train()
+    xb = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 1.0]])
+    model(xb).sum().backward()  # the step's own pass updates them once
+    bn = model[1]
+    kept = (bn.running_mean.clone(), bn.running_var.clone(), int(bn.num_batches_tracked))
+    sharpness_aware_gradient(model, lambda: model(xb).sum(), rho=0.1)
+    assert torch.equal(bn.running_mean, kept[0]) and torch.equal(bn.running_var, kept[1])
+    assert int(bn.num_batches_tracked) == kept[2] and bn.track_running_stats
+
+
+def test_train_with_sam_steps_with_the_gradient_at_the_perturbed_weights():
+    x = np.array([[1.0, -1.0], [0.5, 2.0], [-1.5, 0.5], [2.0, 1.0]], dtype=np.float32)
+    y = np.array([0, 1, 1, 0])
+    torch.manual_seed(0)
+    start = nn.Linear(2, 2)
+    lr, rho = 0.1, 0.3
+
+    # the reference, step by step: g at w, e = rho g / ||g||, g' at w + e, w <- w - lr g'
+    w = [p.detach().clone().requires_grad_(True) for p in start.parameters()]
+    xt, yt = torch.as_tensor(x), torch.as_tensor(y)
+
+    def ce(params):
+        return nn.functional.cross_entropy(xt @ params[0].T + params[1], yt)
+
+    g = torch.autograd.grad(ce(w), w)
+    norm = torch.sqrt(sum((gi ** 2).sum() for gi in g))
+    moved = [(wi + rho * gi / norm).detach().requires_grad_(True) for wi, gi in zip(w, g)]
+    g2 = torch.autograd.grad(ce(moved), moved)
+    expected = [wi.detach() - lr * gi for wi, gi in zip(w, g2)]
+
+    model = nn.Linear(2, 2)
+    model.load_state_dict(start.state_dict())
+    train(model, x, y, TABULAR, epochs=1, batch_size=4, lr=lr, momentum=0.0, sam_rho=rho)
+    for p, e in zip(model.parameters(), expected):
+        assert torch.allclose(p.detach(), e, atol=1e-6)
+    plain = nn.Linear(2, 2)
+    plain.load_state_dict(start.state_dict())
+    train(plain, x, y, TABULAR, epochs=1, batch_size=4, lr=lr, momentum=0.0)
+    assert not torch.allclose(plain.weight, model.weight, atol=1e-4)  # SAM changed the step
+
+
+def test_sam_rho_is_checked_and_travels_to_the_nodes():
+    with pytest.raises(UserError, match=r"--sam-rho must be >= 0 and finite \(got -0.1\)"):
+        RunConfig().replace(sam_rho=-0.1).validate()
+    config = RunConfig().replace(sam_rho=0.05)
+    config.validate()
+    assert RunConfig.from_flat(config.to_flat()).train.sam_rho == 0.05
+    meta = {"model": {"name": "mlp"}, "input": TABULAR, "classes": ["a", "b"]}
+
+    class Plain:
+        node_config: dict = {}
+        node_rule = None
+
+    record = TrainSettings.for_run(config, meta, Plain()).to_record()
+    assert TrainSettings.from_record(record).sam_rho == 0.05
+    record["sam-rho"] = float("nan")
+    with pytest.raises(ValueError, match="'sam-rho' must be >= 0 and finite"):
+        TrainSettings.from_record(record)
+    del record["sam-rho"]  # a coordinator that sends none: plain steps
+    assert TrainSettings.from_record(record).sam_rho == 0.0
+    assert _recipe(config, TABULAR) == ", SAM rho 0.05"
