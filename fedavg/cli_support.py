@@ -53,7 +53,7 @@ def guard():
     except RunError as exc:
         from fedavg.output import RUN_OUTPUT
 
-        hint = resume_hint(RUN_OUTPUT[0]) if RUN_OUTPUT else None
+        hint = resume_hint(RUN_OUTPUT[0], exc.resume_without) if RUN_OUTPUT else None
         err_console.print(f"[bold red]run failed:[/] {escape(one_line(str(exc)))}"
                           + (f"; {escape(hint)}" if hint else ""), highlight=False,
                           soft_wrap=True)
@@ -87,10 +87,11 @@ def on_signal(message, cleanup=None):
     signal.signal(signal.SIGTERM, _stop)
 
 
-def resume_hint(output: Path | None) -> str | None:
+def resume_hint(output: Path | None, without: tuple[str, ...] = ()) -> str | None:
     """Say where the finished rounds are kept and how to resume, or ``None`` without any.
 
     A checkpoint counts when this command wrote it, or when this command resumes it.
+    ``without``: options that made the run fail, left out of the command (and named).
     """
     from fedavg.resume import CHECKPOINT, resume_command
 
@@ -100,8 +101,9 @@ def resume_hint(output: Path | None) -> str | None:
                                                for a in sys.argv[1:]))
     if not ours:
         return None
-    return (f"finished rounds are kept in {output}; resume with: "
-            f"{resume_command(sys.argv[1:], output)}")
+    how = "".join(f" a larger {o} or without it" for o in without)
+    return (f"finished rounds are kept in {output}; resume with{how}: "
+            f"{resume_command(sys.argv[1:], output, drop=without)}")
 
 
 def interrupted(output: Path | None) -> str:

@@ -10,7 +10,15 @@ class UserError(Exception):
 
 
 class RunError(Exception):
-    """A run could not finish (e.g. no node replied in a round); artifacts so far are kept."""
+    """A run could not finish (e.g. no node replied in a round); artifacts so far are kept.
+
+    ``resume_without`` names the options (``--max-update-norm``) that caused the failure:
+    the printed resume command leaves them out, since with them it would fail the same way.
+    """
+
+    def __init__(self, message: str = "", *, resume_without: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.resume_without = resume_without
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:

@@ -136,6 +136,10 @@ def parse_reply(msg: Message) -> tuple[dict[str, torch.Tensor], float, MetricRec
     return state, metrics[keys.NUM_EXAMPLES], metrics
 
 
+class _OverNorm(RunError):
+    """A node's update farther from the round's model than ``--max-update-norm``."""
+
+
 class _RoundTally:
     """Counts, losses and timings of the replies folded into one round."""
 
@@ -144,6 +148,7 @@ class _RoundTally:
         self.loss_sum = self.weight_sum = 0.0
         self.train_s: float | None = None
         self.reasons: list[tuple[int, str]] = []  # (node, why it was left out)
+        self.over_norm = 0  # replies refused by --max-update-norm
 
     def detail(self, most: int = 3) -> str:
         """Return the failures in one line; nodes with the same reason share it."""
@@ -298,6 +303,7 @@ class FlowerAdapter(FlowerFedAvg):
             del state
         except (RunError, strategies.MergeError, ValueError, TypeError) as exc:
             tally.failed += 1
+            tally.over_norm += isinstance(exc, _OverNorm)
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if partition >= 0:  # Flower's node ids mean little to a user; partitions do
                 reason = f"(partition {partition}) {reason}"
@@ -328,16 +334,19 @@ class FlowerAdapter(FlowerFedAvg):
         strategies.check_compatible(self.reference, state, str(node))
         norm = strategies.update_norm(self.reference, state)
         if norm > self.max_update_norm:
-            raise RunError(f"update norm {norm:.4g} exceeds --max-update-norm "
-                           f"{self.max_update_norm:g}")
+            raise _OverNorm(f"update norm {norm:.4g} exceeds --max-update-norm "
+                            f"{self.max_update_norm:g}")
 
     def _finish_round(self, server_round: int, tally: _RoundTally) -> strategies.Merged:
+        # refused by the norm check, the same models would be refused again on resume
+        drop = ("--max-update-norm",) if tally.over_norm else ()
         if not tally.used:
             raise RunError(f"round {server_round}: no usable model from any node "
-                           f"({tally.detail()})")
+                           f"({tally.detail()})", resume_without=drop)
         if tally.used < self.min_replies:
             raise RunError(f"round {server_round}: only {tally.used} usable model(s), fewer "
-                           f"than --min-nodes-per-round {self.min_replies}")
+                           f"than --min-nodes-per-round {self.min_replies}",
+                           resume_without=drop)
         try:
             merged = self.merge.result()
         except strategies.MergeError as exc:

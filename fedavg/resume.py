@@ -363,21 +363,23 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
-def resume_command(argv: list[str], output: Path) -> str:
+def resume_command(argv: list[str], output: Path, drop: Iterable[str] = ()) -> str:
     """Return the command that resumes an interrupted run: ``argv`` with ``--resume OUTPUT``.
 
-    ``--output`` and ``--overwrite`` are dropped (the run folder is the resumed one); the
-    other options stay, since settings equal to the run's are accepted.
+    ``--output`` and ``--overwrite`` are dropped (the run folder is the resumed one), and so
+    are the options in ``drop`` with their values (each an option of :data:`MAY_CHANGE`);
+    the other options stay, since settings equal to the run's are accepted.
     """
+    valued = ("--output", "--resume", *drop)
     args, skip = [], False
     for arg in argv:
         if skip:
             skip = False
             continue
-        if arg in ("--output", "--resume"):
+        if arg in valued:
             skip = True
             continue
-        if arg == "--overwrite" or arg.startswith(("--output=", "--resume=")):
+        if arg == "--overwrite" or arg.startswith(tuple(f"{v}=" for v in valued)):
             continue
         args.append(arg)
     return shlex.join(["fedavg", *args, "--resume", str(output)])

@@ -257,6 +257,10 @@ def test_resume_command_replaces_output_and_keeps_the_rest():
     again = ["simulate", "--resume", "runs/x", "--rounds", "9"]
     assert resume.resume_command(again, Path("runs/x")) == \
         "fedavg simulate --rounds 9 --resume runs/x"
+    # the option that made the run fail is left out, in both spellings
+    refused = ["simulate", "--max-update-norm", "2", "--rounds", "9", "--max-update-norm=3"]
+    assert resume.resume_command(refused, Path("runs/x"), drop=("--max-update-norm",)) == \
+        "fedavg simulate --rounds 9 --resume runs/x"
 
 
 # --------------------------------------------------------------------------- end to end

@@ -1,7 +1,9 @@
 """Bad updates from nodes: the update-norm bound, non-finite merges, and random replies."""
 
+import json
 import math
 import re
+import shlex
 
 import pytest
 import torch
@@ -126,5 +128,17 @@ def test_cli_bound_rejects_every_update_and_says_why(tmp_path):
     assert re.search(r"\(partition [01]\) update norm [0-9.]+ exceeds --max-update-norm 1e-06",
                      proc.stderr), proc.stderr
     assert "Traceback" not in proc.stderr
+    # a later round refused: the resume command it prints leaves the bound out, and works
+    run_cli("simulate", "--num-nodes", "2", "--rounds", "1", "--output", tmp_path / "ok")
+    proc = run_cli("simulate", "--resume", tmp_path / "ok", "--rounds", "2",
+                   "--max-update-norm", "1e-6", check=False)
+    assert proc.returncode == 1 and "round 2: no usable model" in proc.stderr, proc.stderr
+    hint = proc.stderr.replace("\n", "").split("resume with a larger --max-update-norm or "
+                                                "without it: ")[1]
+    assert "--max-update-norm" not in hint, hint
+    args = shlex.split(hint)
+    assert args[:2] == ["fedavg", "simulate"]
+    run_cli(*args[1:])
+    assert json.loads((tmp_path / "ok" / "summary.json").read_text())["rounds"] == 2
     bad = run_cli("simulate", "--max-update-norm", "-1", check=False)
     assert bad.returncode == 2 and "--max-update-norm must be > 0" in bad.stderr
