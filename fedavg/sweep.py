@@ -166,7 +166,10 @@ def load_sweep(path: str | Path) -> Sweep:
     for name, s, config in zip(names, settings, configs):
         _validate(path, name, config)
         points.append(Point(name, s, config))
-    _no_repeats(path, points, effective)
+    origins = [f"grid point {p.name}" for p in points[:len(combos)]]
+    origins += [f"[[points]] entry {i} ({p.name})"
+                for i, p in enumerate(points[len(combos):], start=1)]
+    _no_repeats(path, origins, effective)
     return Sweep(path, tuple(points), tuple(varying))
 
 
@@ -330,14 +333,15 @@ def _validate(path: Path, name: str, config: RunConfig) -> None:
         raise UserError(f"{path}: point {name}: {exc}") from None
 
 
-def _no_repeats(path: Path, points: list[Point], effective: list[dict[str, Any]]) -> None:
+def _no_repeats(path: Path, origins: list[str], effective: list[dict[str, Any]]) -> None:
+    """Refuse two points with the same settings, naming where each comes from."""
     seen: dict[str, str] = {}
-    for point, e in zip(points, effective):
+    for origin, e in zip(origins, effective):
         key = json.dumps(e, sort_keys=True)
         if key in seen:
-            raise UserError(f"{path}: point {point.name} has the same settings as point "
-                            f"{seen[key]}; remove one of them")
-        seen[key] = point.name
+            raise UserError(f"{path}: {origin} has the same settings as {seen[key]}; remove "
+                            "one of them")
+        seen[key] = origin
 
 
 def select(spec: Sweep, only: list[str]) -> Sweep:

@@ -61,7 +61,13 @@ BAD = [
      "point strategy=fedavg: strategy fedavg does not take --mu"),
     ("[base]\nstrategy = \"fedprox\"\n[grid]\nmu = [0.1, -1.0]\n", "point mu=-1.0: fedprox:"),
     ("[grid]\nstrategy = [\"nope\", \"fedavg\"]\n", "point strategy=nope: unknown strategy"),
-    ("[grid]\nseed = [0]\n[[points]]\nseed = 0\n", "has the same settings as point"),
+    ("[grid]\nseed = [0, 1]\n[[points]]\nseed = 1\n", "[[points]] entry 1 (seed=1_"),
+    ("[grid]\nseed = [0, 1]\n[[points]]\nseed = 1\n",
+     "has the same settings as grid point seed=1_"),
+    ("[[points]]\nseed = 1\n[[points]]\nseed = 2\n[[points]]\nseed = 1\n",
+     "[[points]] entry 3 (seed=1_"),
+    ("[[points]]\nseed = 1\n[[points]]\nseed = 2\n[[points]]\nseed = 1\n",
+     "has the same settings as [[points]] entry 1 (seed=1_"),
     ("[grid\nseed = [0]\n", "is not valid TOML"),
 ]
 
