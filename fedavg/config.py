@@ -116,9 +116,7 @@ class TrainConfig:
         Augment the nodes' training batches (random crop, and flip for colour images;
         nothing for text or tabular data); never the evaluation.
     sam_rho : float
-        >= 0: sharpness-aware minimisation on the nodes (FedSAM), each step's gradient
-        taken ``rho`` away along the gradient (:func:`fedavg.train.sharpness_aware_gradient`;
-        twice a step's cost); 0: off.
+        FedSAM's radius on the nodes, >= 0 (0: off; :func:`fedavg.train.sharpness_aware_gradient`).
     device : str
         ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
     """
@@ -388,20 +386,16 @@ def _check_train(c: RunConfig) -> str | None:
     if t.pretrained and not t.model.startswith("torchvision:"):
         return ("--pretrained takes a torchvision:NAME model (an hf: folder starts from its "
                 "own weights; your own builder can take a --model-arg for it)")
-    if t.local_epochs < 1:
-        return f"--local-epochs must be >= 1 (got {t.local_epochs})"
-    if t.batch_size < 1:
-        return f"--batch-size must be >= 1 (got {t.batch_size})"
-    if not 0 < t.lr < math.inf:
-        return f"--lr must be > 0 and finite (got {t.lr})"
-    if not 0 <= t.momentum < 1:
-        return f"--momentum must be in [0, 1) (got {t.momentum})"
-    if not 0 <= t.weight_decay < math.inf:
-        return f"--weight-decay must be >= 0 and finite (got {t.weight_decay})"
-    if not 0 < t.lr_decay <= 1:
-        return f"--lr-decay must be in (0, 1] (got {t.lr_decay})"
-    if not 0 <= t.sam_rho < math.inf:
-        return f"--sam-rho must be >= 0 and finite (got {t.sam_rho}); 0 turns SAM off"
+    for flag, value, ok, need in (
+            ("local-epochs", t.local_epochs, t.local_epochs >= 1, ">= 1"),
+            ("batch-size", t.batch_size, t.batch_size >= 1, ">= 1"),
+            ("lr", t.lr, 0 < t.lr < math.inf, "> 0 and finite"),
+            ("momentum", t.momentum, 0 <= t.momentum < 1, "in [0, 1)"),
+            ("weight-decay", t.weight_decay, 0 <= t.weight_decay < math.inf, ">= 0 and finite"),
+            ("lr-decay", t.lr_decay, 0 < t.lr_decay <= 1, "in (0, 1]"),
+            ("sam-rho", t.sam_rho, 0 <= t.sam_rho < math.inf, ">= 0 and finite")):
+        if not ok:
+            return f"--{flag} must be {need} (got {value})"
     if t.optimizer not in OPTIMIZERS:
         return f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {t.optimizer!r})"
     from fedavg.recipe import LR_SCHEDULES

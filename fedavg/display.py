@@ -115,8 +115,13 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
         f"{_plural(config.merge.rounds, 'round')}, "
         f"{config.nodes_per_round}/{config.merge.num_nodes} "
         f"nodes per round, {config.train.local_epochs} local epoch(s)"
-        + _recipe(config, {"kind": prepared.data.kind, "shape": list(prepared.spec.input_shape)})
+        + recipe_text(config, prepared)
     )
+
+
+def recipe_text(config: RunConfig, prepared) -> str:
+    """Return the run's recipe as the plan's line ends it (``, cosine learning rate``; or "")."""
+    return _recipe(config, {"kind": prepared.data.kind, "shape": list(prepared.spec.input_shape)})
 
 
 def _recipe(config: RunConfig, input_spec: dict[str, Any]) -> str:

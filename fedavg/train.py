@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fedavg.data import normalize
+from fedavg.recipe import augmenter, make_scheduler
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -57,10 +58,12 @@ def evaluation_device(device: str = "auto") -> torch.device:
         return torch.device("cuda")
 
 
-def _batches(n: int, batch_size: int, generator: torch.Generator | None):
+def _batches(n: int, batch_size: int, generator: torch.Generator | None, smallest: int = 1):
+    """Yield the index batches of one epoch, leaving out one smaller than ``smallest``."""
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
     for start in range(0, n, batch_size):
-        yield order[start : start + batch_size]
+        if min(batch_size, n - start) >= smallest:
+            yield order[start : start + batch_size]
 
 
 def make_optimizer(model: nn.Module, name: str, *, lr: float, momentum: float,
@@ -126,10 +129,8 @@ def train(
         ``constant``, ``cosine`` or ``step`` over this call's steps; augment each batch with
         the default of its kind of input (both :mod:`fedavg.recipe`).
     sam_rho : float
-        Sharpness-aware minimisation (SAM, Foret et al. 2021, arXiv:2010.01412; on the nodes
-        of a federation, FedSAM, Caldarola et al. 2022, arXiv:2203.11834): each step takes
-        its gradient at ``w + rho * g / ||g||``, ``g`` the batch's gradient at ``w``, for
-        twice the cost of a step. 0 is plain SGD.
+        SAM's radius: each step's gradient is taken at ``w + rho * g / ||g||`` (FedSAM on the
+        nodes, :func:`sharpness_aware_gradient`; twice a step's cost). 0 is plain SGD.
     rule : strategies.NodeRule, optional
         A method's node side, begun: its ``loss`` joins each batch's, ``before_step`` runs.
 
@@ -139,9 +140,6 @@ def train(
         ``train_loss`` (mean cross-entropy over all steps, nats, without the proximal
         term or the rule's), ``num_examples`` (samples in the partition), ``steps``.
     """
-    from fedavg.recipe import augmenter, make_scheduler
-
-    device = torch.device(device)
     model.to(device).train()
     xt, yt = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.long)
     opt = make_optimizer(model, optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay)
@@ -149,29 +147,33 @@ def train(
     aug = augmenter(input_spec) if augment else None
     g = torch.Generator().manual_seed(seed)
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
-    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    extras = (anchor, proximal_mu, rule, sam_rho)
+    smallest = 2 if _has_batchnorm(model) else 1  # BatchNorm cannot train on one sample
     total = count = steps = 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # the augmentations' draws, without touching the caller's
         for _ in range(epochs):
-            for idx in _batches(len(yt), batch_size, g):
-                if len(idx) < 2 and has_bn:
-                    continue  # BatchNorm cannot train on a single sample
+            for idx in _batches(len(yt), batch_size, g, smallest):
                 xb = normalize((xt[idx] if aug is None else aug(xt[idx])).to(device), input_spec)
-                loss = _step(model, opt, xb, yt[idx].to(device), anchor, proximal_mu, rule,
-                             sam_rho)
+                loss = _step(model, opt, xb, yt[idx].to(device), *extras)
                 if sched is not None:
                     sched.step()
                 total, count, steps = total + loss * len(idx), count + len(idx), steps + 1
     if count and not math.isfinite(total):
-        raise FloatingPointError(f"training diverged (loss {total / count}); {_remedy(rule)}")
+        raise FloatingPointError(_diverged(total / count, rule, sam_rho))
     return {"train_loss": total / max(count, 1), "num_examples": int(len(yt)), "steps": steps}
 
 
-def _remedy(rule) -> str:
-    """Return what to change when training diverged: the rate, or the method's options."""
+def _has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def _diverged(loss: float, rule, sam_rho: float) -> str:
+    """Say that training diverged and what to change: the rates, or the method's options."""
     own = [] if rule is None else ["--" + k.replace("_", "-") for k in rule.options]
-    return "lower --lr" + (f" or check {', '.join(own)}" if own else "")
+    lower = "--lr or --sam-rho" if sam_rho > 0 else "--lr"
+    return f"training diverged (loss {loss}); lower {lower}" + (
+        f" or check {', '.join(own)}" if own else "")
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor,

@@ -192,11 +192,13 @@ def test_nodes_keep_their_own_method_state_between_rounds(cluster, tmp_path):
     """
     out = tmp_path / "run"
     coord = cluster.coordinator("--rounds", "2", "--min-nodes", "2", "--insecure",
-                                "--strategy", "scaffold", "--save-node-models", "--output", out)
+                                "--strategy", "scaffold", "--save-node-models", "--output", out,
+                                "--sam-rho", "0.05")  # FedSAM steps on the nodes, too
     nodes = [cluster.node(f"node{i}", "--insecure", "--partition-id", i,
                           "--num-partitions", 2, "--once") for i in range(2)]
     assert cluster.wait(coord) == 0, cluster.log("coordinator")
     assert [r["num_nodes"] for r in rounds_of(out)] == [2, 2]
+    assert "2 rounds, SAM rho 0.05; waiting for 2 node(s)" in cluster.log("coordinator")
     infos = [json.loads((d / "model.json").read_text())["node"]
              for d in sorted((out / "nodes").iterdir())]
     assert [i["state_round"] for i in infos] == [1, 1], infos

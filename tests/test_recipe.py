@@ -266,3 +266,11 @@ def test_sam_rho_is_checked_and_travels_to_the_nodes():
     del record["sam-rho"]  # a coordinator that sends none: plain steps
     assert TrainSettings.from_record(record).sam_rho == 0.0
     assert _recipe(config, TABULAR) == ", SAM rho 0.05"
+
+
+def test_a_diverged_sam_run_names_sam_rho_as_a_remedy():
+    x = np.array([[np.inf, -1.0], [0.5, 2.0]], dtype=np.float32)  # a NaN loss at once
+    with pytest.raises(FloatingPointError, match=r"lower --lr or --sam-rho$"):
+        train(nn.Linear(2, 2), x, np.array([0, 1]), TABULAR, batch_size=2, sam_rho=0.05)
+    with pytest.raises(FloatingPointError, match=r"lower --lr$"):  # no SAM: not named
+        train(nn.Linear(2, 2), x, np.array([0, 1]), TABULAR, batch_size=2)

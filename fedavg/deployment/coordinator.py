@@ -196,7 +196,7 @@ def _run(opts: _Options, prepared, state, console, trackers) -> tuple[Path, int]
     tuple
         The run folder and Flower's run id.
     """
-    from fedavg.display import reporter, show_plan
+    from fedavg.display import recipe_text, reporter, show_plan
 
     say = reporter(console, opts.certs is None)
     tmp = PrivateDir("fedavg-coordinator-")
@@ -210,7 +210,8 @@ def _run(opts: _Options, prepared, state, console, trackers) -> tuple[Path, int]
         show_plan(console, prepared, opts.config, table=False)
         say(f"run {run_id}: model [bold]{prepared.spec.name}[/], strategy "
             f"[bold]{opts.config.merge.strategy}[/], {opts.config.merge.rounds} "
-            f"round{'' if opts.config.merge.rounds == 1 else 's'}; waiting "
+            f"round{'' if opts.config.merge.rounds == 1 else 's'}"
+            f"{recipe_text(opts.config, prepared)}; waiting "
             f"for {opts.min_nodes} node(s) (up to {opts.wait_timeout:g} s)")
         endpoint = flower_compat.Endpoint(
             opts.connect, None if opts.ca_cert is None else opts.ca_cert.read_bytes(), secret)
