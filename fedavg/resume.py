@@ -235,10 +235,10 @@ def _from_parts(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Chec
         raise ValueError(f"round {ckpt.round} with {len(ckpt.rounds)} round records")
     _check_random(ckpt)
     start = ckpt.run_config().validate().merge.swa_start
-    if bool(ckpt.swa) != (averaged_rounds(start, ckpt.round) > 0):
+    count = averaged_rounds(start, ckpt.round)
+    if bool(ckpt.swa) != (count > 0):
         raise ValueError(f"a weight average in {len(ckpt.swa)} tensors where --swa-start "
-                         f"{start} after round {ckpt.round} averages "
-                         f"{averaged_rounds(start, ckpt.round)} models")
+                         f"{start} after round {ckpt.round} averages {count} models")
     return ckpt
 
 

@@ -148,7 +148,7 @@ def train(
     g = torch.Generator().manual_seed(seed)
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
     extras = (anchor, proximal_mu, rule, sam_rho)
-    smallest = 2 if _has_batchnorm(model) else 1  # BatchNorm cannot train on one sample
+    smallest = 2 if _batchnorms(model) else 1  # BatchNorm cannot train on one sample
     total = count = steps = 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # the augmentations' draws, without touching the caller's
@@ -164,8 +164,9 @@ def train(
     return {"train_loss": total / max(count, 1), "num_examples": int(len(yt)), "steps": steps}
 
 
-def _has_batchnorm(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+def _batchnorms(model: nn.Module) -> list[nn.Module]:
+    """Return ``model``'s BatchNorm layers (any dimension)."""
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
 def _diverged(loss: float, rule, sam_rho: float) -> str:
@@ -230,12 +231,11 @@ def sharpness_aware_gradient(model: nn.Module, loss_fn, rho: float) -> None:
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-    if not (math.isfinite(float(norm)) and float(norm) > 0):
+    norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+    if not (math.isfinite(norm) and norm > 0):
         return
     moves = [p.grad * (rho / norm) for p in params]
-    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-             and m.track_running_stats]
+    norms = [m for m in _batchnorms(model) if m.track_running_stats]
     with torch.no_grad():
         for p, e in zip(params, moves):
             p.add_(e)
