@@ -2,8 +2,11 @@
 
 Flower's own FedAvg samples nodes and sends messages; :class:`FlowerAdapter` replaces only
 its aggregation: each reply is checked, turned into ``(state_dict, num_examples)`` and folded
-into a registered ``strategies`` merge, one at a time (:class:`StreamingGrid` hands replies
-over as they arrive, so the coordinator holds one node model at a time).
+into a registered ``strategies`` merge, one at a time. A round whose node models together
+take at most :data:`ORDERED_FOLD_BYTES` is held and folded in partition order, so that a
+seeded run saves the same bytes whichever node answers first (floating-point sums depend on
+their order). A larger round is folded as its replies arrive (:class:`StreamingGrid` hands
+them over one by one), so the coordinator holds one node model at a time.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ import strategies
 from fedavg import keys
 from fedavg.errors import RunError
 from fedavg.flower_compat import error_summary
+
+#: The most bytes of node models a round holds to fold them in partition order (1 GiB);
+#: above it replies are folded as they arrive, in O(model) memory.
+ORDERED_FOLD_BYTES = 1 << 30
 
 
 class StreamingGrid:
@@ -268,8 +275,7 @@ class FlowerAdapter(FlowerFedAvg):
         tally = _RoundTally()
         sent_to = getattr(replies, "destination", None) or {}
         answered: set[str] = set()
-        ordered = sorted(replies, key=_fold_order) if getattr(self.merge, "ordered", False) \
-            else replies
+        ordered = sorted(replies, key=_fold_order) if self._hold_round(replies) else replies
         for msg in ordered:
             # an error reply made by the SuperLink (node gone) names the SuperLink as source
             answered.add(msg.metadata.reply_to_message_id)
@@ -282,6 +288,14 @@ class FlowerAdapter(FlowerFedAvg):
         metrics_out = MetricRecord({"train-loss": self.last_train["train_loss"],
                                     "num-nodes": tally.used})
         return ArrayRecord(merged.state_dict), metrics_out
+
+    def _hold_round(self, replies: Iterable[Message]) -> bool:
+        """Whether to fold this round's replies in partition order (see the module notes)."""
+        if getattr(self.merge, "ordered", False) or isinstance(replies, (list, tuple)):
+            return True  # SCAFFOLD's variates amplify rounding; a list is held already
+        sent = len(getattr(replies, "destination", None) or {})
+        model_bytes = sum(t.numel() * t.element_size() for t in self.reference.values())
+        return 0 < sent and sent * model_bytes <= ORDERED_FOLD_BYTES
 
     def _fold(self, server_round: int, node: int, msg: Message, tally: _RoundTally) -> None:
         partition = -1

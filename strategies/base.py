@@ -142,9 +142,10 @@ class Strategy:
     options: tuple[Option, ...] = ()
     """The settings this strategy takes (see :class:`Option`); each becomes an attribute."""
     ordered: bool = False
-    """Fold a round's replies in partition order rather than as they arrive, so that a run
-    does not depend on which node answered first (the coordinator then holds the round's
-    replies at once). For methods that amplify rounding differences (SCAFFOLD)."""
+    """Always fold a round's replies in partition order rather than as they arrive, so that
+    a run does not depend on which node answered first, even when the round's models exceed
+    ``fedavg.flower_adapter.ORDERED_FOLD_BYTES`` (the coordinator then holds them all). For
+    methods that amplify rounding differences (SCAFFOLD)."""
     node_rule: type | None = None
     """A :class:`strategies.local.NodeRule` subclass when the method changes local
     training (SCAFFOLD, FedNova, MOON, FedDyn); nodes run it with :meth:`node_options`."""

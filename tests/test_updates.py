@@ -142,3 +142,38 @@ def test_cli_bound_rejects_every_update_and_says_why(tmp_path):
     assert json.loads((tmp_path / "ok" / "summary.json").read_text())["rounds"] == 2
     bad = run_cli("simulate", "--max-update-norm", "-1", check=False)
     assert bad.returncode == 2 and "--max-update-norm must be > 0" in bad.stderr
+
+
+def test_a_round_is_folded_in_partition_order_whatever_the_arrival(task_identity, monkeypatch):
+    """Float sums depend on their order: a held round saves the same bits for any arrival."""
+    from itertools import permutations
+
+    from fedavg import flower_adapter
+
+    gen = torch.Generator().manual_seed(0)
+    models = [torch.randn(500, generator=gen) * 10.0 ** p for p in range(4)]
+
+    def merged(order, budget):
+        monkeypatch.setattr(flower_adapter, "ORDERED_FOLD_BYTES", budget)
+        replies = []
+        for pid in order:
+            sent = Message(content=RecordDict(), dst_node_id=20 + pid, message_type="train")
+            replies.append(Message(RecordDict({
+                "arrays": ArrayRecord({"w": models[pid]}),
+                "metrics": MetricRecord({"num-examples": 7 + pid, "partition-id": pid})}),
+                reply_to=sent))
+        adapter = FlowerAdapter(strategies.get("fedavg"), {"w": torch.zeros(500)},
+                                lambda *a: None)
+        # as StreamingGrid hands them over: one pass, one destination per message sent
+        stream = flower_adapter._Replies(iter(replies), {"": 20})
+        arrays, _ = adapter.aggregate_train(1, stream)
+        return arrays.to_torch_state_dict()["w"]
+
+    orders = list(permutations(range(4)))
+    held = [merged(o, 1 << 30) for o in orders]
+    assert all(torch.equal(held[0], h) for h in held)
+    # above the bound, replies are folded as they arrive: the bits then show the order
+    streamed = [merged(o, 0) for o in orders]
+    assert not all(torch.equal(streamed[0], s) for s in streamed)
+    expected = sum((7 + p) * models[p].double() for p in range(4)) / sum(7 + p for p in range(4))
+    assert torch.allclose(held[0].double(), expected, rtol=1e-6, atol=1e-3)
