@@ -38,17 +38,53 @@ def model_dirs(paths: Sequence[str | Path]) -> list[Path]:
     return found
 
 
-def _validation(source: str, meta: dict[str, Any], fraction: float, tokenizer) -> Split:
+def _validation(source: str, meta: dict[str, Any], fraction: float, tokenizer,
+                held_out: bool = False) -> Split:
+    """Return samples of ``source`` for a data-driven merge, shaped like the models' inputs.
+
+    A dataset's ``validation`` split, else a seeded ``fraction`` of its train split. With
+    ``held_out`` (``--validation``) and ``source`` the dataset the models' run trained on,
+    the samples are the slice that run kept from its nodes (its seed and fraction), so the
+    merge never validates on data the nodes trained on.
+
+    Raises
+    ------
+    UserError
+        ``held_out``, the run's own dataset, no slice kept by the run (its metadata says
+        ``validation_samples: 0``) and no ``validation`` split: every train sample trained a
+        node.
+    """
     ds = meta.get("dataset", {})
     seed = int(ds.get("seed", 0))
     data = load(source, seed=seed, test_fraction=float(ds.get("test_fraction", 0.2)),
                 tokenizer=tokenizer)
     check_kind(meta["input"], data, source)
-    if "validation" in data.splits:
+    own = held_out and _same_source(source, ds.get("source"))
+    kept = ds.get("validation_samples")
+    if own and kept:  # the same slice `fedavg simulate` kept from the nodes
+        fraction = float(meta.get("config", {}).get("merge", {}).get("validation_fraction",
+                                                                     fraction))
+        _, split = holdout(data.train, fraction, seed + 1)
+    elif "validation" in data.splits:
         split = data.splits["validation"]
-    else:  # the same slice `fedavg simulate` keeps from the nodes for this dataset and seed
+    elif own and kept == 0:
+        raise UserError(f"--validation {source}: the nodes of these models trained on all of "
+                        "its train split (their run kept no validation slice); pass data they "
+                        "did not train on, or train with a strategy that keeps a slice "
+                        "(e.g. --ensemble-weights fitted)")
+    else:
         _, split = holdout(data.train, fraction, seed + 1)
     return conform(split, source, meta["input"]["shape"], data.classes, meta["classes"])
+
+
+def _same_source(given: str, recorded: str | None) -> bool:
+    """Whether ``given`` names the dataset recorded as ``recorded`` (as written, or the path)."""
+    if recorded is None:
+        return False
+    if given == recorded:
+        return True
+    a, b = Path(given).expanduser(), Path(recorded).expanduser()
+    return a.exists() and b.exists() and a.resolve() == b.resolve()
 
 
 def merge_models(
@@ -160,7 +196,8 @@ def _merge_data(config: RunConfig, strategy, first: dict[str, Any], tokenizer):
     if strategy.needs_validation:
         if not m.validation:
             raise UserError(f"{m.strategy} needs held-out data: pass --validation DATASET")
-        validation = _validation(m.validation, first, m.validation_fraction, tokenizer)
+        validation = _validation(m.validation, first, m.validation_fraction, tokenizer,
+                                 held_out=True)
     if strategy.needs_unlabeled:
         if not m.distill_data:
             raise UserError(f"{m.strategy} needs unlabeled inputs: pass --distill-data DATASET")

@@ -109,3 +109,45 @@ def test_merge_refuses_mixed_architectures(tmp_path, node_models):
     assert res.exit_code == 2 and "no such model folder" in res.output
     res = runner.invoke(app, ["merge", "--output", str(tmp_path / "x")])
     assert res.exit_code == 2 and "pass the model folders" in res.output
+
+
+def _saved_run(tmp_path, kept: int, fraction: float = 0.1):
+    """Two node models whose run kept ``kept`` validation samples (``fraction`` of train)."""
+    meta = _meta()
+    meta["dataset"]["validation_samples"] = kept
+    meta["config"] = {"merge": {"validation_fraction": fraction}}
+    for i in range(2):
+        torch.manual_seed(i)
+        checkpoint.save(tmp_path / "nodes" / f"node-{i}",
+                        build_model("mlp", (1, 8, 8), 10).state_dict(),
+                        {**meta, "node": {"num_examples": 10, "partition_id": i}})
+    return tmp_path / "nodes", meta
+
+
+def test_merge_validates_on_the_slice_the_run_kept_from_its_nodes(tmp_path):
+    import numpy as np
+
+    from fedavg.data import holdout
+    from fedavg.merge import _validation
+
+    _, meta = _saved_run(tmp_path, kept=288, fraction=0.2)
+    got = _validation("digits", meta, 0.1, None, held_out=True)
+    # the run's own fraction (0.2 of digits' 1,438 train samples) and seed + 1, not merge's 0.1
+    _, want = holdout(load("digits", seed=0).train, 0.2, 1)
+    assert len(got) == 288 and np.array_equal(got.y, want.y)
+    assert np.array_equal(got.x.reshape(len(got), -1), want.x.reshape(len(want), -1))
+
+
+def test_merge_refuses_validation_data_the_nodes_trained_on(tmp_path):
+    folder, _ = _saved_run(tmp_path, kept=0)
+    res = runner.invoke(app, ["merge", str(folder), "--strategy", "greedy-soup",
+                              "--validation", "digits", "--output", str(tmp_path / "soup")])
+    assert res.exit_code == 2, res.output
+    assert "trained on all of its train split" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "soup").exists()
+    # another dataset is data the nodes did not train on: a slice of it is fine
+    from fedavg.merge import _validation
+
+    _, meta = _saved_run(tmp_path / "elsewhere", kept=0)
+    meta["dataset"]["source"] = str(tmp_path / "their-data")
+    assert len(_validation("digits", meta, 0.1, None, held_out=True)) == 144
