@@ -198,7 +198,7 @@ def model_tokenizer(meta: dict[str, Any], directory: str | Path):
 
 
 def _collect(inputs: Sequence[str]) -> list[tuple[str, Any]]:
-    """Turn inputs into ``("image", path)`` and ``("dataset", source)`` items."""
+    """Turn inputs into ``("image", path)`` and ``("dataset", source)`` items, each image once."""
     items: list[tuple[str, Any]] = []
     for raw in inputs:
         path = Path(raw).expanduser()
@@ -230,7 +230,15 @@ def _collect(inputs: Sequence[str]) -> list[tuple[str, Any]]:
         items.extend(("image", p) for p in images)
     if not items:
         raise UserError("nothing to predict: pass image files, folders or a dataset")
-    return items
+    seen: set[Path] = set()  # an image given itself and in a folder is predicted once
+    unique = []
+    for kind, item in items:
+        if kind == "image":
+            if item.resolve() in seen:
+                continue
+            seen.add(item.resolve())
+        unique.append((kind, item))
+    return unique
 
 
 def predict(

@@ -1,6 +1,7 @@
 """What a new user reads: the version, help texts, tables at any width, notes on inputs."""
 
 import json
+from pathlib import Path
 
 import click
 import numpy as np
@@ -112,6 +113,20 @@ def test_predict_prints_the_note_once(tmp_path):
     assert "3 of 3 image(s) resized" in res.stderr
     for path in images:
         assert path.name in res.stdout
+
+
+def test_an_image_given_and_in_a_given_folder_is_predicted_once(tmp_path):
+    from fedavg.inference import predict
+
+    model = checkpoint.save(tmp_path / "model", build_model("mlp", (1, 8, 8), 10).state_dict(),
+                            META)
+    (tmp_path / "imgs").mkdir()
+    a = _image(tmp_path / "imgs" / "a.png", 8)
+    _image(tmp_path / "imgs" / "b.png", 8)
+    again = tmp_path / "imgs" / ".." / "imgs" / "b.png"  # another spelling of b.png
+    rows = predict(model, [str(a), str(tmp_path / "imgs"), str(again)])
+    assert sorted(Path(r["input"]).name for r in rows) == ["a.png", "b.png"]
+    assert Path(rows[0]["input"]) == a  # in the order given
 
 
 def test_evaluate_names_the_dataset_alike_in_text_and_json(tmp_path, monkeypatch):
