@@ -409,11 +409,27 @@ def _sweep_notes(root: Path) -> list[str]:
             + ", ".join(map(str, missing[:5])) + (" ..." if len(missing) > 5 else "")]
 
 
+#: Settings that only mean something with one partitioner.
+_PARTITIONER_SETTINGS = {"alpha": "dirichlet", "classes-per-node": "pathological",
+                         "partition-by": "natural"}
+
+
+def applies(key: str, settings: dict[str, Any]) -> bool:
+    """Whether setting ``key`` shaped a run with these flat ``settings``.
+
+    ``alpha`` applies only with the Dirichlet partitioner, ``classes-per-node`` with the
+    pathological one and ``partition-by`` with the natural one; every other setting applies.
+    """
+    wanted = _PARTITIONER_SETTINGS.get(key)
+    return wanted is None or settings.get("partitioner") == wanted
+
+
 def _write_markdown(path: Path, root: Path, runs: list[Run], groups: list[Group], table: str,
                     target: float, plots: list[Path], notes: list[str], published=None
                     ) -> Path:
     shared = {k: v for k, v in runs[0].settings.items()
-              if all(r.settings.get(k) == v for r in runs) and v is not None}
+              if all(r.settings.get(k) == v for r in runs) and v is not None
+              and all(applies(k, r.settings) for r in runs)}
     text = [f"# Results: {root}", "",
             f"{len(runs)} runs in {len(groups)} groups (runs identical but for `seed`); "
             f"mean ± sample std over a group's runs; round ≥ {target:g}: the first round "

@@ -461,6 +461,20 @@ def test_report_groups_over_seeds_with_mean_and_std(runs):
     assert "| fedavg | 3 | 0 1 2 | 0.8000 ± 0.1000 | 0.8000 ± 0.1000 | 2 (1/3) | 2 |" in md
     assert "| fedprox | 1 | 0 | 0.9500 | 0.9500 | 2 (1/1) | 2 |" in md
     assert "![accuracy per round](plots/accuracy_per_round.png)" in md
+    # iid runs: the Dirichlet alpha and the pathological labels per node shaped none of them
+    shared = next(line for line in md.splitlines() if line.startswith("Shared settings"))
+    assert "`partitioner=iid`" in shared and "`lr=" in shared
+    assert "`alpha=" not in shared and "`classes-per-node=" not in shared
+
+
+def test_settings_apply_by_partitioner():
+    from fedavg.report import applies
+
+    assert applies("alpha", {"partitioner": "dirichlet"})
+    assert not applies("alpha", {"partitioner": "iid"})
+    assert applies("classes-per-node", {"partitioner": "pathological"})
+    assert not applies("partition-by", {"partitioner": "dirichlet"})
+    assert applies("lr", {"partitioner": "iid"})
 
 
 def test_runs_csv_numbers_equal_the_summary_files(runs):
