@@ -28,6 +28,7 @@ from fedavg.config import RunConfig
 from fedavg.display import Progress
 from fedavg.flower_adapter import FlowerAdapter, StreamingGrid
 from fedavg.models import merge_context
+from fedavg.output import clear_previous_run
 from fedavg.run import Prepared, RoundRecord, RunState
 from fedavg.train import evaluate, evaluation_device
 from fedavg.wire import TrainSettings
@@ -179,8 +180,8 @@ class ServerRun:
         done = 0 if self.resume_from is None else self.resume_from.round
         if self.resume_from is not None:
             initial = self._resume(self.resume_from, initial)
-        else:
-            self.metrics_path.unlink(missing_ok=True)
+        else:  # a run replaced with --overwrite goes as a whole, now that training starts
+            clear_previous_run(self.output)
         if self.deployment is not None:
             self.deployment.wait_for_nodes(grid, self.deployment.min_nodes,
                                            f"before round {done + 1}")

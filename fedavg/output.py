@@ -101,6 +101,28 @@ def remove_if_empty(out: Path) -> None:
             return
 
 
+def clear_previous_run(out: Path) -> None:
+    """Remove a previous run's files from ``out`` (``--overwrite``), all of them at once.
+
+    Its :data:`RUN_FILES` and its saved node models (``nodes/node-*``) go together, so that
+    a new run that then fails leaves no mix of the old run's files and its own. Other files
+    in ``out`` stay.
+    """
+    import shutil
+
+    for name in RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+    nodes = out / "nodes"
+    if nodes.is_dir():
+        for folder in nodes.glob("node-*"):
+            if folder.is_dir() and (folder / "model.safetensors").exists():
+                shutil.rmtree(folder)
+        try:
+            nodes.rmdir()  # only when nothing else is in it
+        except OSError:
+            pass
+
+
 def check_output(out: Path, overwrite: bool) -> None:
     """Refuse to write over a previous run's files unless ``overwrite``.
 

@@ -250,3 +250,20 @@ def test_two_runs_at_once_do_not_touch_each_other(tmp_path, no_leaks):
             long_run.kill()
     assert long_run.returncode == 0, err
     assert len(_read_jsonl(tmp_path / "long" / "metrics.jsonl")) == 12
+
+
+def test_overwrite_replaces_the_previous_run_as_a_whole(tmp_path, no_leaks):
+    """A run given --overwrite that fails in round 1 leaves none of the old run's files."""
+    out = tmp_path / "run"
+    run_cli("simulate", "--strategy", "ensemble", "--rounds", "1", "--num-nodes", "2",
+            "--save-node-models", "--output", out)
+    (out / "notes.txt").write_text("mine")
+    assert (out / "nodes" / "node-1" / "model.safetensors").exists()
+    bad_model = run_cli("simulate", "--model", "nope", "--output", out, "--overwrite",
+                        check=False)
+    assert bad_model.returncode == 2 and (out / "model.safetensors").exists()  # not started
+    diverged = run_cli("simulate", "--rounds", "1", "--num-nodes", "2", "--lr", "1e30",
+                       "--output", out, "--overwrite", check=False)
+    assert diverged.returncode == 1, diverged.stderr
+    left = sorted(p.name for p in out.iterdir())
+    assert left == ["notes.txt"], left
