@@ -212,7 +212,7 @@ def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill
     from fedavg.models import ModelSpec, merge_context
 
     spec = ModelSpec.from_dict(first["model"])
-    weights = [float((meta.get("node") or {}).get("num_examples", 1) or 1) for _, meta in loaded]
+    weights = [_weight(d, meta) for d, (_, meta) in zip(dirs, loaded)]
     try:
         with torch.device("meta"):  # shapes only: a tampered model.json allocates nothing
             model = spec.build()
@@ -228,6 +228,27 @@ def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill
         )
     except strategies.MergeError as exc:
         raise UserError(str(exc)) from None
+
+
+def _weight(folder: Path, meta: dict[str, Any]) -> float:
+    """Return a saved model's merge weight: its node's sample count (1 when of no node).
+
+    Raises
+    ------
+    UserError
+        ``node.num_examples`` in its ``model.json`` is not a finite number > 0.
+    """
+    import math
+
+    node = meta.get("node")
+    if not isinstance(node, dict) or "num_examples" not in node:
+        return 1.0
+    value = node["num_examples"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise UserError(f"{folder}/{checkpoint.META}: node.num_examples is {value!r}; it must "
+                        "be the node's sample count, a number > 0")
+    return float(value)
 
 
 def _check_fit(dirs: list[Path], states: list[dict], expected: dict, name: str) -> None:

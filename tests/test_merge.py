@@ -151,3 +151,16 @@ def test_merge_refuses_validation_data_the_nodes_trained_on(tmp_path):
     _, meta = _saved_run(tmp_path / "elsewhere", kept=0)
     meta["dataset"]["source"] = str(tmp_path / "their-data")
     assert len(_validation("digits", meta, 0.1, None, held_out=True)) == 144
+
+
+@pytest.mark.parametrize("count", ["many", 0, -5, None, True, float("nan")])
+def test_a_bad_sample_count_in_a_node_models_metadata_is_one_line(tmp_path, node_models, count):
+    folder, dirs = node_models
+    meta_path = dirs[1] / "model.json"
+    meta = json.loads(meta_path.read_text())
+    meta["node"]["num_examples"] = count
+    meta_path.write_text(json.dumps(meta))
+    res = runner.invoke(app, ["merge", str(folder), "--output", str(tmp_path / "x")])
+    assert res.exit_code == 2, res.output
+    assert "node.num_examples" in res.output and "node-1" in res.output
+    assert isinstance(res.exception, SystemExit) and not (tmp_path / "x").exists()
