@@ -9,6 +9,7 @@ interrupted run leaves the previous round's model intact.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -145,6 +146,10 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
+#: The kinds of input a model description may name (``input.kind``).
+INPUT_KINDS = ("image", "tabular", "text")
+
+
 def _meta_problem(meta: dict[str, Any]) -> str | None:
     """Return what is wrong with a model description, or ``None``."""
     model, classes, spec = meta["model"], meta["classes"], meta["input"]
@@ -155,8 +160,12 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
         return "'classes' must be a non-empty list of names"
     if model.get("num_classes") != len(classes):
         return f"'classes' has {len(classes)} names, the model {model.get('num_classes')} outputs"
+    if len(set(classes)) != len(classes):
+        return "'classes' names must be distinct"
     if not isinstance(spec, dict):
         return "'input' must be an object"
+    if spec.get("kind") not in (None, *INPUT_KINDS):
+        return f"'input.kind' must be one of {', '.join(INPUT_KINDS)}"
     shape = spec.get("shape")
     if not isinstance(shape, list) or not shape or \
             not all(isinstance(s, int) and s > 0 for s in shape):
@@ -170,6 +179,12 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
                 f"{shape}")
     if "dataset" in meta and not isinstance(meta["dataset"], dict):
         return "'dataset' must be an object"
+    if meta.get("kind") == "ensemble":
+        weights = meta.get("member_weights")
+        if not isinstance(weights, list) or not weights or \
+                not all(_is_number(w) and math.isfinite(w) and w >= 0 for w in weights) \
+                or not sum(weights) > 0:
+            return "'member_weights' must be a list of numbers >= 0 with a positive sum"
     return None
 
 

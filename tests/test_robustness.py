@@ -116,6 +116,10 @@ GOOD_META = {
     ({"input": {**GOOD_META["input"], "scale": "big"}}, "'input.scale'"),
     ({"input": {**GOOD_META["input"], "shape": "abc"}}, "'input.shape'"),
     ({"dataset": "digits"}, "'dataset' must be an object"),
+    ({"classes": ["a", "b", "a"]}, "must be distinct"),
+    ({"input": {**GOOD_META["input"], "kind": "weird"}}, "'input.kind' must be one of"),
+    *[({"kind": "ensemble", "member_weights": w}, "'member_weights'")
+      for w in ([float("nan"), 1, 1], ["a", "b", "c"], [0, 0], [-1, 2], [], [float("inf"), 1])],
 ])
 def test_damaged_model_json_is_refused(tmp_path, change, message):
     checkpoint.save(tmp_path, build_model("mlp", (1, 8, 8), 3).state_dict(), GOOD_META)
