@@ -432,6 +432,9 @@ def test_a_module_builder(tmp_path, monkeypatch):
     (TIED_SOURCE, "FILE:raises", "failed: ValueError: no model for you"),
     (TIED_SOURCE, "FILE:", "name the builder function after the colon"),
     (None, "FILE:build", "does not exist here: put the file there"),
+    ("import sys\nsys.exit(3)\n", "FILE:build", "called sys.exit(3); model code must not exit"),
+    ("import sys\ndef build(shape, k):\n    sys.exit('no')\n", "FILE:build",
+     "called sys.exit('no')"),
 ])
 def test_bad_user_code_is_one_line(tmp_path, source, name, words):
     path = tmp_path / "bad_models.py"

@@ -40,6 +40,14 @@ def code_ref(name: str) -> tuple[str, str, bool]:
     return where, func, is_file
 
 
+def _failed(what: str, exc: BaseException) -> str:
+    """Say that ``what`` (an import, a builder call) raised ``exc`` or called ``sys.exit``."""
+    if isinstance(exc, SystemExit):
+        return (f"{what} called sys.exit({exc.code!r}); model code must not exit (put script "
+                "code under `if __name__ == \"__main__\":`)")
+    return f"{what} failed: {first_line(exc)}"
+
+
 def _import(where: str, is_file: bool, name: str) -> ModuleType:
     """Import the module of a ``module:function`` or ``file.py:function`` model (once)."""
     if not is_file:
@@ -52,9 +60,8 @@ def _import(where: str, is_file: bool, name: str) -> ModuleType:
                                 "PYTHONPATH") from None
             raise UserError(f"importing {where} (model {name}) failed: {first_line(exc)}") \
                 from None
-        except Exception as exc:  # noqa: BLE001 - the user's module raised
-            raise UserError(f"importing {where} (model {name}) failed: {first_line(exc)}") \
-                from None
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module raised
+            raise UserError(_failed(f"importing {where} (model {name})", exc)) from None
     path = Path(where).expanduser().resolve()
     if not path.is_file():
         raise UserError(f"the model is built by {name}, but {path} does not exist here: put "
@@ -67,10 +74,9 @@ def _import(where: str, is_file: bool, name: str) -> ModuleType:
         sys.modules[module_name] = module  # classes defined in it resolve their module
         try:
             spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - SyntaxError, NameError ... in user code
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - SyntaxError ... in user code
             del sys.modules[module_name]
-            raise UserError(f"importing {path} (model {name}) failed: {first_line(exc)}") \
-                from None
+            raise UserError(_failed(f"importing {path} (model {name})", exc)) from None
         _LOADED[key] = module
     return _LOADED[key]
 
@@ -110,9 +116,9 @@ def build_user(name: str, input_shape: tuple[int, ...], num_classes: int,
     kwargs = Takes.of(fn, f"{name}").kwargs(name, args)
     try:
         net = fn(tuple(input_shape), int(num_classes), **kwargs)
-    except Exception as exc:  # noqa: BLE001 - the user's builder raised
-        raise UserError(f"{name}{(tuple(input_shape), int(num_classes))} failed: "
-                        f"{first_line(exc)}") from None
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's builder raised
+        raise UserError(_failed(f"{name}{(tuple(input_shape), int(num_classes))}", exc)) \
+            from None
     if not isinstance(net, nn.Module):
         raise UserError(f"{name} returned a {type(net).__name__}, not a torch.nn.Module")
     return net
