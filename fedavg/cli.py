@@ -16,6 +16,11 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+# Ray's core answers SIGTERM (a clean stop here: exit 130, resume command) with a crash report
+# on stderr unless this is set before Ray loads; a run's own Ray processes inherit it, and
+# their logs go with the run's Ray folder anyway.
+os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+
 from fedavg.cli_options import ModelArgOption, given, model_args, pop_tracking, with_settings
 from fedavg.cli_support import console, err_console, guard, interrupted, on_signal, run_app
 from fedavg.cli_sweep import report, sweep
