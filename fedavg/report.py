@@ -409,19 +409,15 @@ def _sweep_notes(root: Path) -> list[str]:
             + ", ".join(map(str, missing[:5])) + (" ..." if len(missing) > 5 else "")]
 
 
-#: Settings that only mean something with one partitioner.
-_PARTITIONER_SETTINGS = {"alpha": "dirichlet", "classes-per-node": "pathological",
-                         "partition-by": "natural"}
-
-
 def applies(key: str, settings: dict[str, Any]) -> bool:
-    """Whether setting ``key`` shaped a run with these flat ``settings``.
+    """Whether setting ``key`` (kebab case) shaped a run with these flat ``settings``.
 
-    ``alpha`` applies only with the Dirichlet partitioner, ``classes-per-node`` with the
-    pathological one and ``partition-by`` with the natural one; every other setting applies.
+    ``alpha``, ``classes-per-node`` and ``partition-by`` apply only with a partitioner that
+    takes them (:func:`fedavg.setting_use.setting_applies`); every other setting applies.
     """
-    wanted = _PARTITIONER_SETTINGS.get(key)
-    return wanted is None or settings.get("partitioner") == wanted
+    from fedavg.setting_use import setting_applies
+
+    return setting_applies(key.replace("-", "_"), settings.get("partitioner"))
 
 
 def _write_markdown(path: Path, root: Path, runs: list[Run], groups: list[Group], table: str,

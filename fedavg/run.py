@@ -32,6 +32,7 @@ from fedavg.output import (  # noqa: F401  (re-exported: the run folder)
     remove_if_empty,
 )
 from fedavg.partition import partition
+from fedavg.setting_use import unused_setting_notes
 
 log = logging.getLogger("fedavg")
 
@@ -240,6 +241,7 @@ def prepare(config: RunConfig, *, model: bool = True) -> Prepared:
     if d.tokenizer != "hashed" and data.kind != "text":
         data.notes.append(f"--tokenizer {d.tokenizer} does nothing for {data.kind} inputs "
                           "(it tokenizes text only)")
+    data.notes.extend(unused_setting_notes(d))
     validation, distill_x = _merge_data(config, strategy, data)
     parts = partition(data.train.y, config.merge.num_nodes, d.partitioner, alpha=d.alpha,
                       classes_per_node=d.classes_per_node, groups=data.train.groups,

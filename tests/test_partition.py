@@ -291,3 +291,17 @@ def test_an_impossible_pathological_split_names_its_own_remedy_in_whole_words():
     message = str(info.value)
     assert message.endswith("use fewer --num-nodes or a smaller --classes-per-node"), message
     assert "--alpha" not in message and "`num_p" not in message
+
+
+def test_partition_settings_a_partitioner_does_not_take_are_noted():
+    from fedavg.config import DataConfig
+    from fedavg.setting_use import setting_applies, unused_setting_notes
+
+    assert setting_applies("alpha", "dirichlet") and not setting_applies("alpha", "iid")
+    assert setting_applies("partition_by", "natural") and setting_applies("lr", "iid")
+    notes = unused_setting_notes(DataConfig(alpha=0.3, classes_per_node=3))
+    assert notes == ["--alpha 0.3 does nothing with --partitioner iid (it is for --partitioner "
+                     "dirichlet)", "--classes-per-node 3 does nothing with --partitioner iid "
+                     "(it is for --partitioner pathological)"]
+    assert unused_setting_notes(DataConfig(partitioner="dirichlet", alpha=0.3)) == []
+    assert unused_setting_notes(DataConfig()) == []  # defaults were not given
