@@ -76,7 +76,7 @@ def open_source(dataset: str, notes: list[str] | None = None):
         except UserError:
             raise
         except Exception as exc:  # datasets raises many types for unreadable data
-            raise UserError(f"cannot read dataset at {path}: {_one_line(exc)}") from None
+            raise UserError(f"cannot read dataset at {path}: {_reason(exc)}") from None
     if looks_like_path(dataset):
         raise UserError(f"no such file or folder: {dataset}")
     try:
@@ -100,6 +100,8 @@ def _open_local(path: Path, source: str, notes: list[str]):
                 f"cannot read {path}: use a .parquet, .csv, .arrow or .json file, "
                 "or a folder"
             )
+        if path.stat().st_size == 0:
+            raise UserError(f"{path} is an empty file: give a data file with samples")
         return datasets.load_dataset(builder, data_files=str(path))
     if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
         loaded = datasets.load_from_disk(str(path))
@@ -129,6 +131,24 @@ def _quiet_hub_logs() -> None:
         disable_progress_bars()  # the hub's download bars are its own, not datasets'
     except ImportError:  # pragma: no cover - comes with datasets
         pass
+
+
+#: The first line of every error ``datasets`` raises while it builds a dataset.
+_GENERIC = "An error occurred while generating the dataset"
+
+
+def _reason(exc: BaseException) -> str:
+    """Return the telling line of a ``datasets`` error (at most 300 characters).
+
+    That is the first line past its generic first line, else its cause's.
+    """
+    seen: BaseException | None = exc
+    while seen is not None:
+        for line in str(seen).splitlines():
+            if line.strip() and line.strip() != _GENERIC:
+                return line.strip()[:300]
+        seen = seen.__cause__ or seen.__context__
+    return _one_line(exc)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -314,3 +314,19 @@ def test_real_mnist():
     assert data.columns == {"image": "image", "label": "label"}
     assert int(np.sum(data.train.y == 0)) == 5923
     assert data.notes == []
+
+
+def test_unreadable_files_say_what_is_wrong_in_one_line(tmp_path):
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    with pytest.raises(UserError, match=r"empty.csv is an empty file: give a data file"):
+        load(str(empty))
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    (folder / "train.csv").write_text("a,b,label\n1,2,0\n3,4,1\n5,6,0\n7,8,1\n")
+    (folder / "test.csv").write_text("a,b,target\n1,2,0\n3,4,1\n")
+    with pytest.raises(UserError) as info:  # not datasets' generic first line
+        load(str(folder))
+    message = str(info.value)
+    assert "must have the same columns" in message and "'target'" in message
+    assert "\n" not in message
