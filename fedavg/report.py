@@ -105,6 +105,9 @@ def find_runs(root: str | Path) -> tuple[list[Run], list[str]]:
                             reverse=True)
         except OSError as exc:
             notes.append(f"{folder} left out: {exc.strerror}")
+    if not runs and notes:  # say why the run folders found were left out
+        raise UserError(f"no readable run under {root}: {notes[0]}"
+                        + (f" (and {len(notes) - 1} more)" if len(notes) > 1 else ""))
     if not runs:
         raise UserError(f"no runs under {root} (folders holding summary.json, model.json and "
                         "metrics.jsonl); run `fedavg sweep` or `fedavg simulate` first")

@@ -601,6 +601,11 @@ def test_resolved_model_name_and_bad_inputs(tmp_path, runs):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no runs under"):
         write_report(tmp_path / "empty")
+    broken = fake_run(tmp_path / "broken" / "d", [0.5], 5.0)
+    (broken / "summary.json").write_text("{not json")
+    with pytest.raises(UserError, match=r"no readable run under .*broken: .*/d left out: "
+                                        r"cannot read it"):
+        write_report(tmp_path / "broken")
     with pytest.raises(UserError, match="--target must be an accuracy"):
         write_report(runs, target=1.5)
     proc = run_cli("report", tmp_path / "empty", check=False, timeout=120)
