@@ -230,13 +230,13 @@ def _collect(inputs: Sequence[str]) -> list[tuple[str, Any]]:
         items.extend(("image", p) for p in images)
     if not items:
         raise UserError("nothing to predict: pass image files, folders or a dataset")
-    seen: set[Path] = set()  # an image given itself and in a folder is predicted once
+    seen: set[Path | None] = set()  # an image given itself and in a folder is predicted once
     unique = []
     for kind, item in items:
-        if kind == "image":
-            if item.resolve() in seen:
-                continue
-            seen.add(item.resolve())
+        key = item.resolve() if kind == "image" else None
+        if key is not None and key in seen:
+            continue
+        seen.add(key)
         unique.append((kind, item))
     return unique
 

@@ -238,17 +238,16 @@ def _weight(folder: Path, meta: dict[str, Any]) -> float:
     UserError
         ``node.num_examples`` in its ``model.json`` is not a finite number > 0.
     """
-    import math
+    from strategies import MergeError
+    from strategies.fedavg import check_weight
 
     node = meta.get("node")
     if not isinstance(node, dict) or "num_examples" not in node:
         return 1.0
-    value = node["num_examples"]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value <= 0:
-        raise UserError(f"{folder}/{checkpoint.META}: node.num_examples is {value!r}; it must "
-                        "be the node's sample count, a number > 0")
-    return float(value)
+    try:
+        return check_weight(node["num_examples"], str(folder))
+    except MergeError as exc:
+        raise UserError(f"{folder}/{checkpoint.META}: node.num_examples: {exc}") from None
 
 
 def _check_fit(dirs: list[Path], states: list[dict], expected: dict, name: str) -> None:
