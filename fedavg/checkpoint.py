@@ -305,8 +305,9 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as exc:
         raise UserError(f"{meta_path} is not valid JSON ({exc}); the artifact is damaged") from None
-    if not isinstance(meta, dict) or not str(meta.get("format", "")).startswith("fedavg-model/"):
-        raise UserError(f"{meta_path} is not a fedavg model description")
+    problem = _format_problem(meta)
+    if problem:
+        raise UserError(f"{meta_path} {problem}")
     for key in ("model", "classes", "input"):
         if key not in meta:
             raise UserError(f"{meta_path} lacks {key!r}; the artifact is damaged")
@@ -327,6 +328,18 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
                         "diverged or the file is damaged); re-train, e.g. with a lower --lr, "
                         "or use another checkpoint")
     return state_dict, meta
+
+
+def _format_problem(meta) -> str | None:
+    """Say why ``meta`` is not a model description this version reads (``None``: it is)."""
+    fmt = str(meta.get("format", "")) if isinstance(meta, dict) else ""
+    name, _, version = fmt.partition("/")
+    if name != "fedavg-model" or not version.isdigit():
+        return "is not a fedavg model description"
+    if int(version) > int(FORMAT.partition("/")[2]):
+        return (f"is format {fmt}, written by a newer fedavg; this one reads {FORMAT}: "
+                "upgrade fedavg to load it")
+    return None
 
 
 def save_merged(output: str | Path, merged, meta: dict[str, Any]) -> None:

@@ -67,6 +67,22 @@ def test_missing_and_bad_meta(tmp_path):
         checkpoint.load(tmp_path)
 
 
+@pytest.mark.parametrize("fmt, message", [
+    ("fedavg-model/2", "format fedavg-model/2, written by a newer fedavg; this one reads "
+                       "fedavg-model/1: upgrade fedavg"),
+    ("fedavg-model/x", "is not a fedavg model description"),
+    ("fedavg-modelling/1", "is not a fedavg model description"),
+    (None, "is not a fedavg model description"),
+])
+def test_model_descriptions_of_other_formats_are_refused(tmp_path, fmt, message):
+    checkpoint.save(tmp_path, {"w": torch.zeros(1)}, META)
+    meta = json.loads((tmp_path / "model.json").read_text())
+    meta["format"] = fmt
+    (tmp_path / "model.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=message):
+        checkpoint.load(tmp_path)
+
+
 def test_weights_that_do_not_fit_the_model(tmp_path):
     checkpoint.save(tmp_path, {"w": torch.zeros(1)}, META)
     with pytest.raises(UserError, match="does not fit the 'cnn-cifar' model") as info:
