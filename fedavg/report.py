@@ -62,8 +62,13 @@ class Run:
 
     @property
     def round_s(self) -> float | None:
-        """Median seconds per round (``metrics.jsonl``'s ``wall_s``), ``None`` without any."""
-        return statistics.median(self.round_walls) if self.round_walls else None
+        """Median seconds per round (``metrics.jsonl``'s ``wall_s``), ``None`` without any.
+
+        The first round is left out when there are others: it also waits for the run's
+        start-up (Ray, the node processes' imports), seconds that later rounds do not take.
+        """
+        walls = self.round_walls[1:] or self.round_walls
+        return statistics.median(walls) if walls else None
 
 
 def target_round(curve: list[tuple[int, float]], target: float) -> int | None:

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from fedavg.config import RunConfig
 from fedavg.errors import UserError
-from fedavg.report import find_runs, write_report
+from fedavg.report import Run, find_runs, write_report
 from fedavg.sweep import load_sweep, select
 from fedavg.sweep_run import KEEP_FAILED, RERUN, RESUME, RUN, SKIP, cpu_note, last_error, plan
 
@@ -440,6 +440,17 @@ def _csv(path: Path) -> list[dict]:
         return list(csv.DictReader(fh))
 
 
+@pytest.mark.parametrize("walls, median", [
+    ([5.0, 0.2, 0.4, 0.3], 0.3),  # all four: 0.35; round 1 carries the start-up
+    ([5.0, 0.2], 0.2),
+    ([4.0], 4.0),
+    ([], None),
+])
+def test_median_round_time_leaves_out_the_first_round(walls, median):
+    run = Run(Path("r"), {}, 0.9, 0.9, len(walls), 10.0, [], walls)
+    assert run.round_s == median
+
+
 def test_report_groups_over_seeds_with_mean_and_std(runs):
     res = write_report(runs, target=0.85)
     assert res["num_runs"] == 4 and res["num_groups"] == 2
@@ -454,7 +465,7 @@ def test_report_groups_over_seeds_with_mean_and_std(runs):
     # target 0.85: only seed 1 gets there, in round 2
     assert float(fedavg["target_round_mean"]) == 2 and fedavg["target_reached"] == "1"
     assert fedavg["n"] == "3" and fedavg["seeds"] == "0 1 2"
-    assert float(fedavg["round_s_mean"]) == pytest.approx(0.75)  # median of 0.5 and 1.0
+    assert float(fedavg["round_s_mean"]) == pytest.approx(1.0)  # round 2's (round 1 left out)
     assert fedprox["n"] == "1" and fedprox["accuracy_std"] == ""
     assert float(fedprox["accuracy_mean"]) == 0.95 and float(fedprox["target_round_mean"]) == 2
     md = (runs / "results.md").read_text()
