@@ -64,7 +64,8 @@ def on_signal(message, cleanup=None):
     """Install the Ctrl-C / SIGTERM handler: say ``message``, clean up, exit 130.
 
     ``message`` is a string or a function returning one, called at signal time;
-    ``cleanup`` defaults to stopping our Flower processes. Finished rounds are kept.
+    ``cleanup`` defaults to stopping our Flower processes. Finished rounds are kept; a run
+    folder this command made and left empty is removed.
     """
     stopping = []
 
@@ -81,6 +82,10 @@ def on_signal(message, cleanup=None):
             from fedavg.deployment import stop_all
 
             stop_all()
+        from fedavg.output import RUN_OUTPUT, remove_if_empty
+
+        if RUN_OUTPUT:
+            remove_if_empty(RUN_OUTPUT[0])
         os._exit(130)
 
     signal.signal(signal.SIGINT, _stop)

@@ -174,18 +174,27 @@ def ray_fallbacks(pid: int) -> list[Path]:
 
 
 # SIGINT takes the same handler as SIGTERM (tests/test_cli.py); test_e2e.py sends it
-@pytest.mark.parametrize("how", ["normal", "sigterm", "failed"])
+@pytest.mark.parametrize("how", ["normal", "sigterm", "sigterm-early", "failed"])
 def test_simulate_leaves_nothing(tmpdir_env, tmp_path, how):
     """``fedavg simulate``: its data and Ray's session folder go, and every Ray process.
 
     ``failed``: every node's reply comes too late (--round-timeout 0.01), so round 1 fails.
+    ``sigterm-early``: stopped once its run folder exists, before round 1 ends; the run
+    folder, still empty, goes too.
     """
     tag = uuid.uuid4().hex
     out = tmp_path / "run"
     args = {"normal": ["--rounds", "2"], "sigterm": ["--rounds", "50"],
-            "sigint": ["--rounds", "50"], "failed": ["--rounds", "2", "--round-timeout", "0.01"]}
+            "sigint": ["--rounds", "50"], "failed": ["--rounds", "2", "--round-timeout", "0.01"],
+            "sigterm-early": ["--rounds", "50"]}
     proc = simulate(tmpdir_env, tag, out, *args[how])
     try:
+        if how == "sigterm-early":
+            while not out.is_dir():
+                assert proc.poll() is None, proc.communicate()
+                time.sleep(0.05)
+            assert not any(out.iterdir())
+            proc.send_signal(signal.SIGTERM)
         if how in ("sigterm", "sigint"):
             wait_for_round(out, proc)
             [data] = private_folders(tmpdir_env, "fedavg-")
@@ -197,9 +206,13 @@ def test_simulate_leaves_nothing(tmpdir_env, tmp_path, how):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    expected = {"normal": 0, "sigterm": 130, "sigint": 130, "failed": 1}[how]
+    expected = {"normal": 0, "sigterm": 130, "sigint": 130, "failed": 1,
+                "sigterm-early": 130}[how]
     assert proc.returncode == expected, text
     assert "Traceback" not in text
+    if how == "sigterm-early":
+        assert "interrupted before the first round finished" in text
+        assert not out.exists()
     assert not wait_gone(tag)
     assert leftovers(tmpdir_env) == []
 
