@@ -28,7 +28,8 @@ def sweep(
         help="Sweep folder, one run folder per point (default runs/<config name>)")] = None,
     parallel: Annotated[int, typer.Option(help="Points running at once")] = 1,
     dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="List the points and what would happen; run nothing")] = False,
+        "--dry-run", help="List the points and what would happen, check each point's data "
+                     "and model; run nothing")] = False,
     retry_failed: Annotated[bool, typer.Option(
         "--retry-failed", help="Run points that failed in an earlier sweep again")] = False,
     only: Annotated[Optional[list[str]], typer.Option(
@@ -47,8 +48,12 @@ def sweep(
         spec = select(whole, only or [])
         planned = plan(spec, out, retry_failed)
     if dry_run:
-        _show_plan(spec, planned, out)
-        return
+        from fedavg.sweep_run import check_points
+
+        with console.status("checking each point's data, partitions and model"):
+            problems = check_points(planned)
+        _show_plan(spec, planned, out, problems)
+        raise typer.Exit(1 if problems else 0)
     note = cpu_note([p.point for p in planned if p.action in STARTS], parallel)
     if note:
         err_console.print(f"[yellow]note:[/] {note}", highlight=False)
@@ -62,7 +67,7 @@ def sweep(
     raise typer.Exit(code)
 
 
-def _show_plan(spec, planned, out: Path) -> None:
+def _show_plan(spec, planned, out: Path, problems: dict[str, str]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
@@ -81,11 +86,14 @@ def _show_plan(spec, planned, out: Path) -> None:
     for p in planned:
         values = [format_value(p.point.config.to_flat().get(key, p.point.settings.get(key, "")))
                   for key in spec.varying]
-        table.add_row(escape(p.point.name), *map(escape, values),
-                      _SAID[p.action].format(**p.record))
+        said = escape(_SAID[p.action].format(**p.record))
+        if p.point.name in problems:
+            said = f"[red]would fail: {escape(problems[p.point.name])}[/]"
+        table.add_row(escape(p.point.name), *map(escape, values), said)
     console.print(table)
     todo = sum(p.action in STARTS for p in planned)
-    console.print(f"dry run: {todo} of {len(planned)} points would run; nothing was run")
+    failing = f", {len(problems)} of them would fail at the start" if problems else ""
+    console.print(f"dry run: {todo} of {len(planned)} points would run{failing}; nothing was run")
 
 
 def _run_with_progress(runner, total: int) -> int:

@@ -9,6 +9,7 @@ computed on train. Opening sources and reading their columns lives in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +106,10 @@ class LoadedData:
     notes: list[str] = field(default_factory=list)
     tokenizer: Any = None
 
+    def copy(self) -> LoadedData:
+        """Return a copy to take splits from and add notes to; the arrays are shared."""
+        return dataclasses.replace(self, splits=dict(self.splits), notes=list(self.notes))
+
     @property
     def kind(self) -> str:
         """``text``, ``image`` (``(C, H, W)`` inputs) or ``tabular`` (``(D,)``)."""
@@ -193,6 +198,19 @@ def normalize(x: "torch.Tensor", spec: dict[str, Any]) -> "torch.Tensor":  # noq
     mean = torch.tensor(spec["mean"], dtype=torch.float32, device=x.device).view(shape)
     std = torch.tensor(spec["std"], dtype=torch.float32, device=x.device).view(shape)
     return (x.to(torch.float32) * float(spec["scale"]) - mean) / std
+
+
+def text_options(d) -> dict:
+    """Return the text settings of a DataConfig as :func:`load` takes them."""
+    return {"text_column": d.text_column, "tokenizer": d.tokenizer,
+            "max_tokens": d.max_tokens, "hash_buckets": d.hash_buckets}
+
+
+def data_settings(d) -> dict:
+    """Return the settings :func:`load` takes besides the dataset, from a run's ``DataConfig``."""
+    return {"image_column": d.image_column, "label_column": d.label_column,
+            "partition_by": d.partition_by if d.partitioner == "natural" else None,
+            "seed": d.seed, "test_fraction": d.test_fraction, **text_options(d)}
 
 
 def load(

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from fedavg.config import RunConfig
-from fedavg.data import LoadedData, Split, check_kind, conform, holdout, load
+from fedavg.data import LoadedData, Split, check_kind, conform, data_settings, holdout, load
 from fedavg.errors import RunError, UserError
 from fedavg.output import (  # noqa: F401  (re-exported: the run folder)
     RUN_FILES,
@@ -217,11 +217,12 @@ def resolve_settings(config: RunConfig | None, overrides: dict[str, Any],
 # --------------------------------------------------------------------------- prepare
 
 
-def prepare(config: RunConfig, *, model: bool = True) -> Prepared:
+def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = None) -> Prepared:
     """Load the dataset, hold out merge data, partition it, choose the model and strategy.
 
     ``model=False`` (a node finding its partition) neither resolves nor builds the model:
-    a node imports no model code it was not told to run.
+    a node imports no model code it was not told to run. ``data``: the dataset already
+    loaded with ``config.data``'s :func:`~fedavg.data.data_settings` (used as is, not changed).
 
     Raises
     ------
@@ -232,9 +233,7 @@ def prepare(config: RunConfig, *, model: bool = True) -> Prepared:
 
     d = config.data
     strategy = config.build_strategy()
-    data = load(d.dataset, image_column=d.image_column, label_column=d.label_column,
-                partition_by=d.partition_by if d.partitioner == "natural" else None,
-                seed=d.seed, test_fraction=d.test_fraction, **text_options(d))
+    data = load(d.dataset, **data_settings(d)) if data is None else data.copy()
     if config.train.augment and data.kind != "image":
         data.notes.append(f"--augment does nothing for {data.kind} inputs (it augments "
                           "images only)")
@@ -314,12 +313,6 @@ def _aligned_split(source: str, data: LoadedData, flag: str, labels: bool = True
     check_kind(data.input_spec(), other, f"{flag} {source}")
     return conform(other.train, f"{flag} {source}", data.input_shape,
                    other.classes if labels else None, data.classes)
-
-
-def text_options(d) -> dict:
-    """Return the text settings of a DataConfig as :func:`load` takes them."""
-    return {"text_column": d.text_column, "tokenizer": d.tokenizer,
-            "max_tokens": d.max_tokens, "hash_buckets": d.hash_buckets}
 
 
 def text_model_args(data: LoadedData) -> dict:

@@ -84,6 +84,40 @@ class Planned:
     record: dict[str, Any] = field(default_factory=dict)
 
 
+def check_points(planned: list[Planned]) -> dict[str, str]:
+    """Prepare each point that would start as its run would; return why those would fail.
+
+    Each point's data is loaded, its merge data held out and its partitions and model built
+    (:func:`fedavg.run.prepare`); points with the same data settings share one load, and one
+    dataset is held at a time. Returns ``{point name: error line}`` for the points whose
+    ``fedavg simulate`` would stop with that error before its first round.
+    """
+    from fedavg.data import data_settings, load
+    from fedavg.run import prepare
+
+    def key(p: Planned) -> str:
+        d = p.point.config.data
+        return json.dumps([d.dataset, data_settings(d)], sort_keys=True, default=str)
+
+    problems: dict[str, str] = {}
+    held: dict[str, Any] = {}  # the data settings loaded now: their data, or the load's error
+    for p in sorted((p for p in planned if p.action in STARTS), key=key):
+        d = p.point.config.data
+        if key(p) not in held:
+            held.clear()
+            try:
+                held[key(p)] = load(d.dataset, **data_settings(d))
+            except UserError as exc:
+                held[key(p)] = exc
+        try:
+            if isinstance(held[key(p)], UserError):
+                raise held[key(p)]
+            prepare(p.point.config, data=held[key(p)])
+        except UserError as exc:
+            problems[p.point.name] = str(exc)
+    return problems
+
+
 def plan(sweep: Sweep, out: Path, retry_failed: bool = False) -> list[Planned]:
     """Decide per point: run it, resume it, run it again from scratch, skip or keep it failed.
 

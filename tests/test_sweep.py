@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import ROOT, assert_one_error_line, engine_processes, run_cli
 from PIL import Image
@@ -361,6 +362,50 @@ def test_dry_run_lists_points_and_runs_nothing(tmp_path):
     assert "shared: dataset=digits num-nodes=3 rounds=2" in res.output
     assert "strategy=fedavgm_seed=1" in res.output and "4 of 4 points would run" in res.output
     assert not out.exists()
+
+
+def test_dry_run_finds_the_points_that_would_fail_at_their_start(tmp_path, monkeypatch):
+    from fedavg import data
+    from fedavg.sweep_run import check_points
+
+    loads = []
+    real_load = data.load
+    monkeypatch.setattr(data, "load", lambda *a, **k: loads.append(a[0]) or real_load(*a, **k))
+    config = toml(tmp_path, '[base]\nrounds = 2\n[grid]\n'
+                            'dataset = ["digits", "/nowhere/data.parquet"]\n'
+                            'num-nodes = [3, 2000]\n')
+    sweep = load_sweep(config)
+    problems = check_points(plan(sweep, tmp_path / "out"))
+    assert problems == {
+        "dataset=digits_num-nodes=2000": "2000 nodes but only 1438 training samples: use "
+                                         "--num-nodes <= 1438",
+        "dataset=data.parquet_num-nodes=3": "no such file or folder: /nowhere/data.parquet",
+        "dataset=data.parquet_num-nodes=2000": "no such file or folder: /nowhere/data.parquet"}
+    assert sorted(loads) == ["/nowhere/data.parquet", "digits"]  # once per data settings
+    res = CliRunner().invoke(_app(), ["sweep", str(config), "--output", str(tmp_path / "out"),
+                                      "--dry-run"], env={"COLUMNS": "250"})
+    assert res.exit_code == 1, res.output
+    assert res.output.count("would fail: no such file or folder: /nowhere/data.parquet") == 2
+    assert "4 of 4 points would run, 3 of them would fail at the start" in res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_prepared_run_on_data_loaded_once_is_the_same_as_on_its_own_load():
+    from fedavg.data import data_settings, load
+    from fedavg.run import prepare
+
+    config = RunConfig().replace(strategy="greedy-soup", rounds=1, num_nodes=4, alpha=0.5,
+                                 partitioner="dirichlet")
+    shared = load("digits", **data_settings(config.data))
+    notes = list(shared.notes)
+    first, again = prepare(config, data=shared), prepare(config, data=shared)
+    alone = prepare(config)
+    assert len(shared.train) == 1438 and shared.notes == notes  # the shared data is unchanged
+    for got in (first, again):
+        assert len(got.data.train) == len(alone.data.train) == 1438 - len(alone.validation)
+        assert np.array_equal(got.validation.y, alone.validation.y)
+        assert all(np.array_equal(a, b) for a, b in zip(got.parts, alone.parts))
+        assert got.data.notes == alone.data.notes
 
 
 def test_a_bad_config_on_the_command_line_is_one_line(tmp_path):
