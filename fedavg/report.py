@@ -62,11 +62,7 @@ class Run:
 
     @property
     def round_s(self) -> float | None:
-        """Median seconds per round (``metrics.jsonl``'s ``wall_s``), ``None`` without any.
-
-        The first round is left out when there are others: it also waits for the run's
-        start-up (Ray, the node processes' imports), seconds that later rounds do not take.
-        """
+        """Median ``wall_s`` of rounds 2+ (round 1 also waits for the start-up), else round 1's."""
         walls = self.round_walls[1:] or self.round_walls
         return statistics.median(walls) if walls else None
 
