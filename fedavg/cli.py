@@ -131,14 +131,14 @@ def evaluate(
                              label_column=label_column, device=device)
     if as_json:
         print(json.dumps(res))
-    else:
-        from rich.markup import escape
+        return
+    from rich.markup import escape
 
-        console.print(
-            f"{escape(res['dataset'])} \\[{escape(res['split'])}]: accuracy "
-            f"[bold]{res['accuracy']:.4f}[/], loss {res['loss']:.4f}, "
-            f"{res['num_examples']} samples"
-        )
+    console.print(f"{escape(res['dataset'])} \\[{escape(res['split'])}]: accuracy "
+                  f"[bold]{res['accuracy']:.4f}[/], loss {res['loss']:.4f}, "
+                  f"{res['num_examples']} samples")
+    for note in res["notes"]:
+        err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
 
 
 def predict(

@@ -24,6 +24,7 @@ from fedavg.data import (
 )
 from fedavg.errors import UserError
 from fedavg.models import build_model
+from fedavg.overlap import overlap_note
 from fedavg.train import evaluate as _evaluate
 from fedavg.train import predict_proba, resolve_device
 
@@ -144,7 +145,8 @@ def evaluate_model(
     -------
     dict
         ``accuracy`` (fraction), ``loss`` (mean cross-entropy, nats), ``num_examples``,
-        ``split``, ``dataset`` (a local path made absolute).
+        ``split``, ``dataset`` (a local path made absolute), ``notes`` (e.g. that samples
+        of the split are also train samples: :mod:`fedavg.overlap`).
 
     Raises
     ------
@@ -174,9 +176,11 @@ def evaluate_model(
                    meta["classes"])
     res = _evaluate(model, part.x, part.y, meta["input"], batch_size=batch_size,
                     device=resolve_device(device))
+    leak = None if split == "train" else overlap_note(data.splits[split].x, data.train.x,
+                                                      split, source)
     if source not in BUILTIN and Path(source).expanduser().exists():
         source = str(Path(source).expanduser().resolve())  # one form in text and JSON
-    return {**res, "split": split, "dataset": source}
+    return {**res, "split": split, "dataset": source, "notes": [leak] if leak else []}
 
 
 def model_tokenizer(meta: dict[str, Any], directory: str | Path):

@@ -31,6 +31,7 @@ from fedavg.output import (  # noqa: F401  (re-exported: the run folder)
     release_output,
     remove_if_empty,
 )
+from fedavg.overlap import overlap_note
 from fedavg.partition import partition
 from fedavg.setting_use import unused_setting_notes
 
@@ -234,6 +235,9 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
     d = config.data
     strategy = config.build_strategy()
     data = load(d.dataset, **data_settings(d)) if data is None else data.copy()
+    leak = overlap_note(data.test.x, data.train.x, "test", d.dataset)
+    if leak:
+        data.notes.append(leak)
     if config.train.augment and data.kind != "image":
         data.notes.append(f"--augment does nothing for {data.kind} inputs (it augments "
                           "images only)")
