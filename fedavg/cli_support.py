@@ -73,6 +73,7 @@ def on_signal(message, cleanup=None):
         if stopping:  # a second signal while stopping: the first one finishes the job
             return
         stopping.append(signum)
+        console.quiet = True  # no round line printed by another thread after the message
         err_console.print(escape(message() if callable(message) else message), soft_wrap=True)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -114,7 +115,8 @@ def resume_hint(output: Path | None, without: tuple[str, ...] = ()) -> str | Non
 def interrupted(output: Path | None) -> str:
     """Return what to say on a signal: where the finished rounds are kept, and how to resume."""
     hint = resume_hint(output)
-    return f"interrupted: {hint}" if hint else "interrupted before the first round finished"
+    return (f"interrupted: {hint}" if hint else
+            "interrupted before the first round finished: nothing of this run was saved")
 
 
 

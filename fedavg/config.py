@@ -326,9 +326,9 @@ class RunConfig:
             elif key in known:
                 name, f, hint = known[key]
                 values[name][f.name] = convert(key, value, f, hint)
-            else:
-                raise UserError(f"unknown setting {raw_key!r}; known: "
-                                f"{', '.join(sorted([*known, *declared, MODEL_ARGS]))}")
+            else:  # a typo: say the closest known settings
+                from fedavg.config_values import unknown_setting
+                raise UserError(unknown_setting(raw_key, [*known, *declared, MODEL_ARGS]))
         values["merge"]["options"] = options
         return cls(**{name: klass(**values[name]) for name, klass in SECTIONS.items()})
 

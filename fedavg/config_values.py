@@ -109,3 +109,12 @@ def read_toml(path, what: str) -> dict[str, Any]:
         raise UserError(f"cannot read {what} {path}: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{path} is not valid TOML: {str(exc).splitlines()[0]}") from None
+
+
+def unknown_setting(key: str, known: list[str]) -> str:
+    """Say that setting ``key`` is unknown: the closest known one(s), then all of them."""
+    import difflib
+
+    close = difflib.get_close_matches(key.replace("_", "-"), known, n=2, cutoff=0.6)
+    guess = f" (did you mean {' or '.join(repr(k) for k in close)}?)" if close else ""
+    return f"unknown setting {key!r}{guess}; known: {', '.join(sorted(known))}"

@@ -45,6 +45,13 @@ def test_validation_names_the_option(change, option):
 def test_unknown_and_mistyped_settings():
     with pytest.raises(UserError, match="unknown setting"):
         RunConfig.from_flat({"rounds-per-node": 3})
+    with pytest.raises(UserError, match=r"^unknown setting 'round' \(did you mean 'rounds'\?\); "
+                                        r"known: alpha, "):
+        RunConfig.from_flat({"round": 3})
+    with pytest.raises(UserError, match=r"'lokal_epochs' \(did you mean 'local-epochs'\?\)"):
+        RunConfig.from_flat({"lokal_epochs": 3})
+    with pytest.raises(UserError, match=r"^unknown setting 'zzz'; known: "):  # nothing close
+        RunConfig.from_flat({"zzz": 3})
     with pytest.raises(UserError, match="expects int"):
         RunConfig.from_flat({"rounds": "many"})
 

@@ -206,7 +206,8 @@ def test_the_resume_hint_is_only_for_this_runs_checkpoint(tmp_path, monkeypatch)
     monkeypatch.setattr(cli_support.sys, "argv", ["fedavg", "simulate", "--output",
                                                   str(tmp_path), "--overwrite"])
     os.utime(path, (cli_support.STARTED - 60, cli_support.STARTED - 60))  # an older run's
-    assert cli_support.interrupted(tmp_path) == "interrupted before the first round finished"
+    assert cli_support.interrupted(tmp_path) == ("interrupted before the first round finished: "
+                                                 "nothing of this run was saved")
     os.utime(path, None)  # written by this command
     assert cli_support.interrupted(tmp_path).endswith(
         f"resume with: fedavg simulate --resume {tmp_path}")
