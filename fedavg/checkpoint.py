@@ -332,10 +332,14 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
 
 def _format_problem(meta) -> str | None:
     """Say why ``meta`` is not a model description this version reads (``None``: it is)."""
-    fmt = str(meta.get("format", "")) if isinstance(meta, dict) else ""
-    name, _, version = fmt.partition("/")
-    if name != "fedavg-model" or not version.isdigit():
-        return "is not a fedavg model description"
+    if not isinstance(meta, dict):
+        return "is not a fedavg model description (a JSON object with 'format': " \
+               f"{FORMAT!r})"
+    fmt = meta.get("format")
+    name, _, version = str(fmt).partition("/")
+    if name != "fedavg-model" or not (version.isascii() and version.isdigit()) \
+            or int(version) < 1:
+        return f"is not a fedavg model description: its 'format' is {fmt!r}, not {FORMAT!r}"
     if int(version) > int(FORMAT.partition("/")[2]):
         return (f"is format {fmt}, written by a newer fedavg; this one reads {FORMAT}: "
                 "upgrade fedavg to load it")

@@ -70,9 +70,13 @@ def test_missing_and_bad_meta(tmp_path):
 @pytest.mark.parametrize("fmt, message", [
     ("fedavg-model/2", "format fedavg-model/2, written by a newer fedavg; this one reads "
                        "fedavg-model/1: upgrade fedavg"),
-    ("fedavg-model/x", "is not a fedavg model description"),
+    ("fedavg-model/x", "its 'format' is 'fedavg-model/x', not 'fedavg-model/1'"),
     ("fedavg-modelling/1", "is not a fedavg model description"),
-    (None, "is not a fedavg model description"),
+    ("fedavg-model/\u00b2", "is not a fedavg model description"),  # a digit int() refuses
+    ("fedavg-model/0", "is not a fedavg model description"),
+    ("fedavg-model/1.5", "is not a fedavg model description"),
+    (None, "its 'format' is None, not 'fedavg-model/1'"),
+    (1, "is not a fedavg model description"),
 ])
 def test_model_descriptions_of_other_formats_are_refused(tmp_path, fmt, message):
     checkpoint.save(tmp_path, {"w": torch.zeros(1)}, META)
