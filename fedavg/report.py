@@ -62,9 +62,8 @@ class Run:
 
     @property
     def round_s(self) -> float | None:
-        """Median ``wall_s`` of rounds 2+ (round 1 also waits for the start-up), else round 1's."""
-        walls = self.round_walls[1:] or self.round_walls
-        return statistics.median(walls) if walls else None
+        """Lower median ``wall_s`` of rounds 2+ (``None`` without): not a first round's start-up."""
+        return statistics.median_low(self.round_walls[1:]) if self.round_walls[1:] else None
 
 
 def target_round(curve: list[tuple[int, float]], target: float) -> int | None:
@@ -248,8 +247,9 @@ def markdown_table(groups: list[Group], keys: list[str], target: float,
     follows ``best accuracy``.
     """
     pub = [] if published is None else ["published"]
+    count = [] if "rounds" in keys else ["rounds"]  # a setting that varies shows them already
     head = [*keys, "n", "seeds", "final accuracy", "best accuracy", *pub,
-            f"round ≥ {target:g}", "rounds", "wall s", "round s"]
+            f"round ≥ {target:g}", *count, "wall s", "round s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in groups:
         s = g.stats(target)
@@ -259,7 +259,7 @@ def markdown_table(groups: list[Group], keys: list[str], target: float,
                " ".join(_fmt(x) for x in g.seeds), _pm(s["accuracy_mean"], s["accuracy_std"], 4),
                _pm(s["best_accuracy_mean"], s["best_accuracy_std"], 4),
                *([] if published is None else [_pm(_figure(published, g), None, 4)]), reached,
-               str(s["rounds"]), _pm(s["wall_s_mean"], s["wall_s_std"], 1),
+               *[str(s["rounds"])][:len(count)], _pm(s["wall_s_mean"], s["wall_s_std"], 1),
                _pm(s["round_s_mean"], None, 2)]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
     return "\n".join(lines)
@@ -282,8 +282,9 @@ def write_csvs(groups: list[Group], runs: list[Run], keys: list[str], target: fl
     With another ``name``: ``NAME.csv`` and ``NAME_runs.csv``. With ``published``, a
     ``published_best_accuracy`` column follows the stats.
     """
+    count = [] if "rounds" in keys else ["rounds"]  # a setting that varies shows them already
     stats = ["n", "accuracy_mean", "accuracy_std", "best_accuracy_mean", "best_accuracy_std",
-             "target_round_mean", "target_reached", "rounds", "wall_s_mean", "wall_s_std",
+             "target_round_mean", "target_reached", *count, "wall_s_mean", "wall_s_std",
              "round_s_mean"]
     pub = [] if published is None else ["published_best_accuracy"]
     results = out / f"{name}.csv"
@@ -301,12 +302,12 @@ def write_csvs(groups: list[Group], runs: list[Run], keys: list[str], target: fl
     with open(per_run, "w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["run", *keys, *seed, "accuracy", "best_accuracy", "target_round",
-                         "rounds", "wall_s", "round_s", "target"])
+                         *count, "wall_s", "round_s", "target"])
         for r in runs:
             writer.writerow([_relative(r.path, root),
                              *(_csv_value(r.settings.get(k)) for k in [*keys, *seed]),
                              r.accuracy, r.best_accuracy, _csv_value(r.target_round(target)),
-                             r.rounds, r.wall_s, _csv_value(r.round_s), target])
+                             *[r.rounds][:len(count)], r.wall_s, _csv_value(r.round_s), target])
     return [results, per_run]
 
 

@@ -487,12 +487,29 @@ def _csv(path: Path) -> list[dict]:
 @pytest.mark.parametrize("walls, median", [
     ([5.0, 0.2, 0.4, 0.3], 0.3),  # all four: 0.35; round 1 carries the start-up
     ([5.0, 0.2], 0.2),
-    ([4.0], 4.0),
+    ([5.0, 9.0, 0.3], 0.3),  # resumed after round 1: round 2 carries the start-up again
+    ([5.0, 0.2, 0.3, 9.0, 0.4], 0.3),
+    ([4.0], None),  # a one-round run has no round without the start-up
     ([], None),
 ])
 def test_median_round_time_leaves_out_the_first_round(walls, median):
     run = Run(Path("r"), {}, 0.9, 0.9, len(walls), 10.0, [], walls)
     assert run.round_s == median
+
+
+def test_report_has_one_rounds_column_when_rounds_is_a_setting_that_varies(tmp_path):
+    fake_run(tmp_path / "two", [0.5, 0.8], 10.0)
+    fake_run(tmp_path / "three", [0.5, 0.8, 0.9], 12.0)
+    write_report(tmp_path)
+    for name in ("results.csv", "runs.csv"):
+        header = (tmp_path / name).read_text().splitlines()[0].split(",")
+        assert header.count("rounds") == 1, header
+    assert sorted(r["rounds"] for r in _csv(tmp_path / "runs.csv")) == ["2", "3"]
+    head = (tmp_path / "results.md").read_text().split("\n| ", 1)[1].splitlines()[0]
+    assert head.count("| rounds |") + head.startswith("rounds |") == 1, head
+    fake_run(tmp_path / "seed", [0.5, 0.9, 0.9], 12.0, seed=1)  # rounds no longer varies alone
+    write_report(tmp_path / "seed")
+    assert "rounds" in _csv(tmp_path / "seed" / "results.csv")[0]
 
 
 def test_report_groups_over_seeds_with_mean_and_std(runs):
