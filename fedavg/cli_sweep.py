@@ -48,7 +48,11 @@ def sweep(
         spec = select(whole, only or [])
         planned = plan(spec, out, retry_failed)
     if dry_run:
+        from fedavg.output import check_folder
         from fedavg.sweep_run import check_points
+
+        with guard():
+            check_folder(out)
 
         with console.status("checking each point's data, partitions and model"):
             problems = check_points(planned)

@@ -414,6 +414,9 @@ def write_predictions(rows: list[dict[str, Any]], path: str | Path) -> Path:
     suffix = path.suffix.lower()
     if suffix not in (".csv", ".json"):
         raise UserError(f"--output must end in .csv or .json (got {path.name})")
+    from fedavg.output import check_folder
+
+    check_folder(path.parent, f"--output {path}: its folder")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if suffix == ".json":

@@ -123,6 +123,22 @@ def clear_previous_run(out: Path) -> None:
             pass
 
 
+def check_folder(out: Path, flag: str = "--output") -> None:
+    """Refuse a folder path that is, or lies below, a file (it could never be made).
+
+    Raises
+    ------
+    UserError
+        Naming the file in the way.
+    """
+    for path in (out, *out.parents):
+        if path.exists():
+            if not path.is_dir():
+                where = "is a file" if path == out else f"is below {path}, a file"
+                raise UserError(f"{flag} {out} {where}; give a folder")
+            return
+
+
 def check_output(out: Path, overwrite: bool) -> None:
     """Refuse to write over a previous run's files unless ``overwrite``.
 
@@ -131,8 +147,7 @@ def check_output(out: Path, overwrite: bool) -> None:
     UserError
         ``out`` is a file, or holds a run and ``overwrite`` is false.
     """
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--output {out} is a file; give a folder")
+    check_folder(out)
     if not overwrite and any((out / name).exists() for name in RUN_FILES):
         raise UserError(f"{out} already holds a run; choose another --output or pass "
                         "--overwrite to replace it")

@@ -260,6 +260,9 @@ def locked(out: Path):
     UserError
         The folder cannot be made, or another sweep holds it.
     """
+    from fedavg.output import check_folder
+
+    check_folder(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -407,6 +407,22 @@ def test_a_prepared_run_on_data_loaded_once_is_the_same_as_on_its_own_load():
         assert got.data.notes == alone.data.notes
 
 
+def test_a_sweep_folder_that_is_or_lies_below_a_file_is_refused(tmp_path):
+    from fedavg.output import check_folder
+
+    (tmp_path / "afile").write_text("x")
+    check_folder(tmp_path / "new" / "deeper")  # to be made: fine
+    check_folder(tmp_path)
+    with pytest.raises(UserError, match=r"^--output .*afile is a file; give a folder$"):
+        check_folder(tmp_path / "afile")
+    with pytest.raises(UserError, match=r"afile/sub/x is below .*afile, a file; give a folder"):
+        check_folder(tmp_path / "afile" / "sub" / "x")
+    for args in (["--dry-run"], []):
+        res = CliRunner().invoke(_app(), ["sweep", str(TINY), "--output",
+                                          str(tmp_path / "afile" / "sub"), *args])
+        assert res.exit_code == 2 and "is below" in res.output and "a file" in res.output
+
+
 def test_a_bad_config_on_the_command_line_is_one_line(tmp_path):
     path = toml(tmp_path, "[grid]\nalpha = []\n")
     proc = run_cli("sweep", path, "--output", tmp_path / "out", check=False, timeout=120)
