@@ -19,137 +19,24 @@ from pathlib import Path
 from typing import Any
 
 from fedavg.errors import UserError
-
-REQUIRED = ("summary.json", "model.json", "metrics.jsonl")
+from fedavg.report_runs import (  # noqa: F401  (re-exported)
+    REQUIRED,
+    Run,
+    find_runs,
+    flat_settings,
+    read_run,
+    target_round,
+)
 
 #: Settings shown first when they vary; the others follow in the config's order.
 FIRST = ("strategy", "partitioner", "alpha", "num-nodes", "local-epochs", "lr", "model",
          "dataset")
 
 
-@dataclass
-class Run:
-    """One finished run, as its folder records it.
-
-    Attributes
-    ----------
-    path : pathlib.Path
-        The run folder.
-    settings : dict
-        Flat kebab-case settings (``model`` as resolved, ``num-nodes`` as run).
-    accuracy, best_accuracy : float
-        Final and best test accuracy (fractions).
-    rounds : int
-        Rounds run.
-    wall_s : float
-        Seconds the whole command took.
-    curve : list of (int, float)
-        ``(round, test accuracy)`` per round, from ``metrics.jsonl``.
-    """
-
-    path: Path
-    settings: dict[str, Any]
-    accuracy: float
-    best_accuracy: float
-    rounds: int
-    wall_s: float
-    curve: list[tuple[int, float]]
-    round_walls: list[float]
-
-    def target_round(self, target: float) -> int | None:
-        """Return the first round whose test accuracy is >= ``target``, or ``None``."""
-        return target_round(self.curve, target)
-
-    @property
-    def round_s(self) -> float | None:
-        """Lower median ``wall_s`` of rounds 2+ (``None`` without): not a first round's start-up."""
-        return statistics.median_low(self.round_walls[1:]) if self.round_walls[1:] else None
-
-
-def target_round(curve: list[tuple[int, float]], target: float) -> int | None:
-    """Return the first ``round`` of ``curve`` (``(round, accuracy)`` pairs) reaching ``target``."""
-    return next((r for r, acc in curve if acc >= target), None)
-
-
 def mean_std(values: list[float]) -> tuple[float, float | None]:
     """Return the mean and the sample standard deviation (``None`` for one value)."""
     mean = statistics.fmean(values)
     return mean, (statistics.stdev(values) if len(values) > 1 else None)
-
-
-def find_runs(root: str | Path) -> tuple[list[Run], list[str]]:
-    """Return the runs under ``root`` (sorted by folder) and notes on folders left out.
-
-    A folder holding the three files of :data:`REQUIRED` is a run; its subfolders are not
-    searched (``nodes/`` models are parts of it).
-
-    Raises
-    ------
-    UserError
-        ``root`` is not a folder, or holds no readable run.
-    """
-    root = Path(root)
-    if not root.is_dir():
-        raise UserError(f"{root} is not a folder; give the folder holding the run folders")
-    runs, notes, stack = [], [], [root]
-    while stack:
-        folder = stack.pop()
-        if all((folder / name).is_file() for name in REQUIRED):
-            try:
-                runs.append(read_run(folder))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                notes.append(f"{folder} left out: cannot read it ({exc})")
-            continue
-        try:
-            stack += sorted((p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()),
-                            reverse=True)
-        except OSError as exc:
-            notes.append(f"{folder} left out: {exc.strerror}")
-    if not runs and notes:  # say why the run folders found were left out
-        raise UserError(f"no readable run under {root}: {notes[0]}"
-                        + (f" (and {len(notes) - 1} more)" if len(notes) > 1 else ""))
-    if not runs:
-        raise UserError(f"no runs under {root} (folders holding summary.json, model.json and "
-                        "metrics.jsonl); run `fedavg sweep` or `fedavg simulate` first")
-    return sorted(runs, key=lambda r: str(r.path)), notes
-
-
-def read_run(folder: Path) -> Run:
-    """Read one run folder (``summary.json`` and ``metrics.jsonl``)."""
-    summary = json.loads((folder / "summary.json").read_text())
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
-    numbers = [summary["accuracy"], summary["best_accuracy"], summary["wall_s"],
-               *(r["accuracy"] for r in rows)]
-    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in numbers):
-        raise ValueError("an accuracy or time that is not a finite number")
-    return Run(path=folder, settings=flat_settings(summary),
-               accuracy=float(summary["accuracy"]),
-               best_accuracy=float(summary["best_accuracy"]), rounds=int(summary["rounds"]),
-               wall_s=float(summary["wall_s"]),
-               curve=[(int(r["round"]), float(r["accuracy"])) for r in rows],
-               round_walls=[float(r["wall_s"]) for r in rows if r.get("wall_s") is not None])
-
-
-def flat_settings(summary: dict[str, Any]) -> dict[str, Any]:
-    """Flatten a ``summary.json``'s config to kebab-case settings, as the CLI names them.
-
-    A setting the config lacks (a run made before it existed) is at its default.
-    """
-    from fedavg.config import RunConfig
-
-    flat: dict[str, Any] = dict(RunConfig().to_flat())
-    config = summary.get("config") or {}
-    for section in ("data", "train", "merge"):
-        for key, value in (config.get(section) or {}).items():
-            if key == "options":
-                flat.update({k.replace("_", "-"): v for k, v in (value or {}).items()})
-            else:
-                flat[key.replace("_", "-")] = value
-    flat["model"] = summary.get("model", flat.get("model"))  # "auto" resolved
-    flat["num-nodes"] = summary.get("num_nodes", flat.get("num-nodes"))
-    flat.setdefault("strategy", summary.get("strategy"))
-    return flat
 
 
 def varying(runs: list[Run]) -> list[str]:

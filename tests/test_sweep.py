@@ -479,6 +479,14 @@ def test_corrupt_run_files_are_left_out_with_a_note(tmp_path):
     result = write_report(tmp_path)
     assert result["num_runs"] == 1
     assert any("sweep.json is not a sweep record" in n for n in result["notes"])
+    (fake_run(tmp_path / "garbled", [0.5], 5.0) / "metrics.jsonl").write_text("{not json\n")
+    (fake_run(tmp_path / "empty", [0.5], 5.0) / "metrics.jsonl").write_text("")
+    runs, notes = find_runs(tmp_path)
+    assert sorted(r.path.name for r in runs) == ["empty", "good"]
+    assert any(n.startswith(f"{tmp_path / 'garbled'} left out: cannot read it (metrics.jsonl: ")
+               for n in notes), notes
+    assert f"{tmp_path / 'empty'}: its metrics.jsonl holds no rounds, so it has no curve, " \
+           "target round or round time" in notes
 
 
 @pytest.fixture
