@@ -19,7 +19,7 @@ def model_dirs(paths: Sequence[str | Path]) -> list[Path]:
     Raises
     ------
     UserError
-        A missing path, or a folder holding no model.
+        A missing path, a folder holding no model, or a single model.
     """
     found: list[Path] = []
     for raw in paths:
@@ -35,6 +35,9 @@ def model_dirs(paths: Sequence[str | Path]) -> list[Path]:
         found.extend(inner)
     if not found:
         raise UserError("no models to merge: pass model folders")
+    if len(set(found)) == 1:
+        raise UserError(f"one model found ({found[0]}); a merge needs two or more: pass several "
+                        "model folders, or a run's nodes/ folder (--save-node-models)")
     return found
 
 

@@ -77,6 +77,15 @@ def test_merge_user_errors(tmp_path, node_models, args, message):
     assert not (tmp_path / "x" / "model.safetensors").exists()
 
 
+def test_merging_one_model_is_refused(tmp_path, node_models):
+    _, dirs = node_models
+    for models in ([dirs[0]], [dirs[1], dirs[1]]):
+        res = runner.invoke(app, ["merge", *map(str, models), "--output", str(tmp_path / "x")])
+        assert res.exit_code == 2, res.output
+        assert f"one model found ({models[0]}); a merge needs two or more" in res.output
+        assert not (tmp_path / "x").exists()
+
+
 def test_merge_never_writes_over_a_run_or_its_inputs(tmp_path, node_models):
     folder, dirs = node_models
     before = (dirs[0] / "model.safetensors").read_bytes()
