@@ -119,8 +119,6 @@ def interrupted(output: Path | None) -> str:
             "interrupted before the first round finished: nothing of this run was saved")
 
 
-
-
 def run_app(app: typer.Typer) -> None:
     """Run ``app`` as the console script: a usage mistake is one line and exit code 2."""
     import click

@@ -54,8 +54,12 @@ def sweep(
         with guard():
             check_folder(out)
 
-        with console.status("checking each point's data, partitions and model"):
-            problems = check_points(planned)
+        try:
+            with console.status("checking each point's data, partitions and model"):
+                problems = check_points(planned)
+        except KeyboardInterrupt:
+            err_console.print("interrupted while checking the points; nothing was run")
+            raise typer.Exit(130) from None
         _show_plan(spec, planned, out, problems)
         raise typer.Exit(1 if problems else 0)
     note = cpu_note([p.point for p in planned if p.action in STARTS], parallel)
@@ -82,7 +86,8 @@ def _show_plan(spec, planned, out: Path, problems: dict[str, str]) -> None:
     if shared:
         console.print("shared: " + escape(" ".join(f"{k}={format_value(v)}"
                                                    for k, v in shared.items())), highlight=False)
-    table = Table(title=f"{len(planned)} points into {escape(str(out))}")
+    table = Table(title=f"{len(planned)} point{'s' * (len(planned) != 1)} into "
+                        f"{escape(str(out))}")
     table.add_column("point", overflow="fold")
     for key in spec.varying:
         table.add_column(key, overflow="fold")

@@ -246,8 +246,9 @@ def _detect_inputs(features, source: str, label: str, partition_by: str | None) 
     ]
     if not image:
         raise UserError(
-            f"no image, text or numeric feature column in {source}; pass --image-column "
-            f"or --text-column (columns: {', '.join(columns)})"
+            f"no image, text or numeric feature column in {source} besides the label column "
+            f"{label!r}; pass --image-column or --text-column, or another --label-column "
+            f"(columns: {', '.join(columns)})"
         )
     return image
 

@@ -249,6 +249,14 @@ def test_no_label_column(tmp_path):
     assert data.columns == {"image": "pic", "label": "kind"}
 
 
+def test_the_only_input_column_taken_as_the_label_is_named(tmp_path):
+    (tmp_path / "news.csv").write_text("text,label\n" + "".join(
+        f"some words {i},{i % 2}\n" for i in range(6)))
+    with pytest.raises(UserError, match="besides the label column 'text'; pass --image-column "
+                                        "or --text-column, or another --label-column"):
+        load(str(tmp_path / "news.csv"), label_column="text")
+
+
 def test_missing_path(tmp_path, monkeypatch):
     """A path that does not exist is a user error."""
     monkeypatch.chdir(tmp_path)

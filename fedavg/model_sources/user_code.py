@@ -120,5 +120,7 @@ def build_user(name: str, input_shape: tuple[int, ...], num_classes: int,
         raise UserError(_failed(f"{name}{(tuple(input_shape), int(num_classes))}", exc)) \
             from None
     if not isinstance(net, nn.Module):
-        raise UserError(f"{name} returned a {type(net).__name__}, not a torch.nn.Module")
+        kind = type(net).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        raise UserError(f"{name} returned {article} {kind}, not a torch.nn.Module")
     return net
