@@ -250,11 +250,15 @@ def test_no_label_column(tmp_path):
 
 
 def test_the_only_input_column_taken_as_the_label_is_named(tmp_path):
-    (tmp_path / "news.csv").write_text("text,label\n" + "".join(
-        f"some words {i},{i % 2}\n" for i in range(6)))
+    labels = datasets.ClassLabel(names=["world", "sports"])  # as AG News stores them
+    ds = datasets.Dataset.from_dict({"text": [f"some words {i}" for i in range(6)],
+                                     "label": [i % 2 for i in range(6)]},
+                                    features=datasets.Features({"text": datasets.Value("string"),
+                                                                "label": labels}))
+    ds.to_parquet(str(tmp_path / "news.parquet"))
     with pytest.raises(UserError, match="besides the label column 'text'; pass --image-column "
                                         "or --text-column, or another --label-column"):
-        load(str(tmp_path / "news.csv"), label_column="text")
+        load(str(tmp_path / "news.parquet"), label_column="text")
 
 
 def test_missing_path(tmp_path, monkeypatch):
