@@ -89,10 +89,9 @@ def node_arrays(dataset: str, partition_id: int, num_partitions: int,
         train = prepared.data.train
         return (train.x[idx], train.y[idx].astype(np.int64), list(prepared.data.classes),
                 prepared.data)
-    from fedavg.data import text_options
+    from fedavg.data import data_settings
 
-    data = load(dataset, image_column=d.image_column, label_column=d.label_column,
-                seed=d.seed, test_fraction=d.test_fraction, **text_options(d))
+    data = load(dataset, **{**data_settings(d), "partition_by": None})
     return data.train.x, data.train.y.astype(np.int64), list(data.classes), data
 
 

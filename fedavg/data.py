@@ -200,17 +200,12 @@ def normalize(x: "torch.Tensor", spec: dict[str, Any]) -> "torch.Tensor":  # noq
     return (x.to(torch.float32) * float(spec["scale"]) - mean) / std
 
 
-def text_options(d) -> dict:
-    """Return the text settings of a DataConfig as :func:`load` takes them."""
-    return {"text_column": d.text_column, "tokenizer": d.tokenizer,
-            "max_tokens": d.max_tokens, "hash_buckets": d.hash_buckets}
-
-
 def data_settings(d) -> dict:
     """Return the settings :func:`load` takes besides the dataset, from a run's ``DataConfig``."""
     return {"image_column": d.image_column, "label_column": d.label_column,
             "partition_by": d.partition_by if d.partitioner == "natural" else None,
-            "seed": d.seed, "test_fraction": d.test_fraction, **text_options(d)}
+            "seed": d.seed, "test_fraction": d.test_fraction, "text_column": d.text_column,
+            "tokenizer": d.tokenizer, "max_tokens": d.max_tokens, "hash_buckets": d.hash_buckets}
 
 
 def load(

@@ -146,7 +146,7 @@ def markdown_table(groups: list[Group], keys: list[str], target: float,
                " ".join(_fmt(x) for x in g.seeds), _pm(s["accuracy_mean"], s["accuracy_std"], 4),
                _pm(s["best_accuracy_mean"], s["best_accuracy_std"], 4),
                *([] if published is None else [_pm(_figure(published, g), None, 4)]), reached,
-               *[str(s["rounds"])][:len(count)], _pm(s["wall_s_mean"], s["wall_s_std"], 1),
+               *([str(s["rounds"])] if count else []), _pm(s["wall_s_mean"], s["wall_s_std"], 1),
                _pm(s["round_s_mean"], None, 2)]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
     return "\n".join(lines)
@@ -194,7 +194,8 @@ def write_csvs(groups: list[Group], runs: list[Run], keys: list[str], target: fl
             writer.writerow([_relative(r.path, root),
                              *(_csv_value(r.settings.get(k)) for k in [*keys, *seed]),
                              r.accuracy, r.best_accuracy, _csv_value(r.target_round(target)),
-                             *[r.rounds][:len(count)], r.wall_s, _csv_value(r.round_s), target])
+                             *([r.rounds] if count else []), r.wall_s, _csv_value(r.round_s),
+                             target])
     return [results, per_run]
 
 

@@ -235,8 +235,8 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
     d = config.data
     strategy = config.build_strategy()
     data = load(d.dataset, **data_settings(d)) if data is None else data.copy()
-    leak = overlap_note(data.test.x, data.train.x, "test", d.dataset)
-    if leak:
+    leak = overlap_note(data.test.x, data.train.x, "test", d.dataset) if model else None
+    if leak:  # (a deployment node, model=False, shows no notes)
         data.notes.append(leak)
     if config.train.augment and data.kind != "image":
         data.notes.append(f"--augment does nothing for {data.kind} inputs (it augments "
