@@ -92,7 +92,7 @@ def merge(
     from fedavg.merge import merge_models
 
     paths = list(models or []) + list(models_opt or [])
-    with guard():
+    with guard("interrupted: no merged model was written"):
         if not paths:
             raise UserError("pass the model folders to merge (or a run's nodes/ folder)")
         config = RunConfig().replace(strategy=strategy, validation=validation,
@@ -156,7 +156,7 @@ def predict(
     from fedavg.inference import predict as run
     from fedavg.inference import write_predictions
 
-    with guard():
+    with guard("interrupted: no predictions were written"):
         if output is not None and output.suffix.lower() not in (".csv", ".json"):
             raise UserError(f"--output must end in .csv or .json (got {output.name})")
         rows = run(model_dir, inputs, split=split, device=device, text=text,

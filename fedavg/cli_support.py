@@ -42,10 +42,18 @@ def one_line(text: str) -> str:
 
 
 @contextlib.contextmanager
-def guard():
-    """Turn user mistakes into one line on stderr and exit code 2 (1 for failed runs)."""
+def guard(interrupted: str = "interrupted"):
+    """Turn user mistakes into one line on stderr and exit code 2 (1 for failed runs).
+
+    A Ctrl-C in a command without a signal handler of its own (:func:`on_signal`) says
+    ``interrupted`` and exits 130.
+    """
     try:
         yield
+    except KeyboardInterrupt:
+        console.quiet = True
+        err_console.print(escape(interrupted), highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     except UserError as exc:
         err_console.print(f"[bold red]error:[/] {escape(one_line(str(exc)))}", highlight=False,
                           soft_wrap=True)

@@ -190,7 +190,7 @@ def report(
 
     from fedavg.report import write_report
 
-    with guard():
+    with guard("interrupted: run `fedavg report` again for a whole report"):
         res = write_report(runs_dir, target=target, output=output, published=published,
                            name=name)
     console.print(Markdown(res["table"]))

@@ -311,3 +311,26 @@ def test_line_breaks_in_a_user_value_stay_on_the_one_error_line():
     text = one_line("--resume a\nb\x85c\u2028d\re: no such folder")
     assert len(text.splitlines()) == 1
     assert text == "--resume a\\nb\\x85c\\u2028d\\re: no such folder"
+
+
+@pytest.mark.parametrize("target, args, message", [
+    ("fedavg.inference.evaluate_model", ["evaluate", "{model}"], "interrupted"),
+    ("fedavg.inference.predict", ["predict", "{model}", "x.png", "--output", "p.csv"],
+     "interrupted: no predictions were written"),
+    ("fedavg.merge.merge_models", ["merge", "{model}", "{model}"],
+     "interrupted: no merged model was written"),
+    ("fedavg.report.write_report", ["report", "{model}"],
+     "interrupted: run `fedavg report` again for a whole report"),
+])
+def test_ctrl_c_in_a_command_says_so_and_exits_130(invoke, monkeypatch, model_dir, target,
+                                                   args, message):
+    module, name = target.rsplit(".", 1)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys.modules[module] if module in sys.modules
+                        else __import__(module, fromlist=[name]), name, interrupted)
+    code, err = invoke(*[a.format(model=model_dir) for a in args])
+    assert code == 130
+    assert err.strip() == message
