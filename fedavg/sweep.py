@@ -162,10 +162,8 @@ def load_sweep(path: str | Path) -> Sweep:
     effective = [_effective(s, c) for s, c in zip(settings, configs)]
     varying = _varying(settings, effective)
     names = point_names(effective, [k for k in varying if k not in SIMULATE_OPTIONS])
-    points = []
-    for name, s, config in zip(names, settings, configs):
-        _validate(path, name, config)
-        points.append(Point(name, s, config))
+    _validate(path, names, configs)
+    points = [Point(name, s, config) for name, s, config in zip(names, settings, configs)]
     origins = [f"grid point {p.name}" for p in points[:len(combos)]]
     origins += [f"[[points]] entry {i} ({p.name})"
                 for i, p in enumerate(points[len(combos):], start=1)]
@@ -325,12 +323,26 @@ def _safe(value: Any) -> str:
     return _UNSAFE.sub("-", text) or "-"
 
 
-def _validate(path: Path, name: str, config: RunConfig) -> None:
-    try:
-        config.validate()
-        config.build_strategy()
-    except UserError as exc:
-        raise UserError(f"{path}: point {name}: {exc}") from None
+def _validate(path: Path, names: list[str], configs: list[RunConfig]) -> None:
+    """Raise one line naming every invalid point, grouped by what is wrong with it."""
+    problems: dict[str, list[str]] = {}
+    for name, config in zip(names, configs):
+        try:
+            config.validate()
+            config.build_strategy()
+        except UserError as exc:
+            problems.setdefault(str(exc), []).append(name)
+    if not problems:
+        return
+    if len(problems) == 1 and len(next(iter(problems.values()))) == 1:
+        (problem, (name,)), = problems.items()
+        raise UserError(f"{path}: point {name}: {problem}")
+    bad = sum(len(v) for v in problems.values())
+    parts = []
+    for problem, which in problems.items():
+        shown = ", ".join(which[:3]) + (f" and {len(which) - 3} more" if len(which) > 3 else "")
+        parts.append(f"{problem} (point{'s' if len(which) > 1 else ''} {shown})")
+    raise UserError(f"{path}: {bad} of {len(names)} points are invalid: " + "; ".join(parts))
 
 
 def _no_repeats(path: Path, origins: list[str], effective: list[dict[str, Any]]) -> None:

@@ -70,6 +70,15 @@ BAD = [
     ("[[points]]\nseed = 1\n[[points]]\nseed = 2\n[[points]]\nseed = 1\n",
      "has the same settings as [[points]] entry 1 (seed=1_"),
     ("[grid\nseed = [0]\n", "is not valid TOML"),
+    # every invalid point is named, grouped by what is wrong with it
+    ("[grid]\nalpha = [0.5, -1.0]\nseed = [0, 1, 2, 3]\n",
+     "4 of 8 points are invalid: --alpha must be > 0 (got -1.0); try 0.5 for label skew "
+     "(points alpha=-1.0_seed=0, alpha=-1.0_seed=1, alpha=-1.0_seed=2 and 1 more)"),
+    ("[grid]\nalpha = [0.5, -1.0, -2.0]\n",
+     "2 of 3 points are invalid: --alpha must be > 0 (got -1.0); try 0.5 for label skew "
+     "(point alpha=-1.0); --alpha must be > 0 (got -2.0)"),
+    ("[grid]\nalpha = [0.5, -1.0]\nstrategy = [\"nope\", \"fedavg\"]\n",
+     "3 of 4 points are invalid: unknown strategy"),
 ]
 
 
