@@ -144,6 +144,10 @@ def plan(sweep: Sweep, out: Path, retry_failed: bool = False) -> list[Planned]:
         same = _plain(before.get("settings")) == _plain(point.settings)
         if summary is not None:
             problem = _difference(summary.get("config"), point.config.as_dict())
+            done = _resumable(folder, point) if problem else None
+            if done is not None:  # only `rounds` was raised: train on from the last round
+                planned.append(Planned(point, RESUME, {"round": done}))
+                continue
             if problem:
                 raise UserError(f"{folder} holds a finished run with other settings "
                                 f"({problem}); remove it or sweep into another --output")
@@ -164,20 +168,24 @@ def plan(sweep: Sweep, out: Path, retry_failed: bool = False) -> list[Planned]:
 
 
 def _resumable(folder: Path, point: Point) -> int | None:
-    """Return the last finished round of the stopped run in ``folder``, if it can go on.
+    """Return the last finished round of the run in ``folder``, if it can go on to this point.
 
-    That is when its checkpoint reads and holds this point's settings; ``None`` otherwise
-    (the point then runs again from scratch).
+    That is when its checkpoint reads and holds this point's settings, ``rounds`` aside, and
+    no more rounds than the point's are done (a stopped run, or a finished one whose
+    ``rounds`` the config raised); ``None`` otherwise (a stopped point then runs again from
+    scratch).
     """
     from fedavg import resume
 
     try:
         ckpt = resume.load(folder)
         given = point.config.from_flat(resume.absolute_paths(point.config.to_flat()))
-        same = ckpt.run_config().as_dict() == given.as_dict()  # paths made absolute in both
+        had = ckpt.run_config()
+        # paths made absolute in both
+        same = had.replace(rounds=given.merge.rounds).as_dict() == given.as_dict()
     except (UserError, OSError, ValueError, KeyError, TypeError):
         return None
-    return ckpt.round if same else None
+    return ckpt.round if same and ckpt.round <= given.merge.rounds else None
 
 
 def read_record(out: Path) -> dict[str, Any]:

@@ -289,9 +289,9 @@ def test_plan_resumes_a_stopped_point_with_a_checkpoint_of_its_settings(tmp_path
 
     sweep = load_sweep(TINY)
     out = tmp_path / "out"
-    same, other, broken, _ = sweep.points
-    for point, config in ((same, same.config), (other, other.config.replace(rounds=9)),
-                          (broken, broken.config)):
+    same, other, broken, more = sweep.points
+    for point, config in ((same, same.config), (other, other.config.replace(lr=0.5)),
+                          (broken, broken.config), (more, more.config.replace(rounds=9))):
         folder = out / point.name
         folder.mkdir(parents=True)
         (folder / "metrics.jsonl").write_text("{}\n")
@@ -300,10 +300,11 @@ def test_plan_resumes_a_stopped_point_with_a_checkpoint_of_its_settings(tmp_path
         resume.save(folder, ckpt)
     (out / broken.name / resume.CHECKPOINT).write_bytes(b"not a checkpoint")
     planned = plan(sweep, out)
-    assert [p.action for p in planned] == [RESUME, RERUN, RERUN, RUN]
-    assert planned[0].record == {"round": 1}
+    # the last one was stopped after round 1 of 9; the config now asks for 2: it goes on
+    assert [p.action for p in planned] == [RESUME, RERUN, RERUN, RESUME]
+    assert planned[0].record == planned[3].record == {"round": 1}
     dry = run_cli("sweep", TINY, "--output", out, "--dry-run")
-    assert dry.stdout.count("go on after round 1") == 1
+    assert dry.stdout.count("go on after round 1") == 2
     assert dry.stdout.count("run again from scratch") == 2
 
 
@@ -338,12 +339,41 @@ def test_plan_skips_a_finished_run_made_before_a_setting_existed(tmp_path):
     assert plan(sweep, tmp_path)[0].action == SKIP
 
 
+def _finish_with_checkpoint(folder: Path, config: RunConfig) -> None:
+    import torch
+
+    import strategies
+    from fedavg import resume
+
+    _finish(folder, config)
+    rounds = config.merge.rounds
+    resume.save(folder, resume.capture(rounds, {"w": torch.zeros(2)}, config,
+                                       strategies.get(config.merge.strategy),
+                                       [{**ROUND_ONE, "round": r + 1} for r in range(rounds)],
+                                       []))
+
+
 def test_plan_refuses_a_finished_run_with_other_settings(tmp_path):
     sweep = load_sweep(TINY)
-    point = sweep.points[0]
-    _finish(tmp_path / point.name, point.config.replace(rounds=3))
+    point, other = sweep.points[:2]
+    _finish_with_checkpoint(tmp_path / point.name, point.config.replace(rounds=3))
     with pytest.raises(UserError, match=r"holds a finished run with other settings \(rounds 3 "
                                         r"there, 2 here\)"):
+        plan(sweep, tmp_path)  # 3 rounds done: more than the 2 asked for
+    _finish_with_checkpoint(tmp_path / other.name, other.config.replace(rounds=1, lr=0.5))
+    with pytest.raises(UserError, match=r"lr 0.5 there, 0.05 here"):
+        plan(select(sweep, [f"seed={other.settings['seed']}",
+                            f"strategy={other.settings['strategy']}"]), tmp_path)
+
+
+def test_plan_trains_a_finished_run_on_when_the_config_raises_its_rounds(tmp_path):
+    sweep = load_sweep(TINY)  # 2 rounds
+    point = sweep.points[0]
+    _finish_with_checkpoint(tmp_path / point.name, point.config.replace(rounds=1))
+    planned = plan(sweep, tmp_path)
+    assert (planned[0].action, planned[0].record) == (RESUME, {"round": 1})
+    (tmp_path / point.name / "checkpoint.safetensors").unlink()  # nothing to go on from
+    with pytest.raises(UserError, match=r"\(rounds 1 there, 2 here\)"):
         plan(sweep, tmp_path)
 
 
@@ -907,3 +937,24 @@ def test_report_says_which_data_distillation_used(tmp_path):
     assert "distillation data: 10% of the train split, kept from the nodes (unlabeled)" in notes
     assert "distillation data: /data/unlabeled (unlabeled, augmented)" in notes
     assert sum(n.startswith("distillation data") for n in notes) == 2
+
+
+@pytest.mark.e2e
+def test_raising_rounds_in_the_config_trains_finished_points_on(tmp_path, no_leaks):
+    out = tmp_path / "sweep"
+    config = toml(tmp_path, "[base]\nnum-nodes = 2\nrounds = 1\n[grid]\nseed = [0, 1]\n")
+    run_cli("sweep", config, "--output", out, "--only", "seed=0", timeout=300)
+    metrics = out / "seed=0" / "metrics.jsonl"
+    first = metrics.read_text().splitlines()
+    assert len(first) == 1
+    config.write_text(config.read_text().replace("rounds = 1", "rounds = 2"))
+    dry = run_cli("sweep", config, "--output", out, "--dry-run", timeout=300)
+    assert dry.stdout.count("go on after round 1") == 1
+    run_cli("sweep", config, "--output", out, timeout=600)
+    after = metrics.read_text().splitlines()
+    assert after[0] == first[0] and [json.loads(line)["round"] for line in after] == [1, 2]
+    assert "--resume" in (out / "seed=0" / "sweep.log").read_text().splitlines()[0]
+    assert json.loads((out / "seed=0" / "summary.json").read_text())["config"]["merge"][
+        "rounds"] == 2
+    assert {r["name"]: r["status"] for r in _record_points(out)} == {"seed=0": "done",
+                                                                   "seed=1": "done"}
