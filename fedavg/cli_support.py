@@ -51,7 +51,6 @@ def guard(interrupted: str = "interrupted"):
     try:
         yield
     except KeyboardInterrupt:
-        console.quiet = True
         err_console.print(escape(interrupted), highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     except UserError as exc:
