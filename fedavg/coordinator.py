@@ -168,6 +168,7 @@ class ServerRun:
         self.eval_device = evaluation_device(config.train.device)  # the merged model's
         self.adapter: FlowerAdapter | None = None
         self.swa = WeightAverage() if config.merge.swa_start is not None else None
+        self.stale_summary = False
 
     def __call__(self, grid: Grid) -> None:
         """Run every round on ``grid``."""
@@ -180,6 +181,8 @@ class ServerRun:
         done = 0 if self.resume_from is None else self.resume_from.round
         if self.resume_from is not None:
             initial = self._resume(self.resume_from, initial)
+            # a finished run trained longer: its summary.json goes with its first new round
+            self.stale_summary = (self.output / "summary.json").exists()
         else:  # a run replaced with --overwrite goes as a whole, now that training starts
             clear_previous_run(self.output)
         if self.deployment is not None:
@@ -310,6 +313,9 @@ class ServerRun:
         if "round1_end" not in self.state.marks:
             self.state.marks.update(round1_start=now - record.wall_s, round1_end=now)
         self.state.marks["last_round_end"] = now
+        if self.stale_summary:  # the model and rounds move past what it describes
+            (self.output / "summary.json").unlink(missing_ok=True)
+            self.stale_summary = False
         checkpoint.save_merged(self.output, merged, {
             **self.prepared.meta, "rounds": server_round,
             "metrics": {"accuracy": record.accuracy, "loss": record.loss}})

@@ -351,8 +351,10 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
     # every round done but no summary.json (stopped while finishing): the resume finishes it
     finished = (Path(where) / "summary.json").exists()
     if config.merge.rounds < ckpt.round or (config.merge.rounds == ckpt.round and finished):
+        least = (f"> {ckpt.round} to train longer" if finished else
+                 f">= {ckpt.round} ({ckpt.round} finishes it there, more trains longer)")
         raise UserError(f"--resume {where}: the run has finished {ckpt.round} round(s); pass "
-                        f"--rounds N with N > {ckpt.round} to train longer")
+                        f"--rounds N with N {least}")
     return config
 
 

@@ -244,6 +244,9 @@ def test_only_the_rounds_may_change(tmp_path):
     assert resume.resumed_config(ckpt, None, str(tmp_path)).merge.rounds == 4
     ckpt.round, ckpt.rounds = 4, [rec(i) for i in range(1, 5)]
     assert resume.resumed_config(ckpt, None, str(tmp_path)).merge.rounds == 4
+    with pytest.raises(UserError, match=r"has finished 4 round\(s\); pass --rounds N with N >= 4 "
+                                        r"\(4 finishes it there, more trains longer\)"):
+        resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=3), str(tmp_path))
     (tmp_path / "summary.json").write_text("{}")
     with pytest.raises(UserError, match=r"has finished 4 round\(s\); pass --rounds N with N > 4"):
         resume.resumed_config(ckpt, None, str(tmp_path))
@@ -452,3 +455,24 @@ def test_a_strategy_option_given_at_its_default_is_the_same_setting():
     assert resume.resumed_config(ckpt, again, "run").merge.rounds == 3
     with pytest.raises(UserError, match=r"--moon-mu 1.0 differs from the run's 5.0"):
         resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=3, moon_mu=1.0), "run")
+
+
+@pytest.mark.e2e
+def test_a_finished_run_stopped_while_training_longer_is_a_stopped_run(runs, tmp_path):
+    """Its old summary.json goes with the first new round; the resume can finish it there."""
+    out = tmp_path / "run"
+    first = runs.start("first", "simulate", "--rounds", "1", "--num-nodes", "2",
+                       "--output", out)
+    assert runs.wait(first) == 0, runs.log("first")
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 1
+    longer = runs.start("longer", "simulate", "--resume", out, "--rounds", "500")
+    _wait_rounds(out, 3, longer, runs)
+    longer.send_signal(signal.SIGTERM)
+    assert runs.wait(longer, 60) == 130
+    done = resume.load(out).round
+    assert done >= 3 and len(rounds_of(out)) == done
+    assert not (out / "summary.json").exists()  # it described round 1, not the model now
+    there = runs.start("there", "simulate", "--resume", out, "--rounds", done)
+    assert runs.wait(there) == 0, runs.log("there")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == done and summary["accuracy"] == rounds_of(out)[-1]["accuracy"]
