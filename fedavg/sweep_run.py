@@ -239,10 +239,11 @@ def cpu_note(points: list[Point], parallel: int, cores: int | None = None) -> st
     per_point = min(widest.config.merge.num_nodes * widest.cpus_per_node, cores)
     if parallel * per_point <= cores:
         return None
-    return (f"--parallel {parallel} x up to {per_point:g} cores per point "
-            f"({widest.config.merge.num_nodes} nodes x {widest.cpus_per_node:g} "
-            f"--cpus-per-node) is more than the {cores} cores here: points share cores and "
-            "each takes longer")
+    wants = widest.config.merge.num_nodes * widest.cpus_per_node
+    why = (f"{widest.config.merge.num_nodes} nodes x {widest.cpus_per_node:g} --cpus-per-node"
+           + (f", capped at the {cores} cores" if wants > cores else ""))
+    return (f"--parallel {parallel} x up to {per_point:g} cores per point ({why}) is more "
+            f"than the {cores} cores here: points share cores and each takes longer")
 
 
 def last_error(log: Path) -> str | None:

@@ -379,8 +379,10 @@ def test_plan_trains_a_finished_run_on_when_the_config_raises_its_rounds(tmp_pat
 
 def test_cpu_note_when_parallel_points_want_more_cores():
     points = list(load_sweep(TINY).points)  # 3 nodes x 1 core each
-    assert "--parallel 2 x up to 2 cores" in cpu_note(points, 2, cores=2)
-    assert "--parallel 2 x up to 3 cores" in cpu_note(points, 2, cores=4)
+    assert "--parallel 2 x up to 2 cores per point (3 nodes x 1 --cpus-per-node, capped at " \
+        "the 2 cores) is more than the 2 cores here" in cpu_note(points, 2, cores=2)
+    assert "--parallel 2 x up to 3 cores per point (3 nodes x 1 --cpus-per-node) is more " \
+        "than the 4 cores here" in cpu_note(points, 2, cores=4)
     assert cpu_note(points, 2, cores=6) is None
     assert cpu_note(points, 1, cores=1) is None
 
