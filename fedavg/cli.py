@@ -111,6 +111,9 @@ def merge(
     acc = f": test accuracy [bold]{res['accuracy']:.4f}[/]" if "accuracy" in res else ""
     console.print(f"merged {res['num_models']} models with {res['strategy']} into "
                   f"[bold]{output}[/]{acc}")
+    if "members" in res:
+        console.print(f"kept {len(res['members'])} of {res['num_models']}: "
+                      + ", ".join(res["members"]), highlight=False)
 
 
 def evaluate(

@@ -118,8 +118,8 @@ def merge_models(
     Returns
     -------
     dict
-        ``num_models``, ``strategy``, ``wall_s`` and, with ``dataset``, ``accuracy`` and
-        ``loss``.
+        ``num_models``, ``strategy``, ``wall_s``, ``members`` (the model folders a greedy
+        soup kept) and, with ``dataset``, ``accuracy`` and ``loss``.
 
     Raises
     ------
@@ -150,6 +150,8 @@ def merge_models(
     make_output(out)  # created only now: a refused merge leaves no folder
     checkpoint.save_merged(out, merged, meta)
     result: dict[str, Any] = {"num_models": len(dirs), "strategy": config.merge.strategy}
+    if "members" in merged.info:  # a greedy soup: the models it kept
+        result["members"] = list(merged.info["members"])
     if dataset:
         from fedavg.inference import evaluate_model
 

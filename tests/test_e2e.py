@@ -200,7 +200,9 @@ def test_one_shot_ensemble_node_models_and_offline_merge(tmp_path, no_leaks):
                   "--dataset", "digits", "--output", soup).stdout
     assert "merged 3 models with greedy-soup" in out
     soup_summary = json.loads((soup / "summary.json").read_text())
-    assert 1 <= len(soup_summary["merge_info"]["members"]) <= 3
+    members = soup_summary["merge_info"]["members"]
+    assert 1 <= len(members) <= 3
+    assert f"kept {len(members)} of 3: {', '.join(members)}" in out
     assert json.loads(run_cli("evaluate", soup, "--json").stdout)["accuracy"] == pytest.approx(
         soup_summary["accuracy"], abs=1e-6)
     ens = tmp_path / "ens2"
