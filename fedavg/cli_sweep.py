@@ -193,7 +193,10 @@ def report(
     with guard("interrupted: run `fedavg report` again for a whole report"):
         res = write_report(runs_dir, target=target, output=output, published=published,
                            name=name)
-    console.print(Markdown(res["table"]))
+    if console.is_terminal:
+        console.print(Markdown(res["table"]))
+    else:  # piped or in a file: the Markdown itself, its rows unbroken
+        console.print(res["table"], markup=False, highlight=False)
     for note in res["notes"]:
         err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     runs, groups = res["num_runs"], res["num_groups"]

@@ -19,6 +19,7 @@ from conftest import ROOT, assert_one_error_line, engine_processes, run_cli
 from PIL import Image
 from typer.testing import CliRunner
 
+from fedavg.cli import app
 from fedavg.config import RunConfig
 from fedavg.errors import UserError
 from fedavg.report import Run, find_runs, write_report
@@ -575,6 +576,15 @@ def test_report_has_one_rounds_column_when_rounds_is_a_setting_that_varies(tmp_p
     fake_run(tmp_path / "seed", [0.5, 0.9, 0.9], 12.0, seed=1)  # rounds no longer varies alone
     write_report(tmp_path / "seed")
     assert "rounds" in _csv(tmp_path / "seed" / "results.csv")[0]
+
+
+def test_report_piped_prints_the_markdown_table_with_whole_rows(runs):
+    res = CliRunner().invoke(app, ["report", str(runs), "--target", "0.85"])  # not a terminal
+    assert res.exit_code == 0, res.output
+    row = "| fedavg | 3 | 0 1 2 | 0.8000 ± 0.1000 | 0.8000 ± 0.1000 | 2 (1/3) | 2 |"
+    assert [line for line in res.stdout.splitlines() if line.startswith(row)] == [
+        line for line in (runs / "results.md").read_text().splitlines() if line.startswith(row)]
+    assert "| strategy | n | seeds |" in res.stdout
 
 
 def test_report_groups_over_seeds_with_mean_and_std(runs):
