@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 
 # Ray's core answers SIGTERM (a clean stop here: exit 130, resume command) with a crash report
 # on stderr unless this is set before Ray loads; a run's own Ray processes inherit it, and
@@ -109,11 +110,10 @@ def merge(
                 remove_if_empty(output)
             raise
     acc = f": test accuracy [bold]{res['accuracy']:.4f}[/]" if "accuracy" in res else ""
+    kept = (f"\nkept {len(res['members'])} of {res['num_models']}: "
+            + ", ".join(escape(m) for m in res["members"])) if "members" in res else ""
     console.print(f"merged {res['num_models']} models with {res['strategy']} into "
-                  f"[bold]{output}[/]{acc}")
-    if "members" in res:
-        console.print(f"kept {len(res['members'])} of {res['num_models']}: "
-                      + ", ".join(res["members"]), highlight=False)
+                  f"[bold]{escape(str(output))}[/]{acc}{kept}", highlight=False)
 
 
 def evaluate(
@@ -135,7 +135,6 @@ def evaluate(
     if as_json:
         print(json.dumps(res))
         return
-    from rich.markup import escape
 
     console.print(f"{escape(res['dataset'])} \\[{escape(res['split'])}]: accuracy "
                   f"[bold]{res['accuracy']:.4f}[/], loss {res['loss']:.4f}, "
@@ -169,7 +168,6 @@ def predict(
             write_predictions(rows, output)
             console.print(f"{len(rows)} prediction(s) written to {output}")
             return
-    from rich.markup import escape
     from rich.table import Table
 
     table = Table()
@@ -206,7 +204,6 @@ def list_strategies() -> None:
 
 def models() -> None:
     """List the built-in models and the forms that bring your own (--model, --model-arg)."""
-    from rich.markup import escape
     from rich.table import Table
 
     from fedavg.model_sources import FORMS
