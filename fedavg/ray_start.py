@@ -33,7 +33,7 @@ def init_ray(backend: dict[str, Any], temp_dir: str) -> None:
     A Ray instance of the run's own inherits this process's environment, ``PYTHONPATH``
     included (:func:`export_python_path`), so its workers start without a runtime
     environment, which would cost each node process about a second; a cluster's workers get
-    ``PYTHONPATH`` as one.
+    ``PYTHONPATH`` as one. A run's own Ray listens on 127.0.0.1 only (:func:`ray_on_loopback`).
 
     Raises
     ------
@@ -42,7 +42,7 @@ def init_ray(backend: dict[str, Any], temp_dir: str) -> None:
     """
     import ray
 
-    from fedavg.flower_compat import disable_ray_auto_connect
+    from fedavg.flower_compat import disable_ray_auto_connect, ray_on_loopback
 
     # Flower's engine threads still call Ray while the run ends; with auto-connect on, such a
     # call after shutdown starts a fresh Ray instance that outlives the command.
@@ -54,7 +54,11 @@ def init_ray(backend: dict[str, Any], temp_dir: str) -> None:
     own = ({"runtime_env": {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}} if cluster
            else {"_temp_dir": temp_dir})
     try:
-        ray.init(**own, **backend["init_args"])
+        if cluster:
+            ray.init(**own, **backend["init_args"])
+        else:  # nothing outside this machine needs to reach a run's own Ray
+            with ray_on_loopback():
+                ray.init(**own, **backend["init_args"])
     except (ConnectionError, RuntimeError, ValueError) as exc:
         if not cluster:
             raise

@@ -168,6 +168,21 @@ def simulate(tmpdir: Path, tag: str, out: Path, *args) -> subprocess.Popen:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
+def listeners(tag: str) -> list[tuple[str, str]]:
+    """``(process, address)`` of every listening TCP socket of the processes tagged ``tag``."""
+    import psutil
+
+    found = []
+    for entry in tagged_processes(tag):
+        try:
+            proc = psutil.Process(int(entry.split(":", 1)[0]))
+            found += [(proc.name(), c.laddr.ip) for c in proc.net_connections(kind="tcp")
+                      if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue
+    return found
+
+
 def ray_fallbacks(pid: int) -> list[Path]:
     """List the short Ray folders a simulation with pid ``pid`` made in /tmp (deep TMPDIR)."""
     return sorted(Path("/tmp").glob(f"fedavg-ray-{pid}-*"))
@@ -200,6 +215,11 @@ def test_simulate_leaves_nothing(tmpdir_env, tmp_path, how):
             [data] = private_folders(tmpdir_env, "fedavg-")
             assert (data / "ray").is_dir()  # Ray's session folder is ours, in our folder
             assert any("raylet" in p for p in tagged_processes(tag))
+            # the run's own Ray (GCS, raylet, node actors) and the driver: loopback only
+            listening = listeners(tag)
+            assert any("gcs_server" in who for who, _ in listening), listening
+            assert all(ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+                       for _, ip in listening), listening
             proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGINT)
         text, _ = proc.communicate(timeout=240)
     finally:

@@ -113,3 +113,18 @@ def test_a_simulation_trains_on_the_actors_started_while_it_set_up(tmp_path, mon
     assert len(early) == (os.cpu_count() or 1)  # one actor per core at 1 CPU per node
     assert [a._actor_id for a in pooled] == [a._actor_id for a in early]
     assert set(res.startup_s) >= {"ray_start", "engine_start", "round1"}
+
+
+def test_ray_on_loopback_is_undone_afterwards(monkeypatch):
+    from ray._private import ray_constants
+
+    from fedavg.flower_compat import LOOPBACK_VAR, ray_on_loopback
+
+    monkeypatch.delenv(LOOPBACK_VAR, raising=False)
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    with ray_on_loopback():
+        assert os.environ[LOOPBACK_VAR] == "0" and ray_constants.ENABLE_RAY_CLUSTER is False
+        from ray._private.services import get_node_ip_address
+
+        assert get_node_ip_address() in ("127.0.0.1", "::1")
+    assert LOOPBACK_VAR not in os.environ and ray_constants.ENABLE_RAY_CLUSTER is before

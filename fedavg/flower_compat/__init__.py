@@ -17,10 +17,12 @@ Nothing outside this package imports ``flwr.cli``, ``flwr.proto``, ``flwr.superc
 
 from fedavg.flower_compat.checks import (
     FLOWER_VERSION,
+    LOOPBACK_VAR,
     check_flower_internals,
     check_ray_internals,
     disable_ray_auto_connect,
     disconnect_ray,
+    ray_on_loopback,
 )
 from fedavg.flower_compat.control import (
     CertificateRejected,
@@ -73,6 +75,7 @@ __all__ = [
     "error_summary",
     "CLIENT_TASK",
     "FLOWER_VERSION",
+    "LOOPBACK_VAR",
     "HEARTBEAT_S",
     "IDLE_POLL_S",
     "KEY_HINT",
@@ -90,6 +93,7 @@ __all__ = [
     "control_client",
     "disable_ray_auto_connect",
     "disconnect_ray",
+    "ray_on_loopback",
     "fast_message_dispatch",
     "is_certificate_failure",
     "most_telling_line",

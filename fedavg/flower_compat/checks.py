@@ -6,9 +6,11 @@ in this package, and the Flower source lines (fixed sleeps, log messages) fedavg
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
+import os
 from pathlib import Path
 
 FLOWER_VERSION = "1.42.0"
@@ -151,13 +153,14 @@ def _module(name: str):
 
 
 def check_ray_internals() -> None:
-    """Fail loudly when Ray's auto-connect switch or its driver's node handle moved.
+    """Fail loudly when a Ray internal fedavg sets or reads moved.
 
     Raises
     ------
     RuntimeError
-        ``ray._private.auto_init_hook.enable_auto_connect`` or
-        ``ray._private.worker._global_node`` (and its use in ``shutdown``) is gone.
+        ``ray._private.auto_init_hook.enable_auto_connect``,
+        ``ray._private.worker._global_node`` (and its use in ``shutdown``) or the loopback
+        switch (:func:`ray_on_loopback`) is gone.
     """
     mod = _module("ray._private.auto_init_hook")
     if not isinstance(getattr(mod, "enable_auto_connect", None), bool):
@@ -166,6 +169,48 @@ def check_ray_internals() -> None:
     if not hasattr(worker, "_global_node") or "_global_node.kill_all_processes(" not in (
             inspect.getsource(worker.shutdown)):
         raise RuntimeError("ray._private.worker.shutdown no longer stops _global_node")
+    constants, services = _module("ray._private.ray_constants"), _module("ray._private.services")
+    if getattr(constants, "ENABLE_RAY_CLUSTERS_ENV_VAR", None) != LOOPBACK_VAR or \
+            not isinstance(getattr(constants, "ENABLE_RAY_CLUSTER", None), bool) or \
+            "ray_constants.ENABLE_RAY_CLUSTER" not in inspect.getsource(
+                services.get_node_ip_address):
+        raise RuntimeError("Ray no longer takes the loopback address with its cluster mode off")
+
+
+#: Off ("0"), a Ray instance started on Linux takes 127.0.0.1 as its node's address, as it
+#: does on macOS and Windows, and its servers then listen on the loopback interface only.
+LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def ray_on_loopback():
+    """Let a Ray instance started inside listen on 127.0.0.1 only, not on every interface.
+
+    Ray's GCS, raylet and worker servers listen on every interface unless the node's
+    address is the loopback one. Ray takes that address only with its multi-machine mode
+    off, which it reads from :data:`LOOPBACK_VAR` when imported; its processes inherit the
+    variable. Both are as before afterwards, so a later ``--ray-address`` run in the same
+    process still joins its cluster.
+
+    Raises
+    ------
+    RuntimeError
+        See :func:`check_ray_internals`.
+    """
+    check_ray_internals()
+    from ray._private import ray_constants
+
+    saved = os.environ.get(LOOPBACK_VAR), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOOPBACK_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if saved[0] is None:
+            os.environ.pop(LOOPBACK_VAR, None)
+        else:
+            os.environ[LOOPBACK_VAR] = saved[0]
+        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
 
 
 def disconnect_ray() -> bool:
