@@ -156,11 +156,11 @@ def predict(
 ) -> None:
     """Predict classes with a saved model."""
     from fedavg.inference import predict as run
-    from fedavg.inference import write_predictions
+    from fedavg.output import check_predictions_output, write_predictions
 
     with guard("interrupted: no predictions were written"):
-        if output is not None and output.suffix.lower() not in (".csv", ".json"):
-            raise UserError(f"--output must end in .csv or .json (got {output.name})")
+        if output is not None:
+            check_predictions_output(output, model_dir, inputs)
         rows = run(model_dir, inputs, split=split, device=device, text=text,
                    on_note=lambda note: err_console.print(f"[yellow]note:[/] {note}",
                                                           highlight=False))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import csv
-import json
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -400,33 +398,3 @@ def input_notes(images: Sequence[str | Path], shape: tuple[int, ...]) -> list[st
             notes.append(f"{len(found)} of {len(images)} image(s) {change} (e.g. {found[0]}); "
                          "predictions may be unreliable: use images like the training data")
     return notes
-
-
-def write_predictions(rows: list[dict[str, Any]], path: str | Path) -> Path:
-    """Write rows as CSV (``.csv``) or JSON (``.json``).
-
-    Raises
-    ------
-    UserError
-        Another suffix, or a folder that cannot be written.
-    """
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix not in (".csv", ".json"):
-        raise UserError(f"--output must end in .csv or .json (got {path.name})")
-    from fedavg.output import check_folder
-
-    check_folder(path.parent, f"--output {path}: its folder")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if suffix == ".json":
-            path.write_text(json.dumps(rows, indent=2) + "\n")
-        else:
-            with open(path, "w", newline="") as fh:
-                writer = csv.DictWriter(fh, fieldnames=["input", "prediction", "class_index",
-                                                        "confidence"])
-                writer.writeheader()
-                writer.writerows(rows)
-    except OSError as exc:
-        raise UserError(f"cannot write {path}: {exc.strerror}") from None
-    return path

@@ -1,16 +1,21 @@
-"""The run folder: its default name, creation, the overwrite rule, and one writer at a time.
+"""Where results go: the run folder and the predictions file of ``fedavg predict``.
 
-A run folder is written by one command at a time: :func:`make_output` takes an exclusive
-lock on it (``flock`` on the folder itself, so nothing is left behind and a killed process
-lets go at once), :func:`release_output` gives it back.
+A run folder has a default name and an overwrite rule, and is written by one command at a
+time: :func:`make_output` takes an exclusive lock on it (``flock`` on the folder itself, so
+nothing is left behind and a killed process lets go at once), :func:`release_output` gives
+it back.
 """
 
 from __future__ import annotations
 
+import csv
 import datetime as _dt
 import fcntl
+import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from fedavg.errors import UserError
 
@@ -153,3 +158,61 @@ def check_output(out: Path, overwrite: bool) -> None:
                         "--overwrite to replace it")
 
 
+def check_predictions_output(path: str | Path, model_dir: str | Path,
+                             inputs: Sequence[str] = ()) -> None:
+    """Refuse a predictions file that would replace an input or a file of the model's folder.
+
+    Raises
+    ------
+    UserError
+        Not ``.csv`` / ``.json``; one of ``inputs``; a file fedavg wrote in ``model_dir``
+        (its model, settings, metrics, checkpoint or tokenizer); below a file.
+    """
+    from fedavg.text import TOKENIZER_FILE
+
+    path = Path(path)
+    if path.suffix.lower() not in (".csv", ".json"):
+        raise UserError(f"--output must end in .csv or .json (got {path.name})")
+    where = path.expanduser().resolve()
+    if any(Path(i).exists() and Path(i).resolve() == where for i in inputs):
+        raise UserError(f"--output {path} is one of the inputs; write the predictions to "
+                        "another file")
+    if where.parent == Path(model_dir).expanduser().resolve() and \
+            where.name in (*RUN_FILES, TOKENIZER_FILE):
+        raise UserError(f"--output {path} would replace the model folder's own {where.name}; "
+                        "write the predictions to another file")
+    check_folder(path.parent, f"--output {path}: its folder")
+
+
+def write_predictions(rows: list[dict[str, Any]], path: str | Path) -> Path:
+    """Write rows as CSV (``.csv``) or JSON (``.json``), atomically.
+
+    Raises
+    ------
+    UserError
+        Another suffix, or a folder that cannot be written.
+    """
+    from fedavg.checkpoint import atomic_write
+
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".csv", ".json"):
+        raise UserError(f"--output must end in .csv or .json (got {path.name})")
+    check_folder(path.parent, f"--output {path}: its folder")
+
+    def _write(tmp: Path) -> None:
+        if suffix == ".json":
+            Path(tmp).write_text(json.dumps(rows, indent=2) + "\n")
+            return
+        with open(tmp, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=["input", "prediction", "class_index",
+                                                    "confidence"])
+            writer.writeheader()
+            writer.writerows(rows)
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, _write)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror}") from None
+    return path

@@ -290,6 +290,29 @@ def test_predict_bad_output_suffix(invoke, model_dir, tmp_path):
     assert code == 0 and (tmp_path / "x.csv").read_text().startswith("input,prediction")
 
 
+@pytest.mark.parametrize("target", ["model.json", "tokenizer.json", "summary.json",
+                                    "input"])
+def test_predict_never_writes_over_the_model_folder_or_an_input(invoke, model_dir, tmp_path,
+                                                                target):
+    from PIL import Image
+
+    (tmp_path / "input.json").write_text("[]")  # an input named like a predictions file
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / "one.png")
+    out = tmp_path / "input.json" if target == "input" else model_dir / target
+    out.touch()
+    before = {p: p.read_bytes() for p in (*model_dir.iterdir(), tmp_path / "input.json")}
+    inputs = ["one.png", "input.json"] if target == "input" else ["one.png"]
+    code, stderr = invoke("predict", model_dir, *inputs, "--output", out)
+    assert code == 2
+    line = assert_one_error_line(stderr)
+    assert ("is one of the inputs" if target == "input" else
+            f"would replace the model folder's own {target}") in line
+    assert {p: p.read_bytes() for p in before} == before
+    # the same call with another output file works
+    code, _ = invoke("predict", model_dir, "one.png", "--output", tmp_path / "p.json")
+    assert code == 0 and json.loads((tmp_path / "p.json").read_text())[0]["input"]
+
+
 def test_predict_unsupported_input(invoke, model_dir, tmp_path):
     (tmp_path / "notes.docx").write_bytes(b"PK")
     code, stderr = invoke("predict", model_dir, "notes.docx")
