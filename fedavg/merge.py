@@ -10,6 +10,7 @@ from fedavg import checkpoint
 from fedavg.config import RunConfig
 from fedavg.data import Split, check_kind, conform, holdout, load
 from fedavg.errors import UserError
+from fedavg.output import clear_previous_run, release_output
 from fedavg.run import make_output
 
 
@@ -19,7 +20,8 @@ def model_dirs(paths: Sequence[str | Path]) -> list[Path]:
     Raises
     ------
     UserError
-        A missing path, a folder holding no model, or a single model.
+        A missing path, a folder holding no model, a model given twice (say, as a folder and
+        inside a folder of models), or a single model.
     """
     found: list[Path] = []
     for raw in paths:
@@ -35,6 +37,12 @@ def model_dirs(paths: Sequence[str | Path]) -> list[Path]:
         found.extend(inner)
     if not found:
         raise UserError("no models to merge: pass model folders")
+    seen: dict[Path, Path] = {}
+    for path in found:
+        if path.resolve() in seen:
+            raise UserError(f"{path} is given twice (also as {seen[path.resolve()]}); a model "
+                            "given twice would count twice: pass each model once")
+        seen[path.resolve()] = path
     if len(set(found)) == 1:
         raise UserError(f"one model found ({found[0]}); a merge needs two or more: pass several "
                         "model folders, or a run's nodes/ folder (--save-node-models)")
@@ -147,21 +155,27 @@ def merge_models(
     meta = {k: v for k, v in first.items() if k not in ("format", "kind", "node", "metrics",
                                                         "member_weights", "members")}
     meta.update({"strategy": config.merge.strategy, "merged_from": [str(d) for d in dirs]})
-    make_output(out)  # created only now: a refused merge leaves no folder
-    checkpoint.save_merged(out, merged, meta)
-    result: dict[str, Any] = {"num_models": len(dirs), "strategy": config.merge.strategy}
-    if "members" in merged.info:  # a greedy soup: the models it kept
-        result["members"] = list(merged.info["members"])
-    if dataset:
-        from fedavg.inference import evaluate_model
-
-        ev = evaluate_model(out, dataset)
-        result.update({"accuracy": ev["accuracy"], "loss": ev["loss"]})
-        meta["metrics"] = {"accuracy": ev["accuracy"], "loss": ev["loss"]}
+    # created only now: a refused merge leaves no folder; no run may write into it meanwhile
+    make_output(out, lock=True)
+    try:
+        if overwrite:  # a previous run's files go as a whole (its checkpoint, metrics, nodes)
+            clear_previous_run(out)
         checkpoint.save_merged(out, merged, meta)
-    result["wall_s"] = round(time.monotonic() - t0, 3)
-    checkpoint.write_json(out / "summary.json", {**result, "merge_info": merged.info,
-                                                 "models": [str(d) for d in dirs]})
+        result: dict[str, Any] = {"num_models": len(dirs), "strategy": config.merge.strategy}
+        if "members" in merged.info:  # a greedy soup: the models it kept
+            result["members"] = list(merged.info["members"])
+        if dataset:
+            from fedavg.inference import evaluate_model
+
+            ev = evaluate_model(out, dataset)
+            result.update({"accuracy": ev["accuracy"], "loss": ev["loss"]})
+            meta["metrics"] = {"accuracy": ev["accuracy"], "loss": ev["loss"]}
+            checkpoint.save_merged(out, merged, meta)
+        result["wall_s"] = round(time.monotonic() - t0, 3)
+        checkpoint.write_json(out / "summary.json", {**result, "merge_info": merged.info,
+                                                     "models": [str(d) for d in dirs]})
+    finally:
+        release_output(out)
     return result
 
 

@@ -79,10 +79,11 @@ def test_merge_user_errors(tmp_path, node_models, args, message):
 
 def test_merging_one_model_is_refused(tmp_path, node_models):
     _, dirs = node_models
-    for models in ([dirs[0]], [dirs[1], dirs[1]]):
+    for models, message in (([dirs[0]], f"one model found ({dirs[0]}); a merge needs two or "
+                                         "more"), ([dirs[1], dirs[1]], "is given twice")):
         res = runner.invoke(app, ["merge", *map(str, models), "--output", str(tmp_path / "x")])
         assert res.exit_code == 2, res.output
-        assert f"one model found ({models[0]}); a merge needs two or more" in res.output
+        assert message in res.output
         assert not (tmp_path / "x").exists()
 
 
@@ -173,3 +174,44 @@ def test_a_bad_sample_count_in_a_node_models_metadata_is_one_line(tmp_path, node
     assert res.exit_code == 2, res.output
     assert "node.num_examples" in res.output and "node-1" in res.output
     assert isinstance(res.exception, SystemExit) and not (tmp_path / "x").exists()
+
+
+def test_a_model_given_twice_is_refused(tmp_path, node_models):
+    folder, dirs = node_models
+    res = runner.invoke(app, ["merge", str(folder), str(dirs[0]), "--output",
+                              str(tmp_path / "x")])
+    assert res.exit_code == 2, res.output
+    assert f"{dirs[0]} is given twice" in res.output and "count twice" in res.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_merge_overwrite_replaces_a_run_as_a_whole(tmp_path, node_models):
+    folder, _ = node_models
+    run = tmp_path / "run"
+    (run / "nodes" / "node-0").mkdir(parents=True)
+    (run / "nodes" / "node-0" / "model.safetensors").write_bytes(b"old")
+    for name in ("checkpoint.safetensors", "metrics.jsonl", "summary.json", "model.json"):
+        (run / name).write_text("old")
+    (run / "notes.txt").write_text("mine")
+    res = runner.invoke(app, ["merge", str(folder), "--output", str(run), "--overwrite"])
+    assert res.exit_code == 0, res.output
+    # the old run's files went as a whole: a --resume there cannot mix it with the merge
+    assert not (run / "checkpoint.safetensors").exists() and not (run / "metrics.jsonl").exists()
+    assert not (run / "nodes").exists() and (run / "notes.txt").read_text() == "mine"
+    assert json.loads((run / "summary.json").read_text())["num_models"] == 3
+
+
+def test_merge_refuses_a_folder_another_command_is_writing(tmp_path, node_models):
+    from fedavg.output import make_output, release_output
+
+    folder, _ = node_models
+    busy = make_output(tmp_path / "busy", lock=True)  # as a running simulation holds it
+    try:
+        res = runner.invoke(app, ["merge", str(folder), "--output", str(busy)])
+    finally:
+        release_output(busy)
+    assert res.exit_code == 2, res.output
+    assert "another fedavg command is writing into" in res.output
+    assert list(busy.iterdir()) == []
+    res = runner.invoke(app, ["merge", str(folder), "--output", str(busy)])
+    assert res.exit_code == 0, res.output
