@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from fedavg.errors import UserError, first_line
+from fedavg.errors import NoLabelColumn, UserError, first_line
 
 BUILTIN = ("digits",)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -198,7 +198,7 @@ def detect_columns(features, source: str, image_column: str | None = None,
             (c for c, f in features.items() if isinstance(f, datasets.ClassLabel)), None
         ) or next((c for c in columns if c.lower() in LABEL_NAMES), None)
         if label is None:
-            raise UserError(
+            raise NoLabelColumn(
                 f"no label column found in {source}; pass --label-column (columns: "
                 f"{', '.join(columns)})"
             )

@@ -9,6 +9,10 @@ class UserError(Exception):
     """A mistake in the input (path, column, option value) with a message saying what to fix."""
 
 
+class NoLabelColumn(UserError):
+    """A dataset with no column that could be its labels."""
+
+
 class RunError(Exception):
     """A run could not finish (e.g. no node replied in a round); artifacts so far are kept.
 

@@ -20,7 +20,7 @@ from fedavg.data import (
     load,
     looks_like_path,
 )
-from fedavg.errors import UserError
+from fedavg.errors import NoLabelColumn, UserError
 from fedavg.models import build_model
 from fedavg.overlap import overlap_note
 from fedavg.train import evaluate as _evaluate
@@ -351,7 +351,12 @@ def _text_batches(inputs: Sequence[str], literal: bool, split: str, meta: dict[s
 
 def _dataset_batch(source: str, split: str, meta: dict[str, Any], tokenizer: Any = "hashed"):
     """Load the ``split`` of a dataset, checked against the model's inputs: ``(x, names)``."""
-    data = load(source, tokenizer=tokenizer)
+    try:
+        data = load(source, tokenizer=tokenizer)
+    except NoLabelColumn:
+        raise UserError(f"{source}: a dataset input needs a label column (its {split} split "
+                        "is predicted); give unlabelled inputs as image files or folders, or "
+                        "as a .txt file of texts, one per line") from None
     if split not in data.splits:
         raise UserError(f"{source} has no split {split!r}; splits: {', '.join(data.splits)}")
     check_kind(meta["input"], data, source)

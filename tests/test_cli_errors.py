@@ -313,6 +313,17 @@ def test_predict_never_writes_over_the_model_folder_or_an_input(invoke, model_di
     assert code == 0 and json.loads((tmp_path / "p.json").read_text())[0]["input"]
 
 
+def test_predict_on_a_dataset_without_labels_says_how_to_give_unlabelled_inputs(invoke,
+                                                                                 model_dir,
+                                                                                 tmp_path):
+    (tmp_path / "notes.csv").write_text("text\nhello\nworld\n")
+    code, stderr = invoke("predict", model_dir, "notes.csv")
+    assert code == 2
+    line = assert_one_error_line(stderr)
+    assert line.startswith("error: notes.csv: a dataset input needs a label column")
+    assert ".txt file of texts" in line and "--label-column" not in line
+
+
 def test_predict_unsupported_input(invoke, model_dir, tmp_path):
     (tmp_path / "notes.docx").write_bytes(b"PK")
     code, stderr = invoke("predict", model_dir, "notes.docx")
