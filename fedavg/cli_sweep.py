@@ -93,7 +93,8 @@ def _show_plan(spec, planned, out: Path, problems: dict[str, str]) -> None:
         table.add_column(key, overflow="fold")
     table.add_column("what the sweep does", overflow="fold")
     for p in planned:
-        values = [format_value(p.point.config.to_flat().get(key, p.point.settings.get(key, "")))
+        values = [format_value(p.point.settings[key] if key in p.point.settings
+                               else p.point.config.to_flat().get(key, ""))
                   for key in spec.varying]
         said = escape(_SAID[p.action].format(**p.record))
         if p.point.name in problems:

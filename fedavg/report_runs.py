@@ -138,6 +138,10 @@ def flat_settings(summary: dict[str, Any]) -> dict[str, Any]:
         for key, value in (config.get(section) or {}).items():
             if key == "options":
                 flat.update({k.replace("_", "-"): v for k, v in (value or {}).items()})
+            elif key == "model_args":  # hidden=64,act=gelu, as sweep points name them
+                from fedavg.sweep import format_value
+
+                flat["model-args"] = format_value(dict(value)) if value else None
             else:
                 flat[key.replace("_", "-")] = value
     flat["model"] = summary.get("model", flat.get("model"))  # "auto" resolved

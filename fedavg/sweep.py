@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from fedavg.config import RunConfig
+from fedavg.config_values import MODEL_ARGS
 from fedavg.errors import UserError
 
 #: Options of ``fedavg simulate`` that are not run settings, with their defaults.
@@ -76,7 +77,9 @@ class Point:
         """Return the ``fedavg simulate`` options for this point (no ``--output``)."""
         args = []
         for key, value in self.settings.items():
-            if isinstance(value, bool):
+            if key == MODEL_ARGS:  # a table: one --model-arg NAME=JSON each
+                args += [f"--model-arg={k}={json.dumps(v)}" for k, v in value.items()]
+            elif isinstance(value, bool):
                 if value:  # flags: --save-node-models
                     args.append(f"--{key}")
             else:  # --key=value: a value starting with "-" stays a value
@@ -120,6 +123,8 @@ def format_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, float):
         return repr(value)
+    if isinstance(value, dict):  # model-args
+        return ",".join(f"{k}={format_value(v)}" for k, v in value.items())
     return str(value)
 
 
@@ -217,6 +222,8 @@ def _settings(path: Path, where: str, table: dict[str, Any]) -> dict[str, Any]:
 
 def _value(path: Path, where: str, key: str, value: Any) -> Any:
     """Return ``value`` converted to the type of setting ``key``, or raise naming both."""
+    if key == MODEL_ARGS:
+        return _model_args(path, where, value)
     if isinstance(value, (list, dict)):
         kind = "a list" if isinstance(value, list) else "a table"
         hint = "; put lists of values in [grid]" if where == "[base]" else ""
@@ -247,6 +254,19 @@ def _value(path: Path, where: str, key: str, value: Any) -> Any:
     except UserError as exc:
         raise UserError(f"{path}: {where}: {exc}") from None
     return flat[key]
+
+
+def _model_args(path: Path, where: str, value: Any) -> dict[str, Any]:
+    """Return a ``model-args`` table (the builder's arguments), checked."""
+    if not isinstance(value, dict):
+        raise UserError(f"{path}: {where} {MODEL_ARGS} is a table of the model builder's "
+                        f"arguments, e.g. {MODEL_ARGS} = {{hidden = 64}} (got {value!r})")
+    for name, arg in value.items():
+        if not name.isidentifier() or isinstance(arg, (list, dict)) or \
+                not isinstance(arg, (str, int, float, bool)):
+            raise UserError(f"{path}: {where} {MODEL_ARGS}: {name} = {arg!r}; each argument "
+                            "is a Python name with a string, number or boolean")
+    return dict(value)
 
 
 def _cli_types() -> dict[str, Any]:
@@ -286,6 +306,8 @@ def _run_config(settings: dict[str, Any]) -> RunConfig:
 def _effective(settings: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     """Return every setting's value for a point: given, or its default (None: unset)."""
     out = {k: v for k, v in config.to_flat().items()}
+    if out.get(MODEL_ARGS) is not None:  # JSON text in the flat config
+        out[MODEL_ARGS] = dict(config.train.model_args)
     out.update({k: settings.get(k, default) for k, default in SIMULATE_OPTIONS.items()})
     return out
 

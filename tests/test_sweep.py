@@ -7,6 +7,7 @@ the end-to-end ones (marker ``e2e``) run ``fedavg sweep`` and ``fedavg report`` 
 
 import contextlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -81,6 +82,34 @@ BAD = [
     ("[grid]\nalpha = [0.5, -1.0]\nstrategy = [\"nope\", \"fedavg\"]\n",
      "3 of 4 points are invalid: unknown strategy"),
 ]
+
+
+def test_model_args_is_a_table_of_builder_arguments(tmp_path):
+    path = toml(tmp_path, '[base]\nmodel = "mlp"\n[grid]\nmodel-args = [{hidden = 16}, '
+                          '{hidden = 32, act = "64"}]\n')
+    sweep = load_sweep(path)
+    assert [p.name for p in sweep.points] == ["model-args=hidden-16",
+                                              "model-args=hidden-32-act-64"]
+    assert sweep.points[1].config.train.model_args == {"hidden": 32, "act": "64"}
+    args = sweep.points[1].simulate_args()
+    assert args[-2:] == ["--model-arg=hidden=32", '--model-arg=act="64"']  # "64" stays text
+    from fedavg.model_sources import parse_model_args
+
+    assert parse_model_args([a.split("=", 1)[1] for a in args[-2:]]) == {"hidden": 32,
+                                                                         "act": "64"}
+    for text, message in (('model-args = "hidden=4"', "is a table of the model builder's "
+                           "arguments, e.g. model-args = {hidden = 64}"),
+                          ("model-args = {hidden = [1, 2]}", "hidden = [1, 2]; each argument")):
+        with pytest.raises(UserError, match=re.escape(message)):
+            load_sweep(toml(tmp_path, f"[base]\n{text}\n[grid]\nseed = [0, 1]\n", "b.toml"))
+
+
+def test_report_names_model_args_as_sweep_points_do():
+    from fedavg.report_runs import flat_settings
+
+    config = RunConfig().replace(model_args={"hidden": 16, "act": "gelu"}).as_dict()
+    assert flat_settings({"config": config})["model-args"] == "hidden=16,act=gelu"
+    assert flat_settings({"config": RunConfig().as_dict()}).get("model-args") is None
 
 
 @pytest.mark.parametrize("text, message", BAD)
