@@ -258,8 +258,7 @@ class RunConfig:
             On the first invalid value, naming the option and the accepted range.
         """
         for check in (_check_data, _check_train, _check_merge, _check_strategy):
-            problem = check(self)
-            if problem:
+            if problem := check(self):
                 raise UserError(problem)
         return self
 
@@ -269,18 +268,19 @@ class RunConfig:
         Raises
         ------
         UserError
-            Unknown strategy, an option it does not take or a value it refuses, or a
-            one-shot strategy with more than one round.
+            Unknown strategy, an option it does not take or a value it refuses, too few
+            nodes per round, a one-shot strategy with more than one round.
         """
         import strategies
 
-        problem = _check_strategy(self)
-        if problem:
+        if problem := _check_strategy(self):
             raise UserError(problem)
-        try:
-            return strategies.get(self.merge.strategy, **dict(self.merge.options))
+        try:  # its option values, then the nodes it merges each round
+            strategy = strategies.get(self.merge.strategy, **dict(self.merge.options))
+            strategy.check_nodes(self.nodes_per_round)
         except ValueError as exc:
             raise UserError(f"{self.merge.strategy}: {exc}") from None
+        return strategy
 
     def to_flat(self) -> dict[str, Any]:
         """Flatten to Flower ``run_config`` style: kebab-case keys, no ``None`` values."""

@@ -138,12 +138,13 @@ def merge_models(
         cannot be written.
     """
     t0 = time.monotonic()
-    config = (config or RunConfig()).replace(rounds=1).validate()  # one merge, any method
-    strategy = config.build_strategy()
+    dirs = model_dirs(models)
+    # one merge, of every model given, with any method
+    config = (config or RunConfig()).replace(rounds=1, num_nodes=len(dirs), fraction=1.0)
+    strategy = config.validate().build_strategy()
     if strategy.node_rule is not None:
         raise UserError(f"{strategy.name} changes how nodes train in every round; saved models "
                         "are merged with another strategy (fedavg, a soup, an ensemble)")
-    dirs = model_dirs(models)
     out = _check_output(output, dirs, overwrite)
     loaded = [checkpoint.load(d) for d in dirs]
     first = _check_alike(dirs, [meta for _, meta in loaded])

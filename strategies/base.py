@@ -178,6 +178,15 @@ class Strategy:
             A value outside the method's range, naming the option.
         """
 
+    def check_nodes(self, n: int) -> None:
+        """Check that the method works with ``n`` node models per merge.
+
+        Raises
+        ------
+        ValueError
+            Too few models for the option values, naming the options.
+        """
+
     def check_setup(self, model: torch.nn.Module, train: Mapping[str, Any]) -> list[str]:
         """Check the run's model and node training settings before anything trains.
 

@@ -184,6 +184,14 @@ class Krum(_Collect):
         if self.num_malicious < 0:
             raise ValueError(f"--num-malicious must be >= 0 (got {self.num_malicious})")
 
+    def check_nodes(self, n: int) -> None:
+        """Krum's guarantee needs ``n > 2f + 2`` node models per merge."""
+        f = self.num_malicious
+        if f > 0 and n <= 2 * f + 2:
+            raise ValueError(f"--num-malicious {f} needs more than 2f+2 = {2 * f + 2} node "
+                             f"models per merge, got {n}: lower --num-malicious or merge more "
+                             "nodes")
+
     def _selected(self) -> list[int]:
         keys = [k for k, (_, d) in self._sig.items() if is_float(d)]
         scores = krum_scores(self._models, keys, self.num_malicious)

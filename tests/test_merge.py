@@ -215,3 +215,12 @@ def test_merge_refuses_a_folder_another_command_is_writing(tmp_path, node_models
     assert list(busy.iterdir()) == []
     res = runner.invoke(app, ["merge", str(folder), "--output", str(busy)])
     assert res.exit_code == 0, res.output
+
+
+def test_krum_refuses_too_few_models_for_its_num_malicious(tmp_path, node_models):
+    folder, _ = node_models  # 3 models: f = 1 needs more than 4
+    res = runner.invoke(app, ["merge", str(folder), "--strategy", "krum", "--num-malicious", "1",
+                              "--output", str(tmp_path / "k")])
+    assert res.exit_code == 2, res.output
+    assert "needs more than 2f+2 = 4 node models per merge, got 3" in res.output
+    assert not (tmp_path / "k").exists()

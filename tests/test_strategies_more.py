@@ -118,6 +118,20 @@ def test_krum_and_multi_krum_by_hand():
     assert sorted(multi.info["selected_nodes"]) == ["0", "1", "2"]
 
 
+@pytest.mark.parametrize("name", ["krum", "multi-krum"])
+def test_krum_needs_more_than_2f_plus_2_models_per_merge(name):
+    from fedavg.config import RunConfig
+    from fedavg.errors import UserError
+
+    # f = 1: 2f + 2 = 4, so 5 nodes per round are the fewest
+    five = RunConfig().replace(strategy=name, num_nodes=5, num_malicious=1)
+    assert five.build_strategy().name == name
+    with pytest.raises(UserError, match=rf"{name}: --num-malicious 1 needs more than 2f\+2 = 4 "
+                                        r"node models per merge, got 4"):
+        five.replace(fraction=0.8).build_strategy()  # 4 of 5 nodes a round
+    assert RunConfig().replace(strategy=name, num_nodes=2).build_strategy()  # f = 0: any n
+
+
 def test_uniform_soup_ignores_sample_counts():
     out = strategies.get("uniform-soup").merge([sd(1.0), sd(4.0)], [1, 100]).state_dict["w"]
     assert out.item() == pytest.approx(2.5)
