@@ -207,7 +207,7 @@ def _grid(path: Path, grid: dict[str, Any], base: dict[str, Any]) -> dict[str, l
         if key in base:
             raise UserError(f"{path}: [grid] {raw_key} is also set in [base]; keep it in one "
                             "of them")
-        converted = [_value(path, f"[grid] {raw_key}", key, v) for v in values]
+        converted = [_value(path, "[grid]", key, v) for v in values]
         if len({json.dumps(v) for v in converted}) != len(converted):
             raise UserError(f"{path}: [grid] {raw_key} lists a value twice")
         out[key] = converted
@@ -226,6 +226,9 @@ def _value(path: Path, where: str, key: str, value: Any) -> Any:
         return _model_args(path, where, value)
     if isinstance(value, (list, dict)):
         kind = "a list" if isinstance(value, list) else "a table"
+        if where == "[grid]":
+            raise UserError(f"{path}: [grid] {key} holds {kind}; each value in a grid list is "
+                            "a single value")
         hint = "; put lists of values in [grid]" if where == "[base]" else ""
         raise UserError(f"{path}: {where} {key} is {kind}, not a single value{hint}")
     if not isinstance(value, (str, int, float, bool)):

@@ -41,7 +41,10 @@ def toml(tmp_path: Path, text: str, name: str = "sweep.toml") -> Path:
 BAD = [
     ("[base]\nfoo = 1\n[grid]\nseed = [0, 1]\n", "[base]: unknown setting 'foo'"),
     ("[[points]]\nfoo = 1\n", "[[points]] 1: unknown setting 'foo'"),
-    ("[grid]\nalpha = [0.5, \"x\"]\n", "[grid] alpha: setting 'alpha' expects float, got 'x'"),
+    ("[grid]\nalpha = [0.5, \"x\"]\n", "[grid]: setting 'alpha' expects float, got 'x'"),
+    ("[grid]\nseed = [[0, 1]]\n", "[grid] seed holds a list; each value in a grid list is a "
+                                 "single value"),
+    ("[grid]\noutput = [\"x\"]\n", "[grid] output: the sweep sets --output itself"),
     ("[base]\nrounds = \"ten\"\n[grid]\nseed = [0, 1]\n", "setting 'rounds' expects int"),
     ("[base]\nrounds = 2.5\n[grid]\nseed = [0, 1]\n", "setting 'rounds' expects int"),
     ("[base]\ndataset = 5\n[grid]\nseed = [0, 1]\n", "[base] dataset expects a string"),
