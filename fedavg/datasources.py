@@ -245,10 +245,12 @@ def _detect_inputs(features, source: str, label: str, partition_by: str | None) 
         and (f.dtype.startswith(("int", "uint", "float")) or f.dtype == "bool")
     ]
     if not image:
+        besides = f"the label column {label!r}" + (
+            f" and the --partition-by column {partition_by!r}" if partition_by else "")
         raise UserError(
-            f"no image, text or numeric feature column in {source} besides the label column "
-            f"{label!r}; pass --image-column or --text-column, or another --label-column "
-            f"(columns: {', '.join(columns)})"
+            f"no image, text or numeric feature column in {source} besides {besides}; pass "
+            f"--image-column or --text-column, or another --label-column"
+            f"{' or --partition-by' if partition_by else ''} (columns: {', '.join(columns)})"
         )
     return image
 

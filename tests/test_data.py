@@ -259,6 +259,12 @@ def test_the_only_input_column_taken_as_the_label_is_named(tmp_path):
     with pytest.raises(UserError, match="besides the label column 'text'; pass --image-column "
                                         "or --text-column, or another --label-column"):
         load(str(tmp_path / "news.parquet"), label_column="text")
+    # or as the column of natural node ids
+    with pytest.raises(UserError, match="besides the label column 'label' and the "
+                                        "--partition-by column 'text'; pass --image-column or "
+                                        "--text-column, or another --label-column or "
+                                        "--partition-by"):
+        load(str(tmp_path / "news.parquet"), partition_by="text")
 
 
 def test_missing_path(tmp_path, monkeypatch):
