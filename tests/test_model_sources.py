@@ -672,6 +672,33 @@ def test_model_mistakes_on_the_command_line_are_one_line(invoke, args, words):
     assert words in assert_one_error_line(err)
 
 
+@pytest.mark.parametrize("body, words", [
+    ("return FrozenHead()", "has no trainable parameters: nodes would have nothing to train"),
+    ("return IntLogits()", "gives torch.int64 logits; they must be floating point"),
+])
+def test_builders_nodes_could_not_train_are_refused_before_the_run(invoke, tmp_path, body,
+                                                                    words):
+    (tmp_path / "odd.py").write_text(
+        "import torch\n"
+        "class FrozenHead(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(64, 10).requires_grad_(False)\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(x.flatten(1))\n"
+        "class IntLogits(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(64, 10)\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(x.flatten(1)).long()\n"
+        f"def build(input_shape, num_classes):\n    {body}\n")
+    code, _, err = invoke("simulate", "--num-nodes", "2", "--rounds", "1", "--model",
+                          "odd.py:build")
+    assert code == 2
+    assert words in assert_one_error_line(err)
+
+
 def test_coordinator_takes_model_args_too(invoke):
     code, _, err = invoke("coordinator", "--insecure", "--model", "mlp", "--model-arg", "x=1")
     assert code == 2 and "does not take argument 'x'" in assert_one_error_line(err)

@@ -237,7 +237,8 @@ def check_output(model: nn.Module, input_shape: tuple[int, ...], num_classes: in
     Raises
     ------
     UserError
-        The forward pass fails, or gives another shape.
+        The forward pass fails, or gives another shape or integer logits; the model has no
+        trainable parameters.
     """
     if next((p.is_meta for p in model.parameters()), False):
         return
@@ -257,3 +258,9 @@ def check_output(model: nn.Module, input_shape: tuple[int, ...], num_classes: in
     if shape != (2, num_classes):
         raise UserError(f"model {what} maps a batch of shape {(2, *input_shape)} to {shape}; it "
                         f"must give (2, {num_classes}) logits, one per class")
+    if not out.is_floating_point():
+        raise UserError(f"model {what} gives {out.dtype} logits; they must be floating point "
+                        "(the loss takes log-probabilities of them)")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserError(f"model {what} has no trainable parameters: nodes would have nothing "
+                        "to train")
