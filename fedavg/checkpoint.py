@@ -158,8 +158,11 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
     if not isinstance(classes, list) or not classes or \
             not all(isinstance(c, str) for c in classes):
         return "'classes' must be a non-empty list of names"
-    if model.get("num_classes") != len(classes):
-        return f"'classes' has {len(classes)} names, the model {model.get('num_classes')} outputs"
+    outputs = model.get("num_classes")
+    if not isinstance(outputs, int) or isinstance(outputs, bool) or outputs < 1:
+        return f"'model.num_classes' must be a whole number >= 1 (got {outputs!r})"
+    if outputs != len(classes):
+        return f"'classes' has {len(classes)} names, the model {outputs} outputs"
     if len(set(classes)) != len(classes):
         return "'classes' names must be distinct"
     if not isinstance(spec, dict):

@@ -48,11 +48,10 @@ def sweep(
         spec = select(whole, only or [])
         planned = plan(spec, out, retry_failed)
     if dry_run:
-        from fedavg.output import check_folder
-        from fedavg.sweep_run import check_points
+        from fedavg.sweep_run import check_points, check_sweep_folder
 
         with guard():
-            check_folder(out)
+            check_sweep_folder(out)
 
         try:
             with console.status("checking each point's data, partitions and model"):

@@ -260,6 +260,22 @@ def last_error(log: Path) -> str | None:
     return lines[-1] if lines else None
 
 
+def check_sweep_folder(out: Path) -> None:
+    """Refuse a sweep folder that is a file, lies below one or holds a run of its own.
+
+    Raises
+    ------
+    UserError
+        Saying which, and to choose another ``--output``.
+    """
+    from fedavg.output import RUN_FILES, check_folder
+
+    check_folder(out)
+    held = next((f for f in RUN_FILES if (out / f).is_file()), None)
+    if held is not None:
+        raise UserError(f"{out} holds a run ({held}), not a sweep; choose another --output")
+
+
 @contextlib.contextmanager
 def locked(out: Path):
     """Hold ``out``'s writer lock for the sweep: one sweep per folder at a time.
@@ -267,11 +283,9 @@ def locked(out: Path):
     Raises
     ------
     UserError
-        The folder cannot be made, or another sweep holds it.
+        The folder cannot be made, holds a run, or another sweep holds it.
     """
-    from fedavg.output import check_folder
-
-    check_folder(out)
+    check_sweep_folder(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -110,6 +110,8 @@ GOOD_META = {
 @pytest.mark.parametrize("change, message", [
     ({"classes": 5}, "'classes'"),
     ({"classes": ["a", "b"]}, "2 names, the model 3 outputs"),
+    ({"model": {"name": "mlp", "num_classes": "ten"}},
+     "'model.num_classes' must be a whole number >= 1 (got 'ten')"),
     ({"input": []}, "'input' must be an object"),
     ({"input": {**GOOD_META["input"], "mean": [0.1, 0.2, 0.3]}}, "'input.mean' must hold 1"),
     ({"input": {**GOOD_META["input"], "std": [0]}}, "must be > 0"),

@@ -497,6 +497,17 @@ def test_a_sweep_folder_that_is_or_lies_below_a_file_is_refused(tmp_path):
         assert res.exit_code == 2 and "is below" in res.output and "a file" in res.output
 
 
+def test_a_run_folder_is_not_a_sweep_folder(tmp_path):
+    run = fake_run(tmp_path / "run", [0.5, 0.6], 1.0)
+    before = sorted(p.name for p in run.iterdir())
+    for args in (["--dry-run"], []):
+        res = CliRunner().invoke(_app(), ["sweep", str(TINY), "--output", str(run), *args])
+        assert res.exit_code == 2, res.output
+        assert f"{run} holds a run (model.json), not a sweep" in res.output.replace(
+            "\n", "")
+    assert sorted(p.name for p in run.iterdir()) == before
+
+
 def test_a_bad_config_on_the_command_line_is_one_line(tmp_path):
     path = toml(tmp_path, "[grid]\nalpha = []\n")
     proc = run_cli("sweep", path, "--output", tmp_path / "out", check=False, timeout=120)
