@@ -180,9 +180,8 @@ def _resumable(folder: Path, point: Point) -> int | None:
     try:
         ckpt = resume.load(folder)
         given = point.config.from_flat(resume.absolute_paths(point.config.to_flat()))
-        had = ckpt.run_config()
-        # paths made absolute in both
-        same = had.replace(rounds=given.merge.rounds).as_dict() == given.as_dict()
+        had = ckpt.run_config().replace(rounds=given.merge.rounds)
+        same = had.as_dict() == given.as_dict()  # paths made absolute in both
     except (UserError, OSError, ValueError, KeyError, TypeError):
         return None
     return ckpt.round if same and ckpt.round <= given.merge.rounds else None
