@@ -348,6 +348,7 @@ class ServerRun:
             num_failed=int(info.get("num_failed", 0)),
             wall_s=round(time.monotonic() - self.adapter.round_started, 3),
             train_s=None if info.get("train_s") is None else round(info["train_s"], 3),
+            resumed=self.resume_from is not None and "round1_end" not in self.state.marks,
         )
 
 

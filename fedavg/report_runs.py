@@ -38,6 +38,9 @@ class Run:
         Seconds the whole command took.
     curve : list of (int, float)
         ``(round, test accuracy)`` per round, from ``metrics.jsonl``.
+    round_walls : list of float
+        Seconds per round of the rounds that did not wait for a start-up: not round 1,
+        nor the first round of a resumed run.
     """
 
     path: Path
@@ -55,8 +58,8 @@ class Run:
 
     @property
     def round_s(self) -> float | None:
-        """Lower median ``wall_s`` of rounds 2+ (``None`` without): not a first round's start-up."""
-        return statistics.median_low(self.round_walls[1:]) if self.round_walls[1:] else None
+        """Lower median of :attr:`round_walls` (``None`` without any)."""
+        return statistics.median_low(self.round_walls) if self.round_walls else None
 
 
 def target_round(curve: list[tuple[int, float]], target: float) -> int | None:
@@ -122,7 +125,8 @@ def read_run(folder: Path) -> Run:
                best_accuracy=float(summary["best_accuracy"]), rounds=int(summary["rounds"]),
                wall_s=float(summary["wall_s"]),
                curve=[(int(r["round"]), float(r["accuracy"])) for r in rows],
-               round_walls=[float(r["wall_s"]) for r in rows if r.get("wall_s") is not None])
+               round_walls=[float(r["wall_s"]) for r in rows[1:]  # not a start-up's round
+                            if r.get("wall_s") is not None and not r.get("resumed")])
 
 
 def flat_settings(summary: dict[str, Any]) -> dict[str, Any]:

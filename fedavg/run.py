@@ -60,6 +60,9 @@ class RoundRecord:
         With ``--swa-start``, from that round on: the test accuracy and loss of the round's
         merged model itself (``accuracy`` and ``loss`` are then the weight average's, the
         model saved); ``None`` otherwise.
+    resumed : bool
+        The first round of a resumed run: its ``wall_s`` also waited for the start-up
+        (written only when true).
     """
 
     round: int
@@ -72,10 +75,14 @@ class RoundRecord:
     train_s: float | None = None
     merged_accuracy: float | None = None
     merged_loss: float | None = None
+    resumed: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain dict for JSON."""
-        return dict(self.__dict__)
+        """Plain dict for JSON (``resumed`` only when true)."""
+        out = dict(self.__dict__)
+        if not out["resumed"]:
+            del out["resumed"]
+        return out
 
 
 @dataclass

@@ -476,3 +476,5 @@ def test_a_finished_run_stopped_while_training_longer_is_a_stopped_run(runs, tmp
     assert runs.wait(there) == 0, runs.log("there")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds"] == done and summary["accuracy"] == rounds_of(out)[-1]["accuracy"]
+    # the first round of each resumed leg is marked: it waited for the start-up
+    assert [r["round"] for r in rounds_of(out) if r.get("resumed")] == [2]

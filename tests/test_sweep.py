@@ -594,15 +594,13 @@ def _csv(path: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("walls, median", [
-    ([5.0, 0.2, 0.4, 0.3], 0.3),  # all four: 0.35; round 1 carries the start-up
-    ([5.0, 0.2], 0.2),
-    ([5.0, 9.0, 0.3], 0.3),  # resumed after round 1: round 2 carries the start-up again
-    ([5.0, 0.2, 0.3, 9.0, 0.4], 0.3),
-    ([4.0], None),  # a one-round run has no round without the start-up
-    ([], None),
+    ([0.2, 0.4, 0.3], 0.3),
+    ([0.2, 0.4, 0.3, 0.5], 0.3),  # the lower median: a round that was run, not 0.35
+    ([0.2], 0.2),
+    ([], None),  # a one-round run has no round without the start-up
 ])
-def test_median_round_time_leaves_out_the_first_round(walls, median):
-    run = Run(Path("r"), {}, 0.9, 0.9, len(walls), 10.0, [], walls)
+def test_round_time_is_the_lower_median_of_the_rounds_without_start_up(walls, median):
+    run = Run(Path("r"), {}, 0.9, 0.9, len(walls) + 1, 10.0, [], walls)
     assert run.round_s == median
 
 
@@ -628,6 +626,19 @@ def test_report_piped_prints_the_markdown_table_with_whole_rows(runs):
     assert [line for line in res.stdout.splitlines() if line.startswith(row)] == [
         line for line in (runs / "results.md").read_text().splitlines() if line.startswith(row)]
     assert "| strategy | n | seeds |" in res.stdout
+
+
+def test_round_time_leaves_out_round_one_and_the_first_round_of_a_resume(tmp_path):
+    run = fake_run(tmp_path / "runs" / "a", [0.5, 0.6, 0.7, 0.8, 0.9], 9.0)
+    metrics = run / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    walls = [8.0, 0.3, 0.2, 7.0, 0.4]  # round 4 began a resumed run: it waited for start-up
+    for row, wall in zip(rows, walls):
+        row["wall_s"] = wall
+    rows[3]["resumed"] = True
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    [found], _ = find_runs(tmp_path / "runs")
+    assert found.round_walls == [0.3, 0.2, 0.4] and found.round_s == 0.3
 
 
 def test_report_groups_over_seeds_with_mean_and_std(runs):
