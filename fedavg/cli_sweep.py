@@ -18,6 +18,7 @@ from fedavg.errors import UserError
 
 _SAID = {"run": "run", "rerun": "run again from scratch (stopped half-way)",
          "resume": "go on after round {round} (stopped half-way)",
+         "extend": "train on after round {round} (finished; rounds raised)",
          "skip": "skip (finished earlier)", "failed": "failed earlier (--retry-failed reruns)"}
 
 
@@ -95,7 +96,8 @@ def _show_plan(spec, planned, out: Path, problems: dict[str, str]) -> None:
         values = [format_value(p.point.settings[key] if key in p.point.settings
                                else p.point.config.to_flat().get(key, ""))
                   for key in spec.varying]
-        said = escape(_SAID[p.action].format(**p.record))
+        said = escape(_SAID["extend" if p.record.get("finished") else p.action]
+                      .format(**p.record))
         if p.point.name in problems:
             said = f"[red]would fail: {escape(problems[p.point.name])}[/]"
         table.add_row(escape(p.point.name), *map(escape, values), said)
@@ -158,7 +160,8 @@ def _say_end(runner, out: Path, code: int) -> None:
             parts.append(f"{counts[extra]} {'not started' if extra == 'pending' else extra}")
     if runner.left_out:
         parts.append(f"{len(runner.left_out)} left out by --only")
-    line = (f"sweep of {len(runner.records)} points: {', '.join(parts)} in {took:.1f} s; "
+    total = len(runner.records)
+    line = (f"sweep of {total} point{'s' * (total != 1)}: {', '.join(parts)} in {took:.1f} s; "
             f"record in {escape(str(out / 'sweep.json'))}")
     if code == 130:
         err_console.print(f"interrupted: {line}; run the same command again to go on",

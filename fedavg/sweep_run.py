@@ -146,7 +146,7 @@ def plan(sweep: Sweep, out: Path, retry_failed: bool = False) -> list[Planned]:
             problem = _difference(summary.get("config"), point.config.as_dict())
             done = _resumable(folder, point) if problem else None
             if done is not None:  # only `rounds` was raised: train on from the last round
-                planned.append(Planned(point, RESUME, {"round": done}))
+                planned.append(Planned(point, RESUME, {"round": done, "finished": True}))
                 continue
             if problem:
                 raise UserError(f"{folder} holds a finished run with other settings "

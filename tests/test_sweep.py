@@ -404,7 +404,7 @@ def test_plan_trains_a_finished_run_on_when_the_config_raises_its_rounds(tmp_pat
     point = sweep.points[0]
     _finish_with_checkpoint(tmp_path / point.name, point.config.replace(rounds=1))
     planned = plan(sweep, tmp_path)
-    assert (planned[0].action, planned[0].record) == (RESUME, {"round": 1})
+    assert (planned[0].action, planned[0].record) == (RESUME, {"round": 1, "finished": True})
     (tmp_path / point.name / "checkpoint.safetensors").unlink()  # nothing to go on from
     with pytest.raises(UserError, match=r"\(rounds 1 there, 2 here\)"):
         plan(sweep, tmp_path)
@@ -1015,7 +1015,9 @@ def test_raising_rounds_in_the_config_trains_finished_points_on(tmp_path, no_lea
     assert len(first) == 1
     config.write_text(config.read_text().replace("rounds = 1", "rounds = 2"))
     dry = run_cli("sweep", config, "--output", out, "--dry-run", timeout=300)
-    assert dry.stdout.count("go on after round 1") == 1
+    assert dry.stdout.count("train on after round 1 (finished; rounds raised)") == 1
+    assert "sweep of 1 point:" in run_cli("sweep", config, "--output", out, "--only", "seed=1",
+                                          timeout=300).stdout
     run_cli("sweep", config, "--output", out, timeout=600)
     after = metrics.read_text().splitlines()
     assert after[0] == first[0] and [json.loads(line)["round"] for line in after] == [1, 2]
@@ -1023,4 +1025,4 @@ def test_raising_rounds_in_the_config_trains_finished_points_on(tmp_path, no_lea
     assert json.loads((out / "seed=0" / "summary.json").read_text())["config"]["merge"][
         "rounds"] == 2
     assert {r["name"]: r["status"] for r in _record_points(out)} == {"seed=0": "done",
-                                                                   "seed=1": "done"}
+                                                                   "seed=1": "skipped"}
