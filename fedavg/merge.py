@@ -127,7 +127,7 @@ def merge_models(
     -------
     dict
         ``num_models``, ``strategy``, ``wall_s``, ``members`` (the model folders a greedy
-        soup kept) and, with ``dataset``, ``accuracy`` and ``loss``.
+        soup or Krum kept) and, with ``dataset``, ``accuracy`` and ``loss``.
 
     Raises
     ------
@@ -163,8 +163,9 @@ def merge_models(
             clear_previous_run(out)
         checkpoint.save_merged(out, merged, meta)
         result: dict[str, Any] = {"num_models": len(dirs), "strategy": config.merge.strategy}
-        if "members" in merged.info:  # a greedy soup: the models it kept
-            result["members"] = list(merged.info["members"])
+        kept = merged.info.get("members", merged.info.get("selected_nodes"))
+        if kept is not None:  # a greedy soup's, Krum's: the models it kept
+            result["members"] = list(kept)
         if dataset:
             from fedavg.inference import evaluate_model
 

@@ -224,3 +224,9 @@ def test_krum_refuses_too_few_models_for_its_num_malicious(tmp_path, node_models
     assert res.exit_code == 2, res.output
     assert "needs more than 2f+2 = 4 node models per merge, got 3" in res.output
     assert not (tmp_path / "k").exists()
+    res = runner.invoke(app, ["merge", str(folder), "--strategy", "multi-krum", "--output",
+                              str(tmp_path / "k")])  # f = 0: the 3 best-scored, all of them
+    assert res.exit_code == 0, res.output
+    kept = json.loads((tmp_path / "k" / "summary.json").read_text())["merge_info"][
+        "selected_nodes"]
+    assert len(kept) == 3 and f"kept 3 of 3: {', '.join(kept)}" in res.output.replace("\n", " ")
