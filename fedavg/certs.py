@@ -27,6 +27,8 @@ from fedavg.errors import UserError
 
 CA_DAYS = 3650
 CERT_DAYS = 825
+#: The most node key pairs one ``fedavg certs`` call makes (each takes a few ms).
+MAX_NODES = 10_000
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
@@ -82,12 +84,12 @@ def make_certs(folder: Path, hosts: list[str] | None = None, nodes: int = 0,
     ------
     UserError
         ``folder`` already holds a CA (without ``overwrite``), a host name is empty, or
-        ``nodes`` is negative.
+        ``nodes`` is negative or above :data:`MAX_NODES`.
     """
     from cryptography.hazmat.primitives import serialization
 
-    if nodes < 0:
-        raise UserError(f"--nodes must be >= 0, got {nodes}")
+    if not 0 <= nodes <= MAX_NODES:
+        raise UserError(f"--nodes must be in 0..{MAX_NODES}, got {nodes}")
     hosts = list(hosts or [])
     _check_hosts(hosts)
     _prepare_folder(folder, overwrite)

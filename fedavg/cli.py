@@ -166,7 +166,8 @@ def predict(
                                                           highlight=False))
         if output is not None:
             write_predictions(rows, output)
-            console.print(f"{len(rows)} prediction(s) written to {output}")
+            console.print(f"{len(rows)} prediction(s) written to {escape(str(output))}",
+                          highlight=False)
             return
     from rich.table import Table
 

@@ -39,7 +39,7 @@ def sweep(
 ) -> None:
     """Run every point of a sweep config as its own `fedavg simulate`; resumable."""
     from fedavg.sweep import load_sweep, select
-    from fedavg.sweep_run import STARTS, Runner, cpu_note, locked, plan
+    from fedavg.sweep_run import STARTS, Runner, check_sweep_folder, cpu_note, locked, plan
 
     out = output if output is not None else Path("runs") / config.stem
     with guard():
@@ -47,12 +47,10 @@ def sweep(
             raise UserError(f"--parallel must be >= 1 (got {parallel})")
         whole = load_sweep(config)
         spec = select(whole, only or [])
+        check_sweep_folder(out)
         planned = plan(spec, out, retry_failed)
     if dry_run:
-        from fedavg.sweep_run import check_points, check_sweep_folder
-
-        with guard():
-            check_sweep_folder(out)
+        from fedavg.sweep_run import check_points
 
         try:
             with console.status("checking each point's data, partitions and model"):

@@ -137,8 +137,12 @@ def check_folder(out: Path, flag: str = "--output") -> None:
         Naming the file in the way.
     """
     for path in (out, *out.parents):
-        if path.exists():
-            if not path.is_dir():
+        try:
+            exists, is_dir = path.exists(), path.is_dir()
+        except OSError as exc:  # a name too long, a loop of links
+            raise UserError(f"{flag} {out}: {exc.strerror}; give another folder") from None
+        if exists:
+            if not is_dir:
                 where = "is a file" if path == out else f"is below {path}, a file"
                 raise UserError(f"{flag} {out} {where}; give a folder")
             return
@@ -150,9 +154,11 @@ def check_output(out: Path, overwrite: bool) -> None:
     Raises
     ------
     UserError
-        ``out`` is a file, or holds a run and ``overwrite`` is false.
+        ``out`` is a file or a sweep's folder, or holds a run and ``overwrite`` is false.
     """
     check_folder(out)
+    if (out / "sweep.json").is_file():  # its points' folders are in it, not a run
+        raise UserError(f"{out} is a sweep's folder (sweep.json); choose another --output")
     if not overwrite and any((out / name).exists() for name in RUN_FILES):
         raise UserError(f"{out} already holds a run; choose another --output or pass "
                         "--overwrite to replace it")
@@ -165,8 +171,9 @@ def check_predictions_output(path: str | Path, model_dir: str | Path,
     Raises
     ------
     UserError
-        Not ``.csv`` / ``.json``; one of ``inputs``; a file fedavg wrote in ``model_dir``
-        (its model, settings, metrics, checkpoint or tokenizer); below a file.
+        Not ``.csv`` / ``.json``; one of ``inputs``; a file named as fedavg's run files
+        (model, settings, metrics, checkpoint, tokenizer) that exists or is ``model_dir``'s;
+        below a file.
     """
     from fedavg.text import TOKENIZER_FILE
 
@@ -177,9 +184,9 @@ def check_predictions_output(path: str | Path, model_dir: str | Path,
     if any(Path(i).exists() and Path(i).resolve() == where for i in inputs):
         raise UserError(f"--output {path} is one of the inputs; write the predictions to "
                         "another file")
-    if where.parent == Path(model_dir).expanduser().resolve() and \
-            where.name in (*RUN_FILES, TOKENIZER_FILE):
-        raise UserError(f"--output {path} would replace the model folder's own {where.name}; "
+    if where.name in (*RUN_FILES, TOKENIZER_FILE) and (
+            where.exists() or where.parent == Path(model_dir).expanduser().resolve()):
+        raise UserError(f"--output {path} would replace a run's or model's own {where.name}; "
                         "write the predictions to another file")
     check_folder(path.parent, f"--output {path}: its folder")
 

@@ -199,6 +199,8 @@ def simulate(
     if config is not None and not isinstance(config, RunConfig):
         raise TypeError(f"config must be a RunConfig, got {type(config).__name__}; pass "
                         "settings as keywords: simulate(dataset=..., num_nodes=...)")
+    if not isinstance(overwrite, bool):  # "no" would read as yes
+        raise UserError(f"overwrite must be True or False, got {overwrite!r}")
     config, ckpt, output = run.resolve_settings(config, overrides, resume, output,
                                                 overwrite=overwrite)
     config.validate()

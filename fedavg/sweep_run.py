@@ -294,8 +294,8 @@ def locked(out: Path):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            raise UserError(f"another fedavg sweep is running into {out}; wait for it to end "
-                            "or choose another --output") from None
+            raise UserError(f"another fedavg command is writing into {out} (a sweep still "
+                            "going on?); wait for it to end or choose another --output") from None
         yield
     finally:
         os.close(fd)

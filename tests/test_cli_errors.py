@@ -306,8 +306,15 @@ def test_predict_never_writes_over_the_model_folder_or_an_input(invoke, model_di
     assert code == 2
     line = assert_one_error_line(stderr)
     assert ("is one of the inputs" if target == "input" else
-            f"would replace the model folder's own {target}") in line
+            f"would replace a run's or model's own {target}") in line
     assert {p: p.read_bytes() for p in before} == before
+    if target == "model.json":  # another run's, not the model predicting
+        other = tmp_path / "other"
+        other.mkdir()
+        (other / "model.json").write_text("{}")
+        code, stderr = invoke("predict", model_dir, "one.png", "--output", other / "model.json")
+        assert code == 2 and "would replace a run's or model's own model.json" in stderr
+        assert (other / "model.json").read_text() == "{}"
     # the same call with another output file works
     code, _ = invoke("predict", model_dir, "one.png", "--output", tmp_path / "p.json")
     assert code == 0 and json.loads((tmp_path / "p.json").read_text())[0]["input"]
@@ -368,3 +375,21 @@ def test_ctrl_c_in_a_command_says_so_and_exits_130(invoke, monkeypatch, model_di
     code, err = invoke(*[a.format(model=model_dir) for a in args])
     assert code == 130
     assert err.strip() == message
+
+
+def test_an_output_name_too_long_for_the_file_system_is_one_line(invoke):
+    code, stderr = invoke("simulate", "--rounds", "1", "--output", "e" * 300)
+    assert code == 2
+    assert "File name too long; give another folder" in assert_one_error_line(stderr)
+
+
+def test_the_python_api_refuses_an_overwrite_that_is_not_a_bool(tmp_path):
+    import fedavg
+    from fedavg.errors import UserError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "model.json").write_text("{}")  # a run someone made
+    with pytest.raises(UserError, match="overwrite must be True or False, got 'no'"):
+        fedavg.simulate(num_nodes=2, rounds=1, output=run, overwrite="no")
+    assert (run / "model.json").read_text() == "{}"

@@ -230,3 +230,14 @@ def test_krum_refuses_too_few_models_for_its_num_malicious(tmp_path, node_models
     kept = json.loads((tmp_path / "k" / "summary.json").read_text())["merge_info"][
         "selected_nodes"]
     assert len(kept) == 3 and f"kept 3 of 3: {', '.join(kept)}" in res.output.replace("\n", " ")
+
+
+def test_merge_refuses_a_sweeps_folder(tmp_path, node_models):
+    folder, _ = node_models
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "sweep.json").write_text("{}")
+    res = runner.invoke(app, ["merge", str(folder), "--output", str(sweep), "--overwrite"])
+    assert res.exit_code == 2, res.output
+    assert "is a sweep's folder (sweep.json)" in res.output
+    assert sorted(p.name for p in sweep.iterdir()) == ["sweep.json"]
