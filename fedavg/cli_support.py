@@ -28,6 +28,8 @@ from fedavg.errors import RunError, UserError
 #: When this command started (``time.time()``): files older than this are a previous run's.
 STARTED = time.time()
 
+if os.environ.get("COLUMNS", "").strip() == "0":  # rich would print nothing at all
+    del os.environ["COLUMNS"]
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 

@@ -212,3 +212,13 @@ def test_ctrl_c_while_the_cli_still_imports_is_one_line_and_exit_130(tmp_path, s
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == ["interrupted before the command started"], err
+
+
+def test_columns_zero_still_prints():
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "fedavg.cli", "strategies"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "COLUMNS": "0"})
+    assert out.returncode == 0 and "fedavg" in out.stdout and "fedprox" in out.stdout
