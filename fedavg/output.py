@@ -112,20 +112,29 @@ def clear_previous_run(out: Path) -> None:
     Its :data:`RUN_FILES` and its saved node models (``nodes/node-*``) go together, so that
     a new run that then fails leaves no mix of the old run's files and its own. Other files
     in ``out`` stay.
+
+    Raises
+    ------
+    UserError
+        A file that cannot be removed (another user's, read-only folder), naming it.
     """
     import shutil
 
-    for name in RUN_FILES:
-        (out / name).unlink(missing_ok=True)
     nodes = out / "nodes"
-    if nodes.is_dir():
-        for folder in nodes.glob("node-*"):
+    try:
+        for name in RUN_FILES:
+            (out / name).unlink(missing_ok=True)
+        for folder in nodes.glob("node-*") if nodes.is_dir() else ():
             if folder.is_dir() and (folder / "model.safetensors").exists():
                 shutil.rmtree(folder)
-        try:
-            nodes.rmdir()  # only when nothing else is in it
-        except OSError:
-            pass
+    except OSError as exc:
+        raise UserError(f"--overwrite cannot remove the previous run's {exc.filename}: "
+                        f"{exc.strerror}; remove it yourself or choose another --output") \
+            from None
+    try:
+        nodes.rmdir()  # only when it is there with nothing else in it
+    except OSError:
+        pass
 
 
 def check_folder(out: Path, flag: str = "--output") -> None:

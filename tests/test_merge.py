@@ -1,6 +1,7 @@
 """`fedavg merge` on saved models: strategies offline, and its user errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -241,3 +242,24 @@ def test_merge_refuses_a_sweeps_folder(tmp_path, node_models):
     assert res.exit_code == 2, res.output
     assert "is a sweep's folder (sweep.json)" in res.output
     assert sorted(p.name for p in sweep.iterdir()) == ["sweep.json"]
+
+
+def test_an_old_run_file_overwrite_cannot_remove_is_one_line(tmp_path, node_models,
+                                                             monkeypatch):
+    folder, _ = node_models
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("old")
+    unlink = Path.unlink
+
+    def refuse(self, missing_ok=False):  # as for another user's file (root may remove any)
+        if self.name == "metrics.jsonl":
+            raise PermissionError(1, "Operation not permitted", str(self))
+        return unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    res = runner.invoke(app, ["merge", str(folder), "--output", str(run), "--overwrite"])
+    assert res.exit_code == 2, res.output
+    assert (f"--overwrite cannot remove the previous run's {run / 'metrics.jsonl'}: Operation "
+            "not permitted; remove it yourself") in res.output.replace("\n", "")
+    assert (run / "metrics.jsonl").read_text() == "old"
