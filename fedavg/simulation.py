@@ -60,6 +60,28 @@ def node_arrays(x: np.ndarray, y: np.ndarray, parts: list[np.ndarray]) -> dict[s
             "offsets": offsets, "indices": indices}
 
 
+def _check_arguments(**given: Any) -> None:
+    """Raise ``TypeError`` naming the first :func:`simulate` argument of a wrong type."""
+    from fedavg.tracking import TrackingOptions
+
+    number = (int, float)
+    path = (str, os.PathLike, type(None))
+    kinds = {"output": path, "resume": path, "verbose": (bool,), "overwrite": (bool,),
+             "cpus_per_node": number, "gpus_per_node": (*number, type(None)),
+             "tracking": (TrackingOptions, type(None)), "ray_address": (str, type(None))}
+    for name, value in given.items():
+        if name == "console":
+            bad = value is not None and not callable(getattr(value, "print", None))
+            wanted = "a rich.console.Console or None"
+        else:
+            bad = not isinstance(value, kinds[name]) or (
+                isinstance(value, bool) and bool not in kinds[name])
+            wanted = " or ".join("None" if k is type(None) else k.__name__
+                                 for k in kinds[name])
+        if bad:
+            raise TypeError(f"{name} must be {wanted}, got {value!r}")
+
+
 def _backend_config(device: str, cpus_per_node: float, gpus_per_node: float | None,
                     verbose: bool, ray_address: str | None = None) -> dict[str, Any]:
     import torch
@@ -194,13 +216,17 @@ def simulate(
         Invalid settings or data (nothing is written).
     RunError
         A round in which no node produced a usable model; finished rounds stay saved.
+    TypeError
+        An argument of another type (``overwrite="no"`` would read as yes), naming it.
     """
     started = time.monotonic()
     if config is not None and not isinstance(config, RunConfig):
         raise TypeError(f"config must be a RunConfig, got {type(config).__name__}; pass "
                         "settings as keywords: simulate(dataset=..., num_nodes=...)")
-    if not isinstance(overwrite, bool):  # "no" would read as yes
-        raise UserError(f"overwrite must be True or False, got {overwrite!r}")
+    _check_arguments(output=output, console=console, verbose=verbose,
+                     cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node,
+                     overwrite=overwrite, resume=resume, tracking=tracking,
+                     ray_address=ray_address)
     config, ckpt, output = run.resolve_settings(config, overrides, resume, output,
                                                 overwrite=overwrite)
     config.validate()

@@ -383,13 +383,20 @@ def test_an_output_name_too_long_for_the_file_system_is_one_line(invoke):
     assert "File name too long; give another folder" in assert_one_error_line(stderr)
 
 
-def test_the_python_api_refuses_an_overwrite_that_is_not_a_bool(tmp_path):
+@pytest.mark.parametrize("given, message", [
+    ({"overwrite": "no"}, "overwrite must be bool, got 'no'"),  # "no" would read as yes
+    ({"cpus_per_node": "x"}, "cpus_per_node must be int or float, got 'x'"),
+    ({"tracking": "tb"}, "tracking must be TrackingOptions or None, got 'tb'"),
+    ({"ray_address": 123}, "ray_address must be str or None, got 123"),
+    ({"resume": True}, "resume must be str or PathLike or None, got True"),
+    ({"console": "yes"}, "console must be a rich.console.Console or None, got 'yes'"),
+])
+def test_the_python_api_names_an_argument_of_a_wrong_type(tmp_path, given, message):
     import fedavg
-    from fedavg.errors import UserError
 
     run = tmp_path / "run"
     run.mkdir()
     (run / "model.json").write_text("{}")  # a run someone made
-    with pytest.raises(UserError, match="overwrite must be True or False, got 'no'"):
-        fedavg.simulate(num_nodes=2, rounds=1, output=run, overwrite="no")
-    assert (run / "model.json").read_text() == "{}"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        fedavg.simulate(num_nodes=2, rounds=1, output=run, **given)
+    assert (run / "model.json").read_text() == "{}" and len(list(run.iterdir())) == 1
