@@ -150,7 +150,10 @@ def evaluate_model(
     ------
     UserError
         Bad artifacts, dataset, split, columns, labels or input shapes.
+    TypeError
+        ``batch_size`` is not a whole number >= 1.
     """
+    _check_batch_size(batch_size)
     model = load_model(directory, device="cpu")
     meta = model.fedavg_meta
     ds_meta = meta.get("dataset", {})
@@ -243,6 +246,11 @@ def _collect(inputs: Sequence[str]) -> list[tuple[str, Any]]:
     return unique
 
 
+def _check_batch_size(batch_size: Any) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise TypeError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
+
+
 def predict(
     directory: str | Path,
     inputs: Sequence[str],
@@ -289,7 +297,13 @@ def predict(
     ------
     UserError
         Missing inputs, undecodable images, inputs the model cannot take.
+    TypeError
+        ``inputs`` is a single string, or ``batch_size`` is not a whole number >= 1.
     """
+    if isinstance(inputs, (str, Path)):
+        raise TypeError(f"inputs must be a list of inputs, got the single {inputs!r}: pass "
+                        f"[{str(inputs)!r}]")
+    _check_batch_size(batch_size)
     model = load_model(directory, device="cpu")
     meta = model.fedavg_meta
     dev = resolve_device(device)

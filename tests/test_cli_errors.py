@@ -400,3 +400,15 @@ def test_the_python_api_names_an_argument_of_a_wrong_type(tmp_path, given, messa
     with pytest.raises(TypeError, match=re.escape(message)):
         fedavg.simulate(num_nodes=2, rounds=1, output=run, **given)
     assert (run / "model.json").read_text() == "{}" and len(list(run.iterdir())) == 1
+
+
+def test_the_python_api_predict_and_evaluate_name_a_wrong_argument(model_dir):
+    from fedavg import inference
+
+    with pytest.raises(TypeError, match=r"inputs must be a list of inputs, got the single "
+                                        r"'digits': pass \['digits'\]"):
+        inference.predict(model_dir, "digits")
+    for call in (lambda: inference.predict(model_dir, ["digits"], batch_size=-1),
+                 lambda: inference.evaluate_model(model_dir, "digits", batch_size=0)):
+        with pytest.raises(TypeError, match="batch_size must be a whole number >= 1"):
+            call()
