@@ -128,12 +128,21 @@ def interrupted(output: Path | None) -> str:
             "interrupted before the first round finished: nothing of this run was saved")
 
 
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run_app(app: typer.Typer) -> None:
-    """Run ``app`` as the console script: a usage mistake is one line and exit code 2."""
+    """Run ``app`` as the console script: a usage mistake is one line and exit code 2.
+
+    SIGTERM stops a command as Ctrl-C does (:func:`guard` says so, exit 130) unless the
+    command installs a handler of its own (:func:`on_signal`).
+    """
     import click
 
     # The CLI shows node failures and progress itself; keep library warnings off stderr.
     logging.getLogger("fedavg").addHandler(logging.NullHandler())
+    signal.signal(signal.SIGTERM, _terminated)
     command = typer.main.get_command(app)
     try:
         code = command.main(prog_name="fedavg", standalone_mode=False)

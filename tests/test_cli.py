@@ -222,3 +222,27 @@ def test_columns_zero_still_prints():
     out = subprocess.run([sys.executable, "-m", "fedavg.cli", "strategies"], capture_output=True,
                          text=True, timeout=120, env={**os.environ, "COLUMNS": "0"})
     assert out.returncode == 0 and "fedavg" in out.stdout and "fedprox" in out.stdout
+
+
+def test_sigterm_in_a_command_without_a_handler_of_its_own_is_like_ctrl_c(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "app.py"
+    script.write_text(
+        "import os, signal, time, typer\n"
+        "from fedavg.cli_support import guard, run_app\n"
+        "app = typer.Typer()\n"
+        "@app.command()\n"
+        "def work():\n"
+        "    with guard('interrupted: nothing was written'):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(30)\n"
+        "@app.command()\n"
+        "def other():\n"
+        "    pass\n"
+        "run_app(app)\n")
+    proc = subprocess.run([sys.executable, str(script), "work"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip() == "interrupted: nothing was written"
