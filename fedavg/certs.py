@@ -122,6 +122,8 @@ def _check_hosts(hosts: list[str]) -> None:
                                 r"(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*", h):
                 raise UserError(f"--host {h!r} is not a host name or an IP address "
                                 "(no port, no spaces)") from None
+            if h.rsplit(".", 1)[-1].isdigit():  # a name's last label is never a number
+                raise UserError(f"--host {h!r} is not a valid IP address") from None
 
 
 def _prepare_folder(folder: Path, overwrite: bool) -> None:

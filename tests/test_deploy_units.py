@@ -273,6 +273,7 @@ def test_node_partition_matches_simulate(tmp_path):
     (["certs", "out", "--nodes", "100000000"], "--nodes must be in 0..10000, got 100000000"),
     (["certs", "out", "--host", "a:9092"], "is not a host name or an IP address"),
     (["certs", "out", "--host", "bad host!"], "is not a host name or an IP address"),
+    (["certs", "out", "--host", "1.2.3.999"], "--host '1.2.3.999' is not a valid IP address"),
     (["coordinator", "--insecure", "--min-nodes", "2", "--min-nodes-per-round", "0"],
      "--min-nodes-per-round must be in 1..--min-nodes (2), got 0"),
     (["node", "--insecure", "--max-wait-time", "-1"], "--max-wait-time must be > 0"),
