@@ -138,8 +138,7 @@ def merge_models(
         cannot be written.
     """
     t0 = time.monotonic()
-    dirs = model_dirs(models)
-    # one merge, of every model given, with any method
+    dirs = model_dirs(models)  # one merge of every model given, with any method:
     config = (config or RunConfig()).replace(rounds=1, num_nodes=len(dirs), fraction=1.0)
     strategy = config.validate().build_strategy()
     if strategy.node_rule is not None:
@@ -163,9 +162,8 @@ def merge_models(
             clear_previous_run(out)
         checkpoint.save_merged(out, merged, meta)
         result: dict[str, Any] = {"num_models": len(dirs), "strategy": config.merge.strategy}
-        kept = merged.info.get("members", merged.info.get("selected_nodes"))
-        if kept is not None:  # a greedy soup's, Krum's: the models it kept
-            result["members"] = list(kept)
+        if (kept := merged.info.get("members", merged.info.get("selected_nodes"))) is not None:
+            result["members"] = list(kept)  # a greedy soup's, Krum's: the models it kept
         if dataset:
             from fedavg.inference import evaluate_model
 

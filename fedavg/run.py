@@ -79,10 +79,7 @@ class RoundRecord:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict for JSON (``resumed`` only when true)."""
-        out = dict(self.__dict__)
-        if not out["resumed"]:
-            del out["resumed"]
-        return out
+        return {k: v for k, v in self.__dict__.items() if k != "resumed" or v}
 
 
 @dataclass

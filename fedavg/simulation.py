@@ -223,10 +223,9 @@ def simulate(
     if config is not None and not isinstance(config, RunConfig):
         raise TypeError(f"config must be a RunConfig, got {type(config).__name__}; pass "
                         "settings as keywords: simulate(dataset=..., num_nodes=...)")
-    _check_arguments(output=output, console=console, verbose=verbose,
-                     cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node,
-                     overwrite=overwrite, resume=resume, tracking=tracking,
-                     ray_address=ray_address)
+    _check_arguments(output=output, console=console, verbose=verbose, overwrite=overwrite,
+                     resume=resume, tracking=tracking, ray_address=ray_address,
+                     cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node)
     config, ckpt, output = run.resolve_settings(config, overrides, resume, output,
                                                 overwrite=overwrite)
     config.validate()
