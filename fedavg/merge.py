@@ -43,7 +43,7 @@ def model_dirs(paths: Sequence[str | Path]) -> list[Path]:
             raise UserError(f"{path} is given twice (also as {seen[path.resolve()]}); a model "
                             "given twice would count twice: pass each model once")
         seen[path.resolve()] = path
-    if len(set(found)) == 1:
+    if len(found) == 1:
         raise UserError(f"one model found ({found[0]}); a merge needs two or more: pass several "
                         "model folders, or a run's nodes/ folder (--save-node-models)")
     return found

@@ -264,11 +264,10 @@ def _model_args(path: Path, where: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise UserError(f"{path}: {where} {MODEL_ARGS} is a table of the model builder's "
                         f"arguments, e.g. {MODEL_ARGS} = {{hidden = 64}} (got {value!r})")
-    for name, arg in value.items():
-        if not name.isidentifier() or isinstance(arg, (list, dict)) or \
-                not isinstance(arg, (str, int, float, bool)):
+    for name, arg in value.items():  # names are checked with the run's settings
+        if not isinstance(arg, (str, int, float, bool)):
             raise UserError(f"{path}: {where} {MODEL_ARGS}: {name} = {arg!r}; each argument "
-                            "is a Python name with a string, number or boolean")
+                            "is a string, number or boolean")
     return dict(value)
 
 

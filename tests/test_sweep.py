@@ -102,7 +102,9 @@ def test_model_args_is_a_table_of_builder_arguments(tmp_path):
                                                                          "act": "64"}
     for text, message in (('model-args = "hidden=4"', "is a table of the model builder's "
                            "arguments, e.g. model-args = {hidden = 64}"),
-                          ("model-args = {hidden = [1, 2]}", "hidden = [1, 2]; each argument")):
+                          ("model-args = {hidden = [1, 2]}", "hidden = [1, 2]; each argument"),
+                          ('model-args = {"1x" = 3}', "--model-arg '1x': argument names must "
+                           "be Python names")):
         with pytest.raises(UserError, match=re.escape(message)):
             load_sweep(toml(tmp_path, f"[base]\n{text}\n[grid]\nseed = [0, 1]\n", "b.toml"))
 
