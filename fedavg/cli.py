@@ -424,7 +424,7 @@ def build_app() -> typer.Typer:
     )
     app.callback()(_root)
     app.command(name="simulate")(with_settings(simulate, tracking=True))
-    app.command(name="merge")(with_settings(merge, config=False))
+    app.command(name="merge")(with_settings(merge, config=False, merge=True))
     app.command(name="evaluate")(evaluate)
     app.command(name="predict")(predict)
     app.command(name="strategies")(list_strategies)

@@ -40,16 +40,18 @@ def config_parameters(skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
             for f, hint in cli_fields() if f.name not in skip]
 
 
-def strategy_parameters() -> list[inspect.Parameter]:
+def strategy_parameters(merge: bool = False) -> list[inspect.Parameter]:
     """One typer option per strategy option of any registered strategy.
 
     Its default is ``None`` ("the strategy's own default", listed in the help); giving it
     to a strategy that does not declare it is an error (:meth:`RunConfig.build_strategy`).
+    With ``merge``, only the options of the strategies that merge saved models (not those
+    that change how nodes train, ``Strategy.trains_nodes``).
     """
     import strategies
 
     params = []
-    for name, declared in strategies.all_options().items():
+    for name, declared in strategies.all_options(merge=merge).items():
         first = declared[0][1]
         defaults = ", ".join(f"{s} {o.default}" for s, o in declared)
         choices = f" (one of: {', '.join(first.choices)})" if first.choices else ""
@@ -79,11 +81,13 @@ def pop_tracking(settings: dict[str, Any]):
 
 
 def with_settings(command: Callable[..., None], *, skip: tuple[str, ...] = (),
-                  config: bool = True, tracking: bool = False) -> Callable[..., None]:
+                  config: bool = True, tracking: bool = False,
+                  merge: bool = False) -> Callable[..., None]:
     """Return ``command`` with the config and strategy options added to its own, for typer.
 
     The run config's options are added unless ``config=False``; every strategy option is;
-    with ``tracking``, :func:`tracking_parameters` too. ``command`` takes its own options
+    with ``tracking``, :func:`tracking_parameters` too; with ``merge``, only the options of
+    strategies that merge saved models. ``command`` takes its own options
     as keywords and the generated ones in ``**settings``.
     """
     own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
@@ -92,7 +96,7 @@ def with_settings(command: Callable[..., None], *, skip: tuple[str, ...] = (),
     names = {p.name for p in own}
     settings = [p for p in config_parameters(skip) if p.name not in names] if config else []
     params = settings + own + (tracking_parameters() if tracking else []) + \
-        [p for p in strategy_parameters() if p.name not in names]
+        [p for p in strategy_parameters(merge) if p.name not in names]
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> None:

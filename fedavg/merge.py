@@ -141,7 +141,7 @@ def merge_models(
     dirs = model_dirs(models)  # one merge of every model given, with any method:
     config = (config or RunConfig()).replace(rounds=1, num_nodes=len(dirs), fraction=1.0)
     strategy = config.validate().build_strategy()
-    if strategy.node_rule is not None:
+    if strategy.trains_nodes:
         raise UserError(f"{strategy.name} changes how nodes train in every round; saved models "
                         "are merged with another strategy (fedavg, a soup, an ensemble)")
     out = _check_output(output, dirs, overwrite)

@@ -149,6 +149,14 @@ class Strategy:
     node_rule: type | None = None
     """A :class:`strategies.local.NodeRule` subclass when the method changes local
     training (SCAFFOLD, FedNova, MOON, FedDyn); nodes run it with :meth:`node_options`."""
+    trains_nodes: bool = False
+    """True when the method changes how nodes train (a ``node_rule``, FedProx's proximal
+    term): it has no meaning for a merge of saved models (``fedavg merge``)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.node_rule is not None:
+            cls.trains_nodes = True
 
     def __init__(self, **options: Any) -> None:
         problem = self.unknown_options(options)
@@ -399,14 +407,15 @@ def load_plugins(group: str) -> list[str]:
     return loaded
 
 
-def all_options() -> dict[str, list[tuple[str, Option]]]:
+def all_options(merge: bool = False) -> dict[str, list[tuple[str, Option]]]:
     """Return every declared option by name, with the strategies declaring it.
 
     The mapping is ``name -> [(strategy, Option)]``. An option declared by several
-    strategies has one type everywhere.
+    strategies has one type everywhere. With ``merge``, only the strategies that can merge
+    saved models (``trains_nodes`` false) count.
     """
     out: dict[str, list[tuple[str, Option]]] = {}
     for sname, cls in available().items():
-        for opt in cls.options:
+        for opt in () if merge and cls.trains_nodes else cls.options:
             out.setdefault(opt.name, []).append((sname, opt))
     return dict(sorted(out.items()))

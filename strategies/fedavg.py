@@ -122,6 +122,7 @@ class FedProx(FedAvg):
              "arXiv:1812.06127")
 
     options = (Option("mu", float, 0.01, "FedProx proximal coefficient (>= 0; 0 is FedAvg)"),)
+    trains_nodes = True
 
     def check(self) -> None:
         """``mu`` must be >= 0; nodes receive it as their ``proximal_mu``."""

@@ -55,6 +55,14 @@ def test_coordinator_takes_the_training_options_of_simulate():
     assert {"mu", "server_lr", "local_epochs", "alpha", "verbose"} <= options["coordinator"]
 
 
+def test_merge_lists_only_options_of_strategies_that_merge_saved_models():
+    options = {p.name for p in get_command(app).commands["merge"].params}
+    assert {"distill_steps", "ensemble_weights", "beta", "num_malicious", "server_lr"} <= options
+    assert not {"mu", "moon_mu", "temperature", "alpha_dyn"} & options  # node training only
+    simulate = {p.name for p in get_command(app).commands["simulate"].params}
+    assert {"mu", "moon_mu", "temperature", "alpha_dyn"} <= simulate
+
+
 @pytest.mark.parametrize("width", [60, 80, 200])
 def test_strategies_table_reads_whole_at_any_width(width):
     import strategies

@@ -69,7 +69,7 @@ def test_ensemble_merge_is_one_loadable_model(tmp_path, node_models):
     (["--strategy", "nope"], "unknown strategy"),
     (["--strategy", "trimmed-mean", "--beta", "0.7"], "--beta"),
     *[(["--strategy", s], f"{s} changes how nodes train")
-      for s in ("scaffold", "fednova", "moon", "feddyn")],
+      for s in ("scaffold", "fednova", "moon", "feddyn", "fedprox")],
 ])
 def test_merge_user_errors(tmp_path, node_models, args, message):
     folder, _ = node_models
