@@ -213,3 +213,23 @@ def _write_node_keys(folder: Path, nodes: int) -> list[Path]:
         _write(folder / "authorized-nodes.pub", b"\n".join(pubs) + b"\n")
         written.append(folder / "authorized-nodes.pub")
     return written
+
+
+def unignored_git_work_tree(folder: Path) -> Path | None:
+    """Return the git work tree holding ``folder`` when git does not ignore the folder.
+
+    Private keys written there could be committed. ``None`` outside a work tree or when git
+    ignores the folder (without a git command to ask, the folder counts as not ignored).
+    """
+    import subprocess
+
+    resolved = folder.resolve()
+    repo = next((p for p in (resolved, *resolved.parents) if (p / ".git").exists()), None)
+    if repo is None:
+        return None
+    try:
+        ignored = subprocess.run(["git", "-C", str(repo), "check-ignore", "-q", str(resolved)],
+                                 capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ignored = False
+    return None if ignored else repo

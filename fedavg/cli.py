@@ -22,7 +22,15 @@ from rich.markup import escape
 # their logs go with the run's Ray folder anyway.
 os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
-from fedavg.cli_options import ModelArgOption, given, model_args, pop_tracking, with_settings
+from fedavg.cli_options import (
+    ModelArgOption,
+    given,
+    model_args,
+    path_argument,
+    path_option,
+    pop_tracking,
+    with_settings,
+)
 from fedavg.cli_support import console, err_console, guard, interrupted, on_signal, run_app
 from fedavg.cli_sweep import report, sweep
 from fedavg.config import RunConfig
@@ -34,13 +42,13 @@ def simulate(
         help="CPU cores each simulated node reserves")] = 1.0,
     gpus_per_node: Annotated[Optional[float], typer.Option(
         help="GPUs each node reserves (default 1 with CUDA)")] = None,
-    output: Annotated[Optional[Path], typer.Option(
+    output: Annotated[Optional[Path], path_option(
         help="Run folder (default runs/<timestamp>)")] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace a previous run in --output")] = False,
     verbose: Annotated[bool, typer.Option(
         "--verbose", help="Show Flower's and Ray's logs")] = False,
-    resume: Annotated[Optional[Path], typer.Option(
+    resume: Annotated[Optional[Path], path_option(
         help="Go on with the interrupted run in this folder (only --rounds, "
              "--round-timeout, --device, --max-update-norm may change)")] = None,
     model_arg: ModelArgOption = None,
@@ -75,7 +83,7 @@ def merge(
         "--models", help="Same as the arguments; repeatable")] = None,
     strategy: Annotated[str, typer.Option(
         help="Merge strategy (see `fedavg strategies`)")] = "average",
-    output: Annotated[Optional[Path], typer.Option(
+    output: Annotated[Optional[Path], path_option(
         help="Folder for the merged model (default runs/merged-<timestamp>)")] = None,
     dataset: Annotated[Optional[str], typer.Option(
         help="Report accuracy on this dataset's test split")] = None,
@@ -117,7 +125,7 @@ def merge(
 
 
 def evaluate(
-    model_dir: Annotated[Path, typer.Argument(help="A run's output folder")],
+    model_dir: Annotated[Path, path_argument(help="A run's output folder")],
     dataset: Annotated[Optional[str], typer.Option(
         help="Dataset (default: the training one)")] = None,
     split: Annotated[str, typer.Option(help="Split to evaluate on")] = "test",
@@ -144,10 +152,10 @@ def evaluate(
 
 
 def predict(
-    model_dir: Annotated[Path, typer.Argument(help="A run's output folder")],
+    model_dir: Annotated[Path, path_argument(help="A run's output folder")],
     inputs: Annotated[list[str], typer.Argument(
         help="Image files, folders of images, .txt files (one text per line), or datasets")],
-    output: Annotated[Optional[Path], typer.Option(
+    output: Annotated[Optional[Path], path_option(
         help="Write predictions to FILE.csv or FILE.json")] = None,
     split: Annotated[str, typer.Option(help="Split of dataset inputs")] = "test",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
@@ -228,10 +236,10 @@ def models() -> None:
 def coordinator(
     address: Annotated[str, typer.Option(
         help="host:port to listen on; 0.0.0.0:PORT for other machines")] = "127.0.0.1:9092",
-    certs: Annotated[Optional[Path], typer.Option(help="Folder from `fedavg certs` (TLS)")] = None,
+    certs: Annotated[Optional[Path], path_option(help="Folder from `fedavg certs` (TLS)")] = None,
     insecure: Annotated[bool, typer.Option(
         "--insecure", help="No TLS (traffic unencrypted)")] = False,
-    auth_keys: Annotated[Optional[Path], typer.Option(
+    auth_keys: Annotated[Optional[Path], path_option(
         help="Node public keys allowed in (file, one per line, or folder of *.pub)")] = None,
     min_nodes: Annotated[int, typer.Option(help="Nodes to wait for before round 1")] = 2,
     min_nodes_per_round: Annotated[Optional[int], typer.Option(
@@ -239,13 +247,13 @@ def coordinator(
              "rounded up)")] = None,
     wait_timeout: Annotated[float, typer.Option(
         help="Seconds to wait for --min-nodes nodes")] = 300.0,
-    output: Annotated[Optional[Path], typer.Option(
+    output: Annotated[Optional[Path], path_option(
         help="Run folder (default runs/<timestamp>)")] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace a previous run in --output")] = False,
     verbose: Annotated[bool, typer.Option("--verbose",
         help="Show Flower's logs and every SuperLink line")] = False,
-    resume: Annotated[Optional[Path], typer.Option(
+    resume: Annotated[Optional[Path], path_option(
         help="Go on with the interrupted run in this folder (only --rounds, "
              "--round-timeout, --device, --max-update-norm may change)")] = None,
     model_arg: ModelArgOption = None,
@@ -294,11 +302,11 @@ def node(
     gpus: Annotated[Optional[str], typer.Option(
         help="Start one node per listed GPU, e.g. 0,1,2,3 (partition ids count up from "
              "--partition-id)")] = None,
-    certs: Annotated[Optional[Path], typer.Option(
+    certs: Annotated[Optional[Path], path_option(
         help="Folder holding the coordinator's ca.crt (TLS)")] = None,
     insecure: Annotated[bool, typer.Option(
         "--insecure", help="No TLS (traffic unencrypted)")] = False,
-    auth_key: Annotated[Optional[Path], typer.Option(
+    auth_key: Annotated[Optional[Path], path_option(
         help="This node's private key (node-<i>.key from `fedavg certs --nodes`)")] = None,
     once: Annotated[bool, typer.Option("--once",
         help="Exit after one run (default: serve runs until stopped)")] = False,
@@ -345,7 +353,7 @@ def node(
 
 
 def certs(
-    folder: Annotated[Path, typer.Argument(
+    folder: Annotated[Path, path_argument(
         help="Folder to write ca.crt, coordinator.crt/.key and node keys into")],
     host: Annotated[Optional[list[str]], typer.Option(
         help="Host name or IP nodes use to reach the coordinator; repeatable")] = None,
@@ -355,7 +363,7 @@ def certs(
         "--overwrite", help="Replace an existing CA in FOLDER")] = False,
 ) -> None:
     """Make a CA, the coordinator's TLS certificate and node keys (quick start)."""
-    from fedavg.certs import make_certs
+    from fedavg.certs import make_certs, unignored_git_work_tree
 
     with guard():
         written = make_certs(folder, hosts=host or [], nodes=nodes, overwrite=overwrite)
@@ -364,30 +372,11 @@ def certs(
     nodes_hint = (f" (and node-<i>.key) and pass --certs DIR --auth-key node-<i>.key; "
                   f"coordinator: --auth-keys {folder}/authorized-nodes.pub" if nodes else "")
     console.print(f"coordinator: --certs {folder}; nodes: copy {folder}/ca.crt{nodes_hint}")
-    repo = _git_work_tree(folder)
-    if repo is not None and not _git_ignores(repo, folder):
+    repo = unignored_git_work_tree(folder)
+    if repo is not None:
         err_console.print(f"[yellow]note:[/] {folder} is inside the git work tree {repo}: keep "
                           "its private keys (*.key) out of version control (list the folder "
                           "in .gitignore) and readable only by you", highlight=False)
-
-
-def _git_ignores(repo: Path, folder: Path) -> bool:
-    """Whether git (if installed) ignores ``folder`` in ``repo``."""
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "-C", str(repo), "check-ignore", "-q", str(folder.resolve())],
-                              capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-def _git_work_tree(folder: Path) -> Path | None:
-    """Return the git work tree holding ``folder``, if any (no git command is run)."""
-    for parent in [folder.resolve(), *folder.resolve().parents]:
-        if (parent / ".git").exists():
-            return parent
-    return None
 
 
 def _show_version(value: bool) -> None:

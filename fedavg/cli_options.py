@@ -140,3 +140,24 @@ def given(settings: dict[str, Any]) -> dict[str, Any]:
         return dict(settings)
     return {k: v for k, v in settings.items()
             if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, None)}
+
+
+def _a_path(value: str) -> Path:
+    """Return a path option's or argument's value as a path.
+
+    An empty string (``--output ""``, an unset shell variable) is refused rather than read
+    as the current folder.
+    """
+    if not str(value).strip():
+        raise typer.BadParameter("needs a path, not an empty string")
+    return Path(value)
+
+
+def path_option(*args: Any, **kwargs: Any) -> Any:
+    """``typer.Option`` for a path: an empty value is a usage error (see :func:`_a_path`)."""
+    return typer.Option(*args, parser=_a_path, **kwargs)
+
+
+def path_argument(*args: Any, **kwargs: Any) -> Any:
+    """``typer.Argument`` for a path: an empty value is a usage error."""
+    return typer.Argument(*args, parser=_a_path, **kwargs)

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from fedavg.cli_options import path_argument, path_option
 from fedavg.cli_support import console, err_console, guard
 from fedavg.errors import UserError
 
@@ -23,9 +24,9 @@ _SAID = {"run": "run", "rerun": "run again from scratch (stopped half-way)",
 
 
 def sweep(
-    config: Annotated[Path, typer.Argument(help="Sweep config (TOML: [base], [grid], "
+    config: Annotated[Path, path_argument(help="Sweep config (TOML: [base], [grid], "
                                                 "[[points]])")],
-    output: Annotated[Optional[Path], typer.Option(
+    output: Annotated[Optional[Path], path_option(
         help="Sweep folder, one run folder per point (default runs/<config name>)")] = None,
     parallel: Annotated[int, typer.Option(help="Points running at once")] = 1,
     dry_run: Annotated[bool, typer.Option(
@@ -174,13 +175,13 @@ def _say_end(runner, out: Path, code: int) -> None:
 
 
 def report(
-    runs_dir: Annotated[Path, typer.Argument(
+    runs_dir: Annotated[Path, path_argument(
         help="Folder holding run folders (searched recursively)")],
     target: Annotated[float, typer.Option(
         help="Accuracy whose first round the table shows")] = 0.9,
-    output: Annotated[Optional[Path], typer.Option(
+    output: Annotated[Optional[Path], path_option(
         help="Where results.md, results.csv, runs.csv and plots/ go (default RUNS_DIR)")] = None,
-    published: Annotated[Optional[Path], typer.Option(
+    published: Annotated[Optional[Path], path_option(
         help="Published figures (TOML) to show beside the runs' best accuracy")] = None,
     name: Annotated[str, typer.Option(
         help="File stem: NAME.md, NAME.csv, NAME_runs.csv, NAME_plots/")] = "results",

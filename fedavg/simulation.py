@@ -61,7 +61,10 @@ def node_arrays(x: np.ndarray, y: np.ndarray, parts: list[np.ndarray]) -> dict[s
 
 
 def _check_arguments(**given: Any) -> None:
-    """Raise ``TypeError`` naming the first :func:`simulate` argument of a wrong type."""
+    """Raise ``TypeError`` naming the first :func:`simulate` argument of a wrong type.
+
+    An empty ``output`` / ``resume`` string is a ``UserError`` (it is not the current folder).
+    """
     from fedavg.tracking import TrackingOptions
 
     number = (int, float)
@@ -80,6 +83,8 @@ def _check_arguments(**given: Any) -> None:
                                  for k in kinds[name])
         if bad:
             raise TypeError(f"{name} must be {wanted}, got {value!r}")
+        if name in ("output", "resume") and isinstance(value, str) and not value.strip():
+            raise UserError(f"{name} needs a path, not an empty string")
 
 
 def _backend_config(device: str, cpus_per_node: float, gpus_per_node: float | None,

@@ -383,6 +383,27 @@ def test_an_output_name_too_long_for_the_file_system_is_one_line(invoke):
     assert "File name too long; give another folder" in assert_one_error_line(stderr)
 
 
+@pytest.mark.parametrize("args", [
+    ("simulate", "--rounds", "1", "--output", ""), ("simulate", "--resume", ""),
+    ("coordinator", "--output", ""), ("merge", "a", "b", "--output", ""), ("certs", ""),
+    ("evaluate", ""), ("predict", "", "digits"), ("sweep", ""), ("report", " "),
+])
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(invoke, tmp_path, args):
+    code, stderr = invoke(*args)  # e.g. --output "$OUT" with OUT unset
+    assert code == 2 and "needs a path, not an empty string" in stderr, stderr
+    assert list(tmp_path.iterdir()) == []  # no run, merge or certificate in the current folder
+
+
+def test_the_python_api_refuses_an_empty_output(tmp_path, monkeypatch):
+    import fedavg
+    from fedavg.errors import UserError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="output needs a path, not an empty string"):
+        fedavg.simulate(num_nodes=2, rounds=1, output="")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("given, message", [
     ({"overwrite": "no"}, "overwrite must be bool, got 'no'"),  # "no" would read as yes
     ({"cpus_per_node": "x"}, "cpus_per_node must be int or float, got 'x'"),
