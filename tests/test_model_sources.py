@@ -445,6 +445,28 @@ def test_bad_user_code_is_one_line(tmp_path, source, name, words):
     assert words in _one_line(exc)
 
 
+LAZY_SOURCE = (
+    "import torch\n"
+    "def build(input_shape, num_classes):\n"
+    "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(16),\n"
+    "                               torch.nn.ReLU(), torch.nn.Linear(16, num_classes))\n"
+    "def bad(input_shape, num_classes):\n"
+    "    return torch.nn.Sequential(torch.nn.LazyLinear(16), torch.nn.Linear(3, num_classes))\n")
+
+
+def test_a_builder_with_lazy_modules_gets_their_shapes_before_its_weights_are_used(tmp_path):
+    path = tmp_path / "lazy.py"
+    path.write_text(LAZY_SOURCE)
+    a, b = (build_model(f"{path}:build", (1, 8, 8), 10) for _ in range(2))
+    state = a.state_dict()  # raised "uninitialized parameter": the coordinator's first step
+    assert state["1.weight"].shape == (16, 64) and state["3.weight"].shape == (10, 16)
+    b.load_state_dict(state)  # a node loads the coordinator's weights
+    assert torch.equal(b.state_dict()["1.weight"], state["1.weight"])
+    with pytest.raises(UserError) as exc:
+        build_model(f"{path}:bad", (1, 8, 8), 10)
+    assert "its lazy modules fail on a batch of shape (2, 1, 8, 8): " in _one_line(exc)
+
+
 def test_loading_a_run_whose_code_is_not_importable_says_what(user_file, tmp_path):
     import fedavg
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from fedavg.errors import UserError
-from fedavg.model_sources.args import Takes, first_line
+from fedavg.model_sources.args import DATA_ARGS, Takes, first_line
 
 _LOADED: dict[str, ModuleType] = {}
 
@@ -109,8 +109,9 @@ def build_user(name: str, input_shape: tuple[int, ...], num_classes: int,
     Raises
     ------
     UserError
-        See :func:`user_builder`; arguments it does not take; the builder raised; or it
-        returned something other than a ``torch.nn.Module``.
+        See :func:`user_builder`; arguments it does not take; the builder raised; it
+        returned something other than a ``torch.nn.Module``; or its lazy modules
+        (``nn.LazyLinear`` ...) fail on a ``(2, *input_shape)`` batch.
     """
     fn = user_builder(name)
     kwargs = Takes.of(fn, f"{name}").kwargs(name, args)
@@ -123,4 +124,26 @@ def build_user(name: str, input_shape: tuple[int, ...], num_classes: int,
         kind = type(net).__name__
         article = "an" if kind[:1].lower() in "aeiou" else "a"
         raise UserError(f"{name} returned {article} {kind}, not a torch.nn.Module")
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in net.parameters()):
+        _materialize(net, name, tuple(input_shape), text=DATA_ARGS[0] in args)
     return net
+
+
+def _materialize(net: nn.Module, name: str, input_shape: tuple[int, ...], text: bool) -> None:
+    """Give lazy modules (``nn.LazyLinear`` ...) their shapes with one batch of zeros.
+
+    A model's weights are sent, merged and saved by name and shape, which a lazy module has
+    only after its first forward pass.
+    """
+    import torch
+
+    was = net.training
+    net.eval()
+    try:
+        with torch.no_grad():
+            net(torch.zeros(2, *input_shape, dtype=torch.int64 if text else torch.float32))
+    except Exception as exc:  # noqa: BLE001 - the user's model cannot take the data
+        raise UserError(f"{name}: its lazy modules fail on a batch of shape "
+                        f"{(2, *input_shape)}: {first_line(exc)}") from None
+    finally:
+        net.train(was)
