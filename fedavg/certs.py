@@ -115,15 +115,28 @@ def make_certs(folder: Path, hosts: list[str] | None = None, nodes: int = 0,
 def _check_hosts(hosts: list[str]) -> None:
     """Refuse a ``--host`` that is neither an IP address nor a host name."""
     for h in hosts:
-        try:
-            ipaddress.ip_address(h)
-        except ValueError:
-            if not re.fullmatch(r"(?=.{1,253}$)[A-Za-z0-9*]([A-Za-z0-9-]*[A-Za-z0-9])?"
-                                r"(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*", h):
-                raise UserError(f"--host {h!r} is not a host name or an IP address "
-                                "(no port, no spaces)") from None
-            if h.rsplit(".", 1)[-1].isdigit():  # a name's last label is never a number
-                raise UserError(f"--host {h!r} is not a valid IP address") from None
+        problem = host_problem(h, wildcard=True)
+        if problem:
+            raise UserError(f"--host {h!r} {problem}")
+
+
+def host_problem(host: str, wildcard: bool = False) -> str | None:
+    """Say why ``host`` is neither an IP address nor a host name, or return ``None``.
+
+    ``wildcard``: a ``*`` label (``*.example.org``, a certificate's name) is allowed.
+    """
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    first = "[A-Za-z0-9*]" if wildcard else "[A-Za-z0-9]"
+    if not re.fullmatch(rf"(?=.{{1,253}}$){first}([A-Za-z0-9-]*[A-Za-z0-9])?"
+                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*", host):
+        return "is not a host name or an IP address (no scheme, port or spaces)"
+    if host.rsplit(".", 1)[-1].isdigit():  # a name's last label is never a number
+        return "is not a valid IP address"
+    return None
 
 
 def _prepare_folder(folder: Path, overwrite: bool) -> None:

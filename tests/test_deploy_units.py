@@ -83,6 +83,11 @@ def test_address_parsing():
     for bad in ("9092", "host:", "host:70000", "host:port"):
         with pytest.raises(UserError, match="is not host:port"):
             split_address(bad)
+    for bad, problem in (("a b:80", "is not a host name"), (" host:80", "is not a host name"),
+                         ("https://coord:80", "no scheme"),
+                         ("1.2.3.999:80", "is not a valid IP address")):
+        with pytest.raises(UserError, match=problem):
+            split_address(bad)
 
 
 def test_node_refusals_are_recognised():
@@ -277,6 +282,11 @@ def test_node_partition_matches_simulate(tmp_path):
     (["coordinator", "--insecure", "--min-nodes", "2", "--min-nodes-per-round", "0"],
      "--min-nodes-per-round must be in 1..--min-nodes (2), got 0"),
     (["node", "--insecure", "--max-wait-time", "-1"], "--max-wait-time must be > 0"),
+    (["node", "--insecure", "--max-wait-time", "nan"], "--max-wait-time must be > 0"),
+    (["coordinator", "--insecure", "--wait-timeout", "nan"], "--wait-timeout must be > 0"),
+    (["node", "--insecure", "--coordinator", "http://127.0.0.1:9092"],
+     "'http://127.0.0.1' is not a host name or an IP address (no scheme, port or spaces)"),
+    (["node", "--insecure", "--coordinator", "127.0.0.1:9092 "], "is not host:port"),
     (["node", "--insecure", "--threads", "0"],
      f"--threads must be in 1..{os.cpu_count()} (this machine's CPU cores), got 0"),
     (["node", "--insecure", "--threads", "100000"], "got 100000"),

@@ -240,7 +240,7 @@ def _check_options(config: RunConfig, *, address: str, certs: Path | None, insec
 
     if min_nodes < 1:
         raise UserError(f"--min-nodes must be at least 1, got {min_nodes}")
-    if wait_timeout <= 0:
+    if not wait_timeout > 0:  # nan too
         raise UserError(f"--wait-timeout must be > 0 seconds, got {wait_timeout:g}")
     config = config.replace(num_nodes=min_nodes).validate()
     per_round = (min_nodes_per_round if min_nodes_per_round is not None

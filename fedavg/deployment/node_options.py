@@ -56,7 +56,7 @@ def check_node_options(dataset: str, partition_id: int | None, num_partitions: i
         if certs is None:
             raise UserError("--auth-key needs TLS: pass --certs, not --insecure")
         check_node_key(auth_key)
-    if max_wait_time is not None and max_wait_time <= 0:
+    if max_wait_time is not None and not max_wait_time > 0:  # nan too
         raise UserError(f"--max-wait-time must be > 0 seconds, got {max_wait_time:g}")
     check_threads(threads)
     return certs, node_model(model)

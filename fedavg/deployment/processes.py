@@ -217,11 +217,17 @@ def split_address(address: str, flag: str = "--address") -> tuple[str, int]:
     Raises
     ------
     UserError
-        Not ``host:port`` with a port in 1..65535.
+        Not ``host:port`` with a port in 1..65535 and a host name or IP address as host
+        (``http://...``, spaces).
     """
-    m = re.fullmatch(r"\[?([^\[\]]+?)\]?:(\d+)", address.strip())
+    from fedavg.certs import host_problem
+
+    m = re.fullmatch(r"\[?([^\[\]]+?)\]?:(\d+)", address)
     if not m or not 0 < int(m.group(2)) < 65536:
         raise UserError(f"{flag} {address!r} is not host:port (e.g. 127.0.0.1:9092)")
+    problem = host_problem(m.group(1))
+    if problem:
+        raise UserError(f"{flag} {address!r}: {m.group(1)!r} {problem}")
     return m.group(1), int(m.group(2))
 
 
