@@ -314,6 +314,28 @@ def test_two_nodes_with_one_key(cluster, certs, tmp_path):
                      r"each node its own key", text) and "PUBLIC KEY" not in text, text
 
 
+def test_a_node_restarted_at_once_after_a_crash_gets_its_key_back(cluster, certs, tmp_path):
+    """A node SIGKILLed and started again at once with its key (a container's restart).
+
+    The coordinator still holds the key for the dead node a while; the node waits, then joins.
+    """
+    coord = cluster.coordinator("--rounds", "1", "--min-nodes", "2", "--certs", certs,
+                                "--auth-keys", certs / "authorized-nodes.pub",
+                                "--output", tmp_path / "run", "--wait-timeout", "120")
+    key = ("--certs", certs, "--auth-key", certs / "node-0.key")
+    crashed = cluster.node("crashed", *key)
+    cluster.wait_for("crashed", r"(?m)^connected to \S+ as node \d+")
+    crashed.kill()
+    crashed.wait(10)
+    back = cluster.node("back", *key, "--once")
+    cluster.wait_for("back", r"(?m)^connected to \S+ as node \d+", timeout=60)
+    assert "still holds this node's key as connected" in cluster.log("back")
+    other = cluster.node("other", "--certs", certs, "--auth-key", certs / "node-1.key", "--once")
+    assert cluster.wait(coord) == 0, cluster.log("coordinator")
+    for node in (back, other):
+        assert cluster.wait(node, 60) == 0, cluster.log(node.name)
+
+
 def test_wrong_certificate_and_unknown_key_are_refused(cluster, certs, tmp_path):
     """Wrong CA, unknown key, no key, no TLS: exit 2 with the reason; a known key runs."""
     other = tmp_path / "other"

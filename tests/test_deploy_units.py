@@ -4,6 +4,7 @@ import ast
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -430,7 +431,7 @@ def test_a_key_already_connected_is_said_in_one_line(tmp_path, monkeypatch):
         monkeypatch.setattr(flower_compat, "node_key_registered", lambda *a, r=registered: r)
         node._reset()
         node.key_retries = 3  # no more "may still be starting" retries
-        node.key_registered = True  # the key was registered when the node was last refused
+        node.key_in_use_since = time.monotonic() - 60  # refused as in use for a minute
         node.proc = types.SimpleNamespace(lines=[], stop=lambda: None, alive=lambda: False)
         node.on_line("ERROR : [code: 2004] Failed to activate SuperNode.")
         node.on_line("ERROR : The SuperNode could not establish a connection to the SuperLink.")
@@ -442,16 +443,21 @@ def test_a_key_already_connected_is_said_in_one_line(tmp_path, monkeypatch):
 
 def test_a_key_refused_before_the_coordinator_registered_it_is_tried_again(tmp_path,
                                                                              monkeypatch):
-    """Refused, then registered: one more try at once; refused again: in use, one line."""
+    """Refused, then registered: one more try at once; refused again: tried for a while.
+
+    The key may be a node's that just stopped (KEY_IN_USE_WAIT_S); then in use, one line.
+    """
     import types
 
     from fedavg import flower_compat
+    from fedavg.deployment import node as node_module
 
     node, said = _node(tmp_path, once=False)
     node.certs, node.auth_key = tmp_path, tmp_path / "node-0.key"
     monkeypatch.setattr(flower_compat, "node_key_registered", lambda *a: True)
-    starts = []
+    starts, slept = [], []
     monkeypatch.setattr(node, "start_supernode", lambda: starts.append(1))
+    monkeypatch.setattr(node_module.time, "sleep", slept.append)
 
     def refused():
         node._reset()
@@ -460,17 +466,24 @@ def test_a_key_refused_before_the_coordinator_registered_it_is_tried_again(tmp_p
         node.on_line("ERROR : The SuperNode could not establish a connection to the SuperLink.")
 
     refused()
-    node.handle_stop()  # registered only now: not in use, the SuperNode starts again
-    assert starts == [1] and said == []
+    node.handle_stop()  # registered only now: not in use, the SuperNode starts again at once
+    assert starts == [1] and said == [] and slept == []
     node.on_line("INFO : SuperNode ID: 42")  # it got in: a later refusal starts afresh
     assert node.connected and said == ["connected to 127.0.0.1:9 as node [bold]42[/]"]
     refused()
     node.handle_stop()
-    assert starts == [1, 1]
+    assert starts == [1, 1] and slept == []
+    for _ in range(2):  # a node that stopped a moment ago may still hold the key: wait
+        refused()
+        node.handle_stop()
+    assert starts == [1, 1, 1, 1] and slept == [2.0, 2.0]
+    assert len(said) == 2 and "still holds this node's key as connected" in said[1] \
+        and "waiting up to 25 s" in said[1]
+    node.key_in_use_since -= node_module.KEY_IN_USE_WAIT_S  # still refused after the wait
     refused()
     with pytest.raises(UserError, match="a node with this key is already connected"):
         node.handle_stop()
-    assert starts == [1, 1]
+    assert len(starts) == 4
 
 
 def test_a_failed_run_tells_the_nodes_why(tmp_path, monkeypatch, task_identity):

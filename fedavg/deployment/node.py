@@ -41,6 +41,10 @@ log = logging.getLogger("fedavg")
 #: A ``--once`` node gives up on a run whose coordinator stays unreachable this long (s),
 #: unless ``--max-wait-time`` says otherwise.
 LOST_AFTER_S = 30.0
+#: A key the coordinator holds as connected may be a node that just stopped (a crash, a
+#: container restarted at once): the SuperLink lets it go after two missed heartbeats. A
+#: node waits this long (s) before it calls the key in use by another node.
+KEY_IN_USE_WAIT_S = 2.5 * flower_compat.HEARTBEAT_S
 
 
 def serve_node(
@@ -147,7 +151,9 @@ class _Node:
         self.endpoint: flower_compat.Endpoint | None = None
         self.source: flower_compat.TaskSource | None = None
         self.runs: set[int] = set()
-        self.tasks, self.key_retries, self.key_registered = 0, 0, False
+        self.tasks, self.key_retries = 0, 0
+        self.key_in_use_since: float | None = None  # refused as in use since (monotonic s)
+        self.key_wait_said = False
         self.quiet = self.hinted = False
         self.tls_checked = -1e9
         self.waiting = False  # a run ended: quiet about the coordinator until it is back
@@ -199,7 +205,7 @@ class _Node:
             self.say("[yellow]node:[/] the coordinator closed the connection: if it uses TLS, "
                      "pass --certs DIR instead of --insecure")
         if ev.node_id is not None:
-            self.connected, self.waiting, self.key_registered = True, False, False
+            self.connected, self.waiting, self.key_in_use_since = True, False, None
             self.say(f"connected to {self.superlink} as node [bold]{escape(ev.node_id)}[/]")
         elif self.quiet or self.waiting or self.refused is not None:
             return
@@ -252,14 +258,8 @@ class _Node:
         was_connected = self.connected
         proc.stop()
         self._close_source()
-        # Keys are registered just after the coordinator starts listening: a key refused
-        # before that is registered a moment later. A registered key refused again is in use.
         if reason and key_refused and self._key_in_use():
-            if self.key_registered:
-                raise UserError(f"a node with this key is already connected to "
-                                f"{self.superlink}: {flower_compat.KEY_HINT}")
-            self.key_registered = True
-            self.start_supernode()
+            self._wait_for_key()
             return
         if reason and key_refused and self.key_retries < 3:
             self.key_retries += 1
@@ -288,6 +288,34 @@ class _Node:
             raise RunError(f"could not reach the coordinator at {self.superlink} within "
                            f"--max-wait-time {self.max_wait_time:g} s")
         raise RunError(f"the SuperNode stopped: {proc.last_error()}")
+
+    def _wait_for_key(self) -> None:
+        """Start the SuperNode again while the key may be a node's that just stopped.
+
+        The coordinator lets such a node go within :data:`KEY_IN_USE_WAIT_S`. The first
+        refusal of a registered key is tried again at once: keys are registered just after
+        the coordinator starts listening, so it may predate the registration.
+
+        Raises
+        ------
+        UserError
+            The key stayed in use: another node has it.
+        """
+        now = time.monotonic()
+        if self.key_in_use_since is None:
+            self.key_in_use_since = now
+        elif now - self.key_in_use_since > KEY_IN_USE_WAIT_S:
+            raise UserError(f"a node with this key is already connected to "
+                            f"{self.superlink}: {flower_compat.KEY_HINT}")
+        else:
+            if not self.key_wait_said:
+                self.key_wait_said = True
+                self.say(f"[yellow]node:[/] the coordinator at {self.superlink} still holds "
+                         "this node's key as connected (a node that just stopped is let go "
+                         f"within {2 * flower_compat.HEARTBEAT_S} s); waiting up to "
+                         f"{KEY_IN_USE_WAIT_S:g} s")
+            time.sleep(2.0)
+        self.start_supernode()
 
     def _key_in_use(self) -> bool:
         """Whether the coordinator knows this node's key: then it refused it as in use."""
@@ -328,7 +356,7 @@ class _Node:
         if not done:
             return False
         self.runs -= done
-        self.key_retries, self.key_registered = 0, False
+        self.key_retries, self.key_in_use_since = 0, None
         if self.once:
             self.quiet = True
             time.sleep(1.0)  # let the SuperNode deliver the last acknowledgement
