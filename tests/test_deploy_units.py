@@ -432,13 +432,32 @@ def test_a_key_already_connected_is_said_in_one_line(tmp_path, monkeypatch):
         node._reset()
         node.key_retries = 3  # no more "may still be starting" retries
         node.key_in_use_since = time.monotonic() - 60  # refused as in use for a minute
-        node.proc = types.SimpleNamespace(lines=[], stop=lambda: None, alive=lambda: False)
+        node.proc = types.SimpleNamespace(lines=[], stop=lambda: None, alive=lambda: False,
+                                          returncode=lambda: 1)
         node.on_line("ERROR : [code: 2004] Failed to activate SuperNode.")
         node.on_line("ERROR : The SuperNode could not establish a connection to the SuperLink.")
         assert said == []  # the refusal is said once, by handle_stop
         with pytest.raises(UserError) as err:
             node.handle_stop()
         assert str(err.value).startswith(words), str(err.value)
+
+
+@pytest.mark.parametrize("returncode, words", [
+    (-9, "this node's SuperNode process was killed (SIGKILL) during the run"),
+    (1, "lost the coordinator at 127.0.0.1:9 during the run"),  # it left: the coordinator went
+])
+def test_a_killed_supernode_is_not_blamed_on_the_coordinator(tmp_path, returncode, words):
+    import types
+
+    from fedavg.errors import RunError
+
+    node, _ = _node(tmp_path, once=True)
+    node.on_line("INFO : SuperNode ID: 42")
+    node.proc = types.SimpleNamespace(lines=[], stop=lambda: None, alive=lambda: False,
+                                      returncode=lambda: returncode)
+    with pytest.raises(RunError) as err:
+        node.handle_stop()
+    assert str(err.value) == words
 
 
 def test_a_key_refused_before_the_coordinator_registered_it_is_tried_again(tmp_path,
@@ -461,7 +480,8 @@ def test_a_key_refused_before_the_coordinator_registered_it_is_tried_again(tmp_p
 
     def refused():
         node._reset()
-        node.proc = types.SimpleNamespace(lines=[], stop=lambda: None, alive=lambda: False)
+        node.proc = types.SimpleNamespace(lines=[], stop=lambda: None, alive=lambda: False,
+                                          returncode=lambda: 1)
         node.on_line("ERROR : [code: 2004] Failed to activate SuperNode.")
         node.on_line("ERROR : The SuperNode could not establish a connection to the SuperLink.")
 

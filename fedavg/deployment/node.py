@@ -11,6 +11,7 @@ as the coordinator announces it) is said once; waiting for the next run is quiet
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from pathlib import Path
@@ -45,6 +46,16 @@ LOST_AFTER_S = 30.0
 #: container restarted at once): the SuperLink lets it go after two missed heartbeats. A
 #: node waits this long (s) before it calls the key in use by another node.
 KEY_IN_USE_WAIT_S = 2.5 * flower_compat.HEARTBEAT_S
+
+
+def _signal_name(returncode: int | None) -> str | None:
+    """``SIGKILL`` for a process killed by signal 9 (return code -9); else ``None``."""
+    if returncode is None or returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
 
 
 def serve_node(
@@ -256,8 +267,11 @@ class _Node:
         reason, line, key_refused = self.refused or (
             flower_compat.node_refusal(" ".join(proc.lines)), "", False)
         was_connected = self.connected
+        killed = _signal_name(proc.returncode())  # by something else: we stop it only below
         proc.stop()
         self._close_source()
+        lost = (f"this node's SuperNode process was killed ({killed})" if killed else
+                f"lost the coordinator at {self.superlink}")
         if reason and key_refused and self._key_in_use():
             self._wait_for_key()
             return
@@ -273,13 +287,13 @@ class _Node:
             raise UserError(f"refused by {self.superlink}: {reason}")
         if was_connected and not self.once:
             if not self.waiting:  # else the end of the run was said already
-                self.say(f"[yellow]node:[/] lost the coordinator at {self.superlink} (it stopped "
-                         "or restarted); reconnecting for the next run")
+                why = "" if killed else " (it stopped or restarted)"
+                self.say(f"[yellow]node:[/] {lost}{why}; reconnecting for the next run")
             time.sleep(1.0)
             self.start_supernode()
             return
-        if was_connected:
-            raise RunError(f"lost the coordinator at {self.superlink} during the run")
+        if was_connected or killed:
+            raise RunError(f"{lost} during the run" if was_connected else lost)
         self.tls_checked = -1e9
         self._check_tls()
         if self.refused is not None:

@@ -103,6 +103,10 @@ class FlowerProcess:
         """Whether the process still runs."""
         return self.proc.poll() is None
 
+    def returncode(self) -> int | None:
+        """Return the exit code once it has exited (``-N``: killed by signal N), else ``None``."""
+        return self.proc.poll()
+
     def last_error(self) -> str:
         """Return the most telling recent output line (an error if there is one)."""
         return flower_compat.most_telling_line(self.lines) or f"{self.name} exited"
