@@ -24,6 +24,7 @@ os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
 from fedavg.cli_options import (
     ModelArgOption,
+    SavedModelCodeOption,
     given,
     model_args,
     path_argument,
@@ -95,6 +96,7 @@ def merge(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace a previous model in --output")] = False,
+    model: SavedModelCodeOption = None,
     **options: Any,
 ) -> None:
     """Merge saved models offline (e.g. `--save-node-models` output) into one model."""
@@ -112,7 +114,8 @@ def merge(
         chosen = output is None
         output = default_output("merged-") if chosen else output
         try:
-            res = merge_models(paths, output, config, dataset=dataset, overwrite=overwrite)
+            res = merge_models(paths, output, config, dataset=dataset, overwrite=overwrite,
+                               model=model)
         except BaseException:
             if chosen:
                 remove_if_empty(output)
@@ -133,13 +136,14 @@ def evaluate(
     label_column: Annotated[Optional[str], typer.Option(help="Label column")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+    model: SavedModelCodeOption = None,
 ) -> None:
     """Accuracy and loss of a saved model on a dataset split."""
     from fedavg.inference import evaluate_model
 
     with guard():
         res = evaluate_model(model_dir, dataset, split=split, image_column=image_column,
-                             label_column=label_column, device=device)
+                             label_column=label_column, device=device, model=model)
     if as_json:
         print(json.dumps(res))
         return
@@ -161,6 +165,7 @@ def predict(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
     text: Annotated[bool, typer.Option(
         "--text", help="The inputs are texts to classify (a text model)")] = False,
+    model: SavedModelCodeOption = None,
 ) -> None:
     """Predict classes with a saved model."""
     from fedavg.inference import predict as run
@@ -169,7 +174,7 @@ def predict(
     with guard("interrupted: no predictions were written"):
         if output is not None:
             check_predictions_output(output, model_dir, inputs)
-        rows = run(model_dir, inputs, split=split, device=device, text=text,
+        rows = run(model_dir, inputs, split=split, device=device, text=text, model=model,
                    on_note=lambda note: err_console.print(f"[yellow]note:[/] {note}",
                                                           highlight=False))
         if output is not None:

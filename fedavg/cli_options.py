@@ -161,3 +161,10 @@ def path_option(*args: Any, **kwargs: Any) -> Any:
 def path_argument(*args: Any, **kwargs: Any) -> Any:
     """``typer.Argument`` for a path: an empty value is a usage error."""
     return typer.Argument(*args, parser=_a_path, **kwargs)
+
+
+#: ``--model SPEC`` of the commands that load saved models (``evaluate``, ``predict``,
+#: ``merge``): the user's consent to import a code model's code.
+SavedModelCodeOption = Annotated[Optional[str], typer.Option(
+    "--model", help="For a model built by your code: that code (FILE.py:FUNCTION, where the "
+    "file is now, or MODULE:FUNCTION); fedavg imports no code a saved model names by itself")]

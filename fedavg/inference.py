@@ -27,7 +27,8 @@ from fedavg.train import evaluate as _evaluate
 from fedavg.train import predict_proba, resolve_device
 
 
-def load_model(directory: str | Path, device: str = "cpu") -> torch.nn.Module:
+def load_model(directory: str | Path, device: str = "cpu",
+               model: str | None = None) -> torch.nn.Module:
     """Rebuild the model saved in ``directory`` (a run's output folder).
 
     Parameters
@@ -36,6 +37,10 @@ def load_model(directory: str | Path, device: str = "cpu") -> torch.nn.Module:
         Holds ``model.safetensors`` and ``model.json``.
     device : str
         Where to put the model.
+    model : str, optional
+        For a model built by your code: that code (``file.py:function``, the file where it
+        is now, or ``module:function``). A saved model never makes fedavg import code by
+        itself (see :func:`fedavg.model_sources.saved_model_name`).
 
     Returns
     -------
@@ -47,17 +52,21 @@ def load_model(directory: str | Path, device: str = "cpu") -> torch.nn.Module:
     Raises
     ------
     UserError
-        Missing or damaged artifacts, or weights that do not fit the described model.
+        Missing or damaged artifacts, weights that do not fit the described model, or a
+        model built by code that ``model`` does not name.
     """
     state, meta = checkpoint.load(directory)
-    model = model_from_artifacts(state, meta, str(directory))
-    model.fedavg_meta = meta
-    return model.to(resolve_device(device)).eval()
+    net = model_from_artifacts(state, meta, str(directory), code=model)
+    net.fedavg_meta = meta
+    return net.to(resolve_device(device)).eval()
 
 
-def _build(spec: Any, where: str) -> torch.nn.Module:
+def _build(spec: Any, where: str, code: str | None = None) -> torch.nn.Module:
+    from fedavg.model_sources import saved_model_name
+
     try:
-        return build_model(spec["name"], tuple(spec["input_shape"]), int(spec["num_classes"]),
+        name = saved_model_name(str(spec["name"]), code, where)
+        return build_model(name, tuple(spec["input_shape"]), int(spec["num_classes"]),
                            **spec.get("args", {}))
     except UserError as exc:
         raise UserError(f"{where}/{checkpoint.META}: {exc}") from None
@@ -65,18 +74,19 @@ def _build(spec: Any, where: str) -> torch.nn.Module:
         raise UserError(f"{where}/model.json has an unusable model entry ({exc!r})") from None
 
 
-def _fitted(spec: dict, state: dict, where: str, member: int | None = None) -> torch.nn.Module:
+def _fitted(spec: dict, state: dict, where: str, member: int | None = None,
+            code: str | None = None) -> torch.nn.Module:
     """Build the model ``spec`` describes and load ``state``; a mismatch is one line.
 
     The shapes are compared on a weightless copy (meta device) first, so a tampered
     description cannot make us allocate more than the weights file holds.
     """
     with torch.device("meta"):
-        skeleton = _build(spec, where)
+        skeleton = _build(spec, where, code)
     problem = checkpoint.fit_problem(state, skeleton.state_dict())
     model = None
     if problem is None:
-        model = _build(spec, where)
+        model = _build(spec, where, code)
         try:
             model.load_state_dict(state, strict=True)
         except RuntimeError as exc:  # not foreseen by fit_problem: its first line
@@ -88,13 +98,17 @@ def _fitted(spec: dict, state: dict, where: str, member: int | None = None) -> t
     return model
 
 
-def model_from_artifacts(state: dict, meta: dict, where: str = "the model") -> torch.nn.Module:
+def model_from_artifacts(state: dict, meta: dict, where: str = "the model",
+                         code: str | None = None) -> torch.nn.Module:
     """Build the network (or :class:`~fedavg.models.EnsembleModel`) described by ``meta``.
+
+    ``code``: for a model built by user code, that code as the loader named it (``--model``).
 
     Raises
     ------
     UserError
-        A description that cannot be built or weights that do not fit it.
+        A description that cannot be built, weights that do not fit it, or user code that
+        ``code`` does not name.
     """
     from fedavg.models import EnsembleModel
 
@@ -109,12 +123,13 @@ def model_from_artifacts(state: dict, meta: dict, where: str = "the model") -> t
             states = checkpoint.split_members(state, len(weights))
         except UserError as exc:
             raise UserError(f"{where}/{checkpoint.WEIGHTS}: {exc}") from None
-        members = [_fitted(spec, sd, where, member=i) for i, sd in enumerate(states)]
+        members = [_fitted(spec, sd, where, member=i, code=code)
+                   for i, sd in enumerate(states)]
         try:
             return EnsembleModel(members, weights)
         except ValueError as exc:
             raise UserError(f"{where}: {exc}") from None
-    return _fitted(spec, state, where)
+    return _fitted(spec, state, where, code=code)
 
 
 def evaluate_model(
@@ -126,6 +141,7 @@ def evaluate_model(
     label_column: str | None = None,
     device: str = "auto",
     batch_size: int = 512,
+    model: str | None = None,
 ) -> dict[str, Any]:
     """Compute the accuracy and loss of a saved model on a dataset split.
 
@@ -138,6 +154,8 @@ def evaluate_model(
     split : str
         ``test`` (the same seeded hold-out as in training when the dataset has no test
         split), ``train`` or another split name.
+    model : str, optional
+        For a model built by your code: that code (see :func:`load_model`).
 
     Returns
     -------
@@ -154,8 +172,8 @@ def evaluate_model(
         ``batch_size`` is not a whole number >= 1.
     """
     _check_batch_size(batch_size)
-    model = load_model(directory, device="cpu")
-    meta = model.fedavg_meta
+    net = load_model(directory, device="cpu", model=model)
+    meta = net.fedavg_meta
     ds_meta = meta.get("dataset", {})
     source = dataset or ds_meta.get("source")
     if not source:
@@ -175,7 +193,7 @@ def evaluate_model(
     check_kind(meta["input"], data, source)
     part = conform(data.splits[split], source, meta["input"]["shape"], data.classes,
                    meta["classes"])
-    res = _evaluate(model, part.x, part.y, meta["input"], batch_size=batch_size,
+    res = _evaluate(net, part.x, part.y, meta["input"], batch_size=batch_size,
                     device=resolve_device(device))
     leak = None if split == "train" else overlap_note(data.splits[split].x, data.train.x,
                                                       split, source)
@@ -260,6 +278,7 @@ def predict(
     batch_size: int = 512,
     on_note: Callable[[str], None] | None = None,
     text: bool = False,
+    model: str | None = None,
 ) -> list[dict[str, Any]]:
     """Predict classes for images, folders of images, texts or datasets with a saved model.
 
@@ -286,6 +305,8 @@ def predict(
         Receives each note about changed inputs (one line each).
     text : bool
         Take every input as a text to classify (a text model only).
+    model : str, optional
+        For a model built by your code: that code (see :func:`load_model`).
 
     Returns
     -------
@@ -304,8 +325,8 @@ def predict(
         raise TypeError(f"inputs must be a list of inputs, got the single {inputs!r}: pass "
                         f"[{str(inputs)!r}]")
     _check_batch_size(batch_size)
-    model = load_model(directory, device="cpu")
-    meta = model.fedavg_meta
+    net = load_model(directory, device="cpu", model=model)
+    meta = net.fedavg_meta
     dev = resolve_device(device)
     note = on_note or (lambda n: warnings.warn(n, UserWarning, stacklevel=3))
     if meta["input"].get("kind") == "text":
@@ -321,7 +342,7 @@ def predict(
     rows = []
     classes = meta["classes"]
     for x, names in (b for b in batches if b is not None):
-        proba = predict_proba(model, x, meta["input"], batch_size=batch_size, device=dev)
+        proba = predict_proba(net, x, meta["input"], batch_size=batch_size, device=dev)
         conf, idx = proba.max(dim=1)
         for j, name in enumerate(names):
             k = int(idx[j])

@@ -10,6 +10,7 @@ from fedavg import checkpoint
 from fedavg.config import RunConfig
 from fedavg.data import Split, check_kind, conform, holdout, load
 from fedavg.errors import UserError
+from fedavg.model_sources import saved_model_name
 from fedavg.output import clear_previous_run, release_output
 from fedavg.run import make_output
 
@@ -105,6 +106,7 @@ def merge_models(
     *,
     dataset: str | None = None,
     overwrite: bool = False,
+    model: str | None = None,
 ) -> dict[str, Any]:
     """Merge saved single models (e.g. a run's ``nodes/*``) into one artifact in ``output``.
 
@@ -122,6 +124,9 @@ def merge_models(
         Evaluate the merged model on this dataset's test split.
     overwrite : bool
         Allow ``output`` to hold a previous run or merge, whose files are replaced.
+    model : str, optional
+        For models built by your code: that code (``file.py:function``, the file where it
+        is now, or ``module:function``); saved models never make fedavg import code.
 
     Returns
     -------
@@ -135,7 +140,7 @@ def merge_models(
         Missing or damaged models, models of different architectures or classes, a
         strategy that needs data it was not given or that trains nodes its own way, an
         output folder that holds a run (without ``overwrite``), is one of the inputs or
-        cannot be written.
+        cannot be written; models built by code that ``model`` does not name.
     """
     t0 = time.monotonic()
     dirs = model_dirs(models)  # one merge of every model given, with any method:
@@ -147,11 +152,12 @@ def merge_models(
     out = _check_output(output, dirs, overwrite)
     loaded = [checkpoint.load(d) for d in dirs]
     first = _check_alike(dirs, [meta for _, meta in loaded])
+    name = saved_model_name(str(first["model"]["name"]), model, str(dirs[0]))
     from fedavg.inference import model_tokenizer
 
     tokenizer = model_tokenizer(first, dirs[0])  # a text model's tokenizer.json goes along
     validation, distill_x = _merge_data(config, strategy, first, tokenizer)
-    merged = _merge(strategy, config, dirs, loaded, first, validation, distill_x)
+    merged = _merge(strategy, config, dirs, loaded, first, validation, distill_x, name)
     meta = {k: v for k, v in first.items() if k not in ("format", "kind", "node", "metrics",
                                                         "member_weights", "members")}
     meta.update({"strategy": config.merge.strategy, "merged_from": [str(d) for d in dirs]})
@@ -167,7 +173,7 @@ def merge_models(
         if dataset:
             from fedavg.inference import evaluate_model
 
-            ev = evaluate_model(out, dataset)
+            ev = evaluate_model(out, dataset, model=model)
             result.update({"accuracy": ev["accuracy"], "loss": ev["loss"]})
             meta["metrics"] = {"accuracy": ev["accuracy"], "loss": ev["loss"]}
             checkpoint.save_merged(out, merged, meta)
@@ -224,13 +230,15 @@ def _merge_data(config: RunConfig, strategy, first: dict[str, Any], tokenizer):
     return validation, distill_x
 
 
-def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill_x):
+def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill_x, name):
+    import dataclasses
+
     import torch
 
     import strategies
     from fedavg.models import ModelSpec, merge_context
 
-    spec = ModelSpec.from_dict(first["model"])
+    spec = dataclasses.replace(ModelSpec.from_dict(first["model"]), name=name)  # the code named
     weights = [_weight(d, meta) for d, (_, meta) in zip(dirs, loaded)]
     try:
         with torch.device("meta"):  # shapes only: a tampered model.json allocates nothing

@@ -6,6 +6,7 @@ at the bottom (marker ``e2e``) run the real CLI on digits.
 
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -475,19 +476,60 @@ def test_loading_a_run_whose_code_is_not_importable_says_what(user_file, tmp_pat
             "input": {"shape": [1, 8, 8], "dtype": "uint8", "scale": 1 / 255, "mean": [0.3],
                       "std": [0.4]}}
     checkpoint.save(tmp_path / "run", spec.build().state_dict(), meta)
-    assert isinstance(fedavg.load_model(tmp_path / "run"), nn.Module)
+    assert isinstance(fedavg.load_model(tmp_path / "run", model=f"{user_file}:build"),
+                      nn.Module)
     user_file.unlink()
     with pytest.raises(UserError) as exc:
-        fedavg.load_model(tmp_path / "run")
+        fedavg.load_model(tmp_path / "run", model=f"{user_file}:build")
     assert f"{user_file} does not exist here" in _one_line(exc)
     json_path = tmp_path / "run" / "model.json"
     meta = json.loads(json_path.read_text())
     meta["model"]["name"] = "nosuchpkg_xyz.models:build"
     json_path.write_text(json.dumps(meta))
-    proc = run_cli("evaluate", tmp_path / "run", check=False, timeout=120)
+    proc = run_cli("evaluate", tmp_path / "run", "--model", "nosuchpkg_xyz.models:build",
+                   check=False, timeout=120)
     assert proc.returncode == 2
     line = assert_one_error_line(proc.stderr)
     assert "module nosuchpkg_xyz.models is not importable here" in line
+
+
+MARKER_SOURCE = TIED_SOURCE + (
+    "\nimport os\nopen(os.environ['FEDAVG_TEST_MARKER'], 'w').close()  # ran on import\n")
+
+
+def test_a_saved_model_never_imports_the_code_it_names_by_itself(tmp_path, monkeypatch,
+                                                                   invoke):
+    """A run folder from elsewhere names code (model.json): loading it runs none of it."""
+    import fedavg
+
+    code = tmp_path / "shipped.py"  # e.g. shipped inside someone else's run folder
+    code.write_text(MARKER_SOURCE)
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("FEDAVG_TEST_MARKER", str(marker))
+    spec = ModelSpec(f"{code}:build", (1, 8, 8), 10, {})
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in ModelSpec("mlp", (1, 8, 8), 10, {}).build()
+                  .state_dict().items()}
+    meta = {"model": spec.as_dict(), "classes": [str(i) for i in range(10)],
+            "input": {"shape": [1, 8, 8], "dtype": "uint8", "scale": 1 / 255, "mean": [0.3],
+                      "std": [0.4]}}
+    checkpoint.save(tmp_path / "run", {k: torch.zeros(s) for k, s in shapes.items()}, meta)
+    words = (f"the model in {tmp_path / 'run'} is built by code, {code}:build: pass --model "
+             f"{code}:build to run it, if you trust that code")
+    with pytest.raises(UserError, match=re.escape(words)):
+        fedavg.load_model(tmp_path / "run")
+    for args in (("evaluate", tmp_path / "run"), ("predict", tmp_path / "run", "digits"),
+                 ("evaluate", tmp_path / "run", "--model", "mlp"),
+                 ("evaluate", tmp_path / "run", "--model", "other.py:build")):
+        code_, _, err = invoke(*args)
+        assert code_ == 2 and "is built by code" in assert_one_error_line(err), err
+    assert not marker.exists()  # nothing imported
+    (tmp_path / "plain").mkdir()
+    checkpoint.save(tmp_path / "plain", {k: torch.zeros(s) for k, s in shapes.items()},
+                    {**meta, "model": {**meta["model"], "name": "mlp"}})
+    code_, _, err = invoke("evaluate", tmp_path / "plain", "--model", f"{code}:build")
+    assert code_ == 2 and "is mlp: leave --model out" in assert_one_error_line(err)
+    assert not marker.exists()
 
 
 # --------------------------------------------------------------------------- nodes
@@ -721,6 +763,25 @@ def test_builders_nodes_could_not_train_are_refused_before_the_run(invoke, tmp_p
     assert words in assert_one_error_line(err)
 
 
+def test_merging_models_built_by_user_code_needs_the_code_named(invoke, tmp_path, user_file):
+    meta = {"classes": [str(i) for i in range(10)],
+            "input": {"shape": [1, 8, 8], "dtype": "uint8", "scale": 1 / 255, "mean": [0.3],
+                      "std": [0.4]}}
+    spec = ModelSpec.resolve(f"{user_file}:build", (1, 8, 8), 10)
+    for name in ("a", "b"):
+        checkpoint.save(tmp_path / name, spec.build().state_dict(),
+                        {**meta, "model": spec.as_dict(), "num_examples": 10})
+    args = ("merge", tmp_path / "a", tmp_path / "b", "--output", tmp_path / "m")
+    code, _, err = invoke(*args)
+    assert code == 2 and f"pass --model {user_file}:build to run it" in \
+        assert_one_error_line(err)
+    assert not (tmp_path / "m").exists()
+    code, out, err = invoke(*args, "--model", f"{user_file}:build", "--dataset", "digits")
+    assert code == 0, err
+    assert json.loads((tmp_path / "m" / "model.json").read_text())["model"]["name"] == \
+        f"{user_file}:build"
+
+
 def test_coordinator_takes_model_args_too(invoke):
     code, _, err = invoke("coordinator", "--insecure", "--model", "mlp", "--model-arg", "x=1")
     assert code == 2 and "does not take argument 'x'" in assert_one_error_line(err)
@@ -790,7 +851,8 @@ def test_user_module_with_model_args_on_digits(tmp_path, user_file, no_leaks):
     assert state["steps"].dtype == torch.int64 and int(state["steps"]) > 0
     summary = _summary(out)
     assert summary["accuracy"] > 0.6, summary
-    ev = json.loads(run_cli("evaluate", out, "--json").stdout)  # from another folder
+    ev = json.loads(run_cli("evaluate", out, "--json", "--model", f"{user_file}:build")
+                    .stdout)  # from another folder, the code named (as nodes name it)
     assert ev["accuracy"] == pytest.approx(summary["accuracy"], abs=1e-6)
     # --resume: the model args may not change
     bad = _run_in(tmp_path, "simulate", "--resume", out, "--rounds", "3", "--model-arg",

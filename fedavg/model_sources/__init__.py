@@ -23,7 +23,8 @@ they are passed to a builder only when it takes them.
 
 Only the run's initial model loads weights (pretrained torchvision weights, an ``hf:``
 folder's); nodes and later loads build the architecture and receive the weights as a state
-dict. A node imports model code only when its operator named it (:func:`node_model_name`).
+dict. A node imports model code only when its operator named it (:func:`node_model_name`),
+and loading a saved model only when its user did (:func:`saved_model_name`).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from fedavg.model_sources.user_code import build_user, code_ref, user_builder
 __all__ = [
     "DATA_ARGS", "FORMS", "ImageAdapter", "Takes", "absolute_name", "adapt_images", "build",
     "build_torchvision", "build_user", "canonical", "check_output", "first_line",
-    "node_model", "node_model_name", "parse_model_args", "source_kind", "source_notes",
-    "stored_args", "trial", "user_builder",
+    "node_model", "node_model_name", "parse_model_args", "saved_model_name", "source_kind",
+    "source_notes", "stored_args", "trial", "user_builder",
 ]
 
 #: ``fedavg models``: the forms beside the registered names, with an example each.
@@ -216,18 +217,53 @@ def node_model_name(run_model: str, allowed: str | None) -> str:
     """
     if source_kind(run_model) != "code":
         return run_model
+    if _names_code(allowed, run_model):
+        return str(allowed)
     where, func, is_file = code_ref(run_model)
-    if allowed is not None and source_kind(allowed) == "code":
-        own, own_func, own_file = code_ref(allowed)
-        same = own_func == func and own_file == is_file and (
-            Path(own).name == Path(where).name if is_file else own == where)
-        if same:
-            return allowed
     shown = f"{Path(where).name}:{func}" if is_file else run_model
     started = f" (it was started with --model {allowed})" if allowed else ""
     raise UserError(f"the run's model {run_model} is code this node was not told to run"
                     f"{started}: start the node with --model {shown} (nodes import only "
                     "code installed on their machine)")
+
+
+def saved_model_name(saved: str, allowed: str | None, where: str) -> str:
+    """Return the model name a saved model (``model.json``'s ``saved``) is rebuilt with.
+
+    Loading a folder never imports code it names by itself: a model built by user code
+    needs that code named by whoever loads it (``--model`` of ``evaluate`` / ``predict`` /
+    ``merge``, ``model=`` in Python), as for nodes (:func:`node_model_name`); a file that
+    moved is given with its new path.
+
+    Raises
+    ------
+    UserError
+        User code not named, or named for a model that is not user code.
+    """
+    if source_kind(saved) != "code":
+        if allowed is not None:
+            raise UserError(f"--model names the code that builds a model, but the model in "
+                            f"{where} is {saved}: leave --model out")
+        return saved
+    if _names_code(allowed, saved):
+        return str(allowed)
+    given = f" (--model {allowed} is other code)" if allowed else ""
+    raise UserError(f"the model in {where} is built by code, {saved}{given}: pass --model "
+                    f"{saved} to run it, if you trust that code (a saved model's own "
+                    "description never makes fedavg import code)")
+
+
+def _names_code(allowed: str | None, name: str) -> bool:
+    """Whether ``allowed`` names the code of the code model ``name``.
+
+    That is the same module and function, or a file of the same name with the same function.
+    """
+    if allowed is None or source_kind(allowed) != "code":
+        return False
+    where, func, is_file = code_ref(name)
+    own, own_func, own_file = code_ref(allowed)
+    return own_func == func and own_file == is_file and (
+        Path(own).name == Path(where).name if is_file else own == where)
 
 
 def check_output(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, what: str,
