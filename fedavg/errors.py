@@ -26,5 +26,13 @@ class RunError(Exception):
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:
-    """Return the first line of ``exc``'s message (its type name when empty), cut to ``limit``."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
+    """Return the first line of ``exc``'s message (its type name when empty), cut to ``limit``.
+
+    A first line that only announces the next (``Error(s) in loading state_dict for
+    Sequential:``) is followed by that line.
+    """
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__[:limit]
+    return (" ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1
+            else lines[0])[:limit]

@@ -77,6 +77,9 @@ def resolve_model(name: str, input_shape: tuple[int, ...], kind: str | None = No
 
         return canonical(name)
     if name not in _MODELS:
+        if name.endswith(".py"):
+            raise UserError(f"--model {name}: name the builder function in it too, "
+                            f"{name}:FUNCTION (e.g. {name}:build)")
         raise UserError(f"unknown model {name!r}; choose auto or one of: {', '.join(_MODELS)}")
     if kind not in _MODELS[name][2]:
         fits = [n for n, (_, _, kinds) in _MODELS.items() if kind in kinds]

@@ -85,6 +85,23 @@ def test_error_summary_finds_the_original_exception():
     assert error_summary(wrapped) == "FloatingPointError: training diverged (loss nan)"
     assert error_summary("Exception occurred. Message: disk full'>") == "disk full"
     assert error_summary("") == "unknown error"
+    # a first line that announces the next: both (a node's model of another architecture)
+    mismatch = ("Traceback (most recent call last):\n  File \"node.py\", line 111\n"
+                "RuntimeError: Error(s) in loading state_dict for Sequential:\n"
+                "\tsize mismatch for 1.weight: copying a param with shape torch.Size([32, 64])"
+                "\n")
+    assert error_summary(mismatch) == ("RuntimeError: Error(s) in loading state_dict for "
+                                       "Sequential: size mismatch for 1.weight: copying a param "
+                                       "with shape torch.Size([32, 64])")
+
+
+def test_first_line_keeps_a_line_the_first_announces():
+    from fedavg.errors import first_line
+
+    assert first_line(RuntimeError("Error(s) in loading:\n\tsize mismatch\nmore")) == \
+        "Error(s) in loading: size mismatch"
+    assert first_line(ValueError("one\ntwo")) == "one"
+    assert first_line(KeyError()) == "KeyError"
 
 
 class _FakeGrid:

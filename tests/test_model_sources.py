@@ -436,13 +436,33 @@ def test_a_module_builder(tmp_path, monkeypatch):
     ("import sys\nsys.exit(3)\n", "FILE:build", "called sys.exit(3); model code must not exit"),
     ("import sys\ndef build(shape, k):\n    sys.exit('no')\n", "FILE:build",
      "called sys.exit('no')"),
+    (TIED_SOURCE, ":build", "name the module or .py file before the colon"),
+    (TIED_SOURCE, "FILE", "name the builder function in it too, FILE:FUNCTION (e.g. FILE:build)"),
+    (TIED_SOURCE, "TXT:build", "TXT is not a Python file (a .py file with the builder"),
+    ("import torch\ndef build(shape, k):\n    return torch.nn.Linear(64 + torch.randint(9, ()), "
+     "k)\n", "TWO:build", "size mismatch for weight"),  # another architecture each call
 ])
 def test_bad_user_code_is_one_line(tmp_path, source, name, words):
     path = tmp_path / "bad_models.py"
     if source is not None:
         path.write_text(source)
+    (tmp_path / "models.txt").write_text(TIED_SOURCE)
+    words = words.replace("FILE", str(path)).replace("TXT", str(tmp_path / "models.txt"))
+    if name.startswith("TWO"):  # as a node loads the coordinator's weights
+        from fedavg.model_sources import first_line
+
+        torch.manual_seed(0)
+        build = f"{path}:build"
+        with pytest.raises(RuntimeError) as err:
+            for _ in range(20):
+                build_model(build, (64,), 10).load_state_dict(
+                    build_model(build, (64,), 10).state_dict())
+        assert words in first_line(err.value) and first_line(err.value).startswith(
+            "RuntimeError: Error(s) in loading state_dict for Linear: size mismatch")
+        return
     with pytest.raises(UserError) as exc:
-        build_model(name.replace("FILE", str(path)), (1, 8, 8), 10)
+        build_model(name.replace("FILE", str(path)).replace("TXT", str(tmp_path / "models.txt")),
+                    (1, 8, 8), 10)
     assert words in _one_line(exc)
 
 

@@ -159,10 +159,14 @@ def error_summary(reason: str) -> str:
     flower = _FLOWER_REASON.match(text.strip())  # a ClientApp's exception, as Flower wraps it
     if flower:
         return f"{flower.group(1).rsplit('.', 1)[-1]}: {' '.join(flower.group(2).split())}"[:300]
-    for line in text.splitlines():
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
         m = _EXC_LINE.match(line.strip())
         if m and not m.group(1).startswith(("flwr.", "ray.")):
-            return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}"[:300]
+            said = m.group(2)
+            if said.rstrip().endswith(":"):  # announces the next line (load_state_dict's)
+                said += " " + next((ln.strip() for ln in lines[i + 1:] if ln.strip()), "")
+            return f"{m.group(1).rsplit('.', 1)[-1]}: {said.strip()}"[:300]
     if "Message:" in text:
         return text.rsplit("Message:", 1)[1].strip().strip("'>").strip()[:300]
     first = next((line.strip() for line in text.splitlines() if line.strip()), "unknown error")

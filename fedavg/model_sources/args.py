@@ -14,8 +14,14 @@ DATA_ARGS = ("vocab_size", "pad_id")
 
 
 def first_line(exc: BaseException) -> str:
-    """``Type: first line of the message`` of ``exc`` (at most 240 characters)."""
-    text = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    """``Type: first line of the message`` of ``exc`` (at most 240 characters).
+
+    A first line that only announces the next (``Error(s) in loading state_dict for
+    Sequential:``) is followed by that line.
+    """
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else \
+        (lines[0] if lines else "")
     return f"{type(exc).__name__}: {text}"[:240] if text else type(exc).__name__
 
 

@@ -30,7 +30,10 @@ _LOADED: dict[str, ModuleType] = {}
 def code_ref(name: str) -> tuple[str, str, bool]:
     """Split ``module:function`` / ``file.py:function``: ``(module or path, function, is_file)``."""
     where, _, func = name.rpartition(":")
-    if not where or not func.isidentifier():
+    if not where.strip():
+        raise UserError(f"--model {name}: name the module or .py file before the colon, e.g. "
+                        "my_models.py:build or my_package.models:build")
+    if not func.isidentifier():
         raise UserError(f"--model {name}: name the builder function after the colon, e.g. "
                         "my_models.py:build or my_package.models:build")
     is_file = where.endswith(".py") or "/" in where or "\\" in where
@@ -70,6 +73,9 @@ def _import(where: str, is_file: bool, name: str) -> ModuleType:
     if key not in _LOADED:
         module_name = f"_fedavg_user_{path.stem}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
         spec = importlib.util.spec_from_file_location(module_name, path)
+        if spec is None or spec.loader is None:
+            raise UserError(f"the model is built by {name}, but {path} is not a Python file "
+                            "(a .py file with the builder function)")
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module  # classes defined in it resolve their module
         try:
