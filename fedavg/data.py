@@ -426,13 +426,18 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text) -> 
             groups = np.asarray([str(v) for v in ds[partition_by]])
         key = "train" if name == train_name else ("test" if name == test_name else name)
         splits[key] = Split(x, y, groups)
+    notes = []
     if tokenizer is not None:
         cols: dict[str, Any] = {"text": image[0], "label": label}
+        others = [c for c, f in train_ds.features.items() if is_text(f) and c != image[0]]
+        if others and text["column"] is None:
+            notes.append(f"text column {image[0]!r}, the first of the string columns; "
+                         f"--text-column to take another ({', '.join(others[:5])})")
     elif len(image) == 1:
         cols = {"image": image[0], "label": label}
     else:
         cols = {"features": image, "label": label}
-    return LoadedData(splits, classes, source, cols, tokenizer=tokenizer)
+    return LoadedData(splits, classes, source, cols, notes=notes, tokenizer=tokenizer)
 
 
 def _tokenized(tokenizer, ds, column: str, source: str) -> np.ndarray:

@@ -211,6 +211,9 @@ def detect_columns(features, source: str, image_column: str | None = None,
                             "not text")
     elif image_column is not None:
         image = [_check_column(features, image_column, "--image-column", source)]
+        if is_text(features[image_column]):
+            raise UserError(f"--image-column {image_column}: it holds text; pass --text-column "
+                            f"{image_column}")
     else:
         image = _detect_inputs(features, source, label, partition_by)
     if partition_by is not None:
@@ -237,13 +240,9 @@ def _detect_inputs(features, source: str, label: str, partition_by: str | None) 
     if text is not None:
         return [text]
     # tabular: every numeric column but the label and the group column
-    image = [
-        c
-        for c, f in features.items()
-        if c not in (label, partition_by)
-        and isinstance(f, datasets.Value)
-        and (f.dtype.startswith(("int", "uint", "float")) or f.dtype == "bool")
-    ]
+    image = [c for c, f in features.items() if c not in (label, partition_by)
+             and isinstance(f, datasets.Value)
+             and (f.dtype.startswith(("int", "uint", "float")) or f.dtype == "bool")]
     if not image:
         besides = f"the label column {label!r}" + (
             f" and the --partition-by column {partition_by!r}" if partition_by else "")
@@ -377,6 +376,8 @@ def _array_column(ds, col: str, feature, source: str) -> np.ndarray:
             "pass --image-column"
         )
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        if np.isnan(arr).all():  # e.g. a CSV column of empty strings
+            raise UserError(f"column {col!r} of {source} is empty: every value is missing")
         raise UserError(f"column {col!r} of {source} has NaN or infinite values")
     if arr.ndim == 1:
         return arr.astype(np.float32)[:, None]

@@ -282,7 +282,7 @@ class ModelSpec:
         from fedavg.model_sources import DATA_ARGS, check_output, source_notes
 
         check_output(model, self.input_shape, self.num_classes, self.name,
-                     text=DATA_ARGS[0] in self.args)
+                     text=DATA_ARGS[0] in self.args, vocab_size=self.args.get(DATA_ARGS[0]))
         return [*getattr(model, "fedavg_notes", []), *source_notes(self.name, self.pretrained)]
 
     def build_ensemble(self, members: list[dict[str, torch.Tensor]],

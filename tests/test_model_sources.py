@@ -193,6 +193,20 @@ def test_text_arguments_reach_only_builders_that_take_them(user_file):
     assert net(torch.randint(0, 50, (2, 6))).shape == (2, 3)
 
 
+def test_a_text_model_whose_embedding_misses_part_of_the_vocabulary_is_refused(tmp_path):
+    (tmp_path / "small.py").write_text(
+        "import torch\n"
+        "def build(input_shape, num_classes, vocab_size):\n"
+        "    return torch.nn.Sequential(torch.nn.EmbeddingBag(vocab_size // 2, 8),\n"
+        "                               torch.nn.Linear(8, num_classes))\n")
+    spec = ModelSpec.resolve(f"{tmp_path / 'small.py'}:build", (6,), 3,
+                             {"vocab_size": 50, "pad_id": 0})
+    with pytest.raises(UserError) as exc:  # nodes failed with IndexError in round 1
+        spec.check(spec.build())
+    assert "fails on a batch of token ids 0..49 (the vocabulary) of shape (2, 6): " \
+        in _one_line(exc)
+
+
 def test_torchvision_arguments_are_checked(monkeypatch):
     net = build_model("torchvision:mobilenet_v3_small", (3, 32, 32), 5, dropout=0.5)
     assert net.net.classifier[2].p == 0.5

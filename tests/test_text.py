@@ -132,8 +132,20 @@ def test_text_column_override_and_its_errors(tmp_path):
     csv = tmp_path / "t.csv"
     pd.DataFrame({"title": ["good day", "bad day"] * 5, "body": ["x", "y"] * 5,
                   "n": list(range(10)), "label": [0, 1] * 5}).to_csv(csv, index=False)
-    assert load(str(csv)).columns["text"] == "title"  # the first string column
-    assert load(str(csv), text_column="body").columns["text"] == "body"
+    data = load(str(csv))
+    assert data.columns["text"] == "title"  # the first string column, and said so
+    assert "text column 'title', the first of the string columns; --text-column to take " \
+        "another (body)" in data.notes
+    chosen = load(str(csv), text_column="body")
+    assert chosen.columns["text"] == "body" and not any("string columns" in n
+                                                         for n in chosen.notes)
+    with pytest.raises(UserError, match="--image-column title: it holds text; pass "
+                                        "--text-column title"):
+        load(str(csv), image_column="title")  # it trained a text model, ignoring the flag
+    empty = tmp_path / "empty.csv"
+    pd.DataFrame({"text": [""] * 4, "label": [0, 1] * 2}).to_csv(empty, index=False)
+    with pytest.raises(UserError, match="column 'text' of .* is empty: every value is missing"):
+        load(str(empty))
     with pytest.raises(UserError, match="--text-column n: it holds"):
         load(str(csv), text_column="n")
     with pytest.raises(UserError, match="--text-column"):

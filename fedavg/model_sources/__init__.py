@@ -267,8 +267,11 @@ def _names_code(allowed: str | None, name: str) -> bool:
 
 
 def check_output(model: nn.Module, input_shape: tuple[int, ...], num_classes: int, what: str,
-                 text: bool = False) -> None:
+                 text: bool = False, vocab_size: int | None = None) -> None:
     """Check that ``model`` maps a ``(2, *input_shape)`` batch to ``(2, K)`` logits.
+
+    For text (``text``), the batch is token ids: a row of 0 and, with ``vocab_size``, a row
+    of the largest id, so that an embedding smaller than the vocabulary is caught here.
 
     Raises
     ------
@@ -279,13 +282,18 @@ def check_output(model: nn.Module, input_shape: tuple[int, ...], num_classes: in
     if next((p.is_meta for p in model.parameters()), False):
         return
     dtype = torch.int64 if text else torch.float32
+    batch = torch.zeros(2, *input_shape, dtype=dtype)
+    if text and vocab_size:
+        batch[1] = int(vocab_size) - 1
     was = model.training
     model.eval()
     try:
         with torch.no_grad():
-            out = model(torch.zeros(2, *input_shape, dtype=dtype))
+            out = model(batch)
     except Exception as exc:  # noqa: BLE001 - the model cannot take the data
-        raise UserError(f"model {what} fails on a batch of shape {(2, *input_shape)}: "
+        ids = f" of token ids 0..{int(vocab_size) - 1} (the vocabulary)" if text and vocab_size \
+            else ""
+        raise UserError(f"model {what} fails on a batch{ids} of shape {(2, *input_shape)}: "
                         f"{first_line(exc)}") from None
     finally:
         model.train(was)
