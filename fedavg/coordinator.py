@@ -193,7 +193,8 @@ class ServerRun:
         if self.resume_from is not None:
             self.resume_from.restore_random()  # the same node sampling as an unbroken run
         self.adapter.start(
-            grid=StreamingGrid(grid, on_lost=self._lost if self.deployment else None),
+            grid=StreamingGrid(grid, on_lost=self._lost if self.deployment else None,
+                               stop=self.state.stop),
             initial_arrays=ArrayRecord(initial),
             num_rounds=self.config.merge.rounds - done,
             timeout=self.config.merge.round_timeout,

@@ -11,6 +11,7 @@ them over one by one), so the coordinator holds one node model at a time.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, Iterable
 
@@ -49,12 +50,16 @@ class StreamingGrid:
         round stops waiting for it. ``None``: wait until the round's timeout.
     node_check_s : float
         Seconds between checks of the connected nodes.
+    stop : threading.Event, optional
+        Set when the engine is gone (Ctrl-C in the Python API): waiting for replies then
+        ends with a :class:`~fedavg.errors.RunError`, so that the ServerApp's thread ends.
     """
 
     def __init__(self, grid: Grid, poll_s: float = 0.05,
                  on_lost: Callable[[int], None] | None = None,
-                 node_check_s: float = 1.0) -> None:
+                 node_check_s: float = 1.0, stop: threading.Event | None = None) -> None:
         self._grid = grid
+        self.stop = stop
         self.poll_s = poll_s
         self.on_lost = on_lost
         self.node_check_s = node_check_s
@@ -82,6 +87,8 @@ class StreamingGrid:
                  deadline: float | None, lost: set[str]) -> Iterable[Message]:
         checked = time.monotonic()
         while pending and (deadline is None or time.monotonic() < deadline):
+            if self.stop is not None and self.stop.is_set():
+                raise RunError("the run was stopped: no more replies are awaited")
             got = list(self._grid.pull_messages(pending))
             for msg in got:
                 pending.discard(msg.metadata.reply_to_message_id)

@@ -47,6 +47,28 @@ def abortable(folders: list[str], marker: str):
         _ACTIVE.remove(abort)
 
 
+def free_engine_threads(actors: list, before: set, timeout_s: float = 5.0) -> None:
+    """After a run stopped early, let the engine's threads end before Ray is stopped.
+
+    Flower's engine threads wait for their node actors' results with no timeout; with Ray
+    stopped they would wait for ever, and a Python process that called
+    :func:`fedavg.simulate` could not exit. Killing the ``actors`` ends those waits with an
+    error, after which the threads see the engine's stop; threads not in ``before`` (those
+    started since) are then joined, for at most ``timeout_s`` seconds in all.
+    """
+    import threading
+
+    import ray
+
+    for actor in actors:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread not in before and not thread.daemon and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
 def abort_active_runs() -> None:
     """Stop the engines of runs in progress and remove their temporary files.
 

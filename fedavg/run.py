@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,13 +85,17 @@ class RoundRecord:
 
 @dataclass
 class RunState:
-    """Shared between the ServerApp thread and the caller: progress and results."""
+    """Shared by the ServerApp thread and the caller: progress, results, and ``stop``.
+
+    The caller sets ``stop`` when the engine is gone (Ctrl-C): the ServerApp stops waiting.
+    """
 
     rounds: list[RoundRecord] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     error: BaseException | None = None
     #: ``time.monotonic()`` per step of the run (:mod:`fedavg.timeline`)
     marks: dict[str, float] = field(default_factory=dict)
+    stop: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -337,21 +342,16 @@ def _metadata(config: RunConfig, data: LoadedData, spec, validation, distill_x) 
         source = str(Path(source).expanduser().resolve())
     return {
         "model": None if spec is None else spec.as_dict(),
-        "classes": data.classes,
-        "input": data.input_spec(),
+        "classes": data.classes, "input": data.input_spec(),
         "dataset": {
-            "source": source,
-            "columns": data.columns,
-            "train_samples": len(data.train),
-            "test_samples": len(data.test),
-            "seed": config.data.seed,
-            "test_fraction": config.data.test_fraction,
+            "source": source, "columns": data.columns,
+            "train_samples": len(data.train), "test_samples": len(data.test),
+            "seed": config.data.seed, "test_fraction": config.data.test_fraction,
             "validation_samples": 0 if validation is None else len(validation),
             "distill_samples": 0 if distill_x is None else len(distill_x),
             "notes": data.notes,
         },
-        "strategy": config.merge.strategy,
-        "config": config.as_dict(),
+        "strategy": config.merge.strategy, "config": config.as_dict(),
     }
 
 

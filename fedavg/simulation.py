@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import numpy as np
 from fedavg import run
 from fedavg.config import RunConfig
 from fedavg.errors import RunError, UserError
-from fedavg.ray_cleanup import abortable, shutdown_ray
+from fedavg.ray_cleanup import abortable, free_engine_threads, shutdown_ray
 from fedavg.tempdirs import PrivateDir
 
 log = logging.getLogger("fedavg")
@@ -265,6 +266,13 @@ def _prepare_and_run(config: RunConfig, ckpt, output, backend: dict[str, Any], c
     try:
         trackers.open(out, 1 if ckpt is None else ckpt.round + 1)
         _run_on_ray(config, prepared, out, state, backend, console, ckpt, trackers)
+    except KeyboardInterrupt:
+        run.remove_if_empty(out)
+        if not state.rounds:
+            raise
+        raise KeyboardInterrupt(f"interrupted after round {state.rounds[-1].round}, which is "
+                                f"kept in {out}: fedavg.simulate(resume={str(out)!r}) goes "
+                                "on") from None
     except BaseException:
         run.remove_if_empty(out)
         raise
@@ -283,7 +291,7 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
     with PrivateDir("fedavg-sim-") as tmp, _ray_folder(tmp) as (ray_dir, own), \
             abortable([tmp, own], ray_dir) as since:
         starting = RayStart(backend, ray_dir).start()  # while the rest is set up here
-        progress = None
+        progress, threads = None, set(threading.enumerate())
         try:
             cluster = "address" in backend["init_args"]
             data_path = str(Path(tmp) / "train.safetensors")
@@ -299,6 +307,10 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
 
             _engine(config, prepared, state, backend, starting, server, contexts, data_path,
                     progress)
+        except BaseException:  # Ctrl-C, an error: no engine thread may outlive the run
+            state.stop.set()
+            free_engine_threads(starting.actors, threads)
+            raise
         finally:
             if progress is not None:
                 progress.stop()

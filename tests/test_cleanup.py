@@ -237,6 +237,43 @@ def test_simulate_leaves_nothing(tmpdir_env, tmp_path, how):
     assert leftovers(tmpdir_env) == []
 
 
+API_CTRL_C = """
+import os, signal, sys, threading, time
+import fedavg
+out = sys.argv[1]
+def interrupt():
+    while not os.path.exists(os.path.join(out, "metrics.jsonl")):
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGINT)
+threading.Thread(target=interrupt, daemon=True).start()
+try:
+    fedavg.simulate(num_nodes=3, rounds=100, local_epochs=10, output=out)
+except KeyboardInterrupt as exc:
+    print("caught:", exc, flush=True)
+print("threads:", sorted(t.name for t in threading.enumerate() if not t.daemon), flush=True)
+"""
+
+
+def test_ctrl_c_in_the_python_api_leaves_no_thread_and_the_process_exits(tmpdir_env,
+                                                                          tmp_path):
+    """A notebook's or script's Ctrl-C: the engine's threads end with the run.
+
+    A ServerApp thread polling for replies and an engine thread waiting on Ray kept the
+    process from exiting. The message says how to go on.
+    """
+    tag = uuid.uuid4().hex
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", API_CTRL_C, str(out)], capture_output=True,
+                          text=True, timeout=180, env={**os.environ, "FEDAVG_TEST_TAG": tag,
+                                                       "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"which is kept in {out}: fedavg.simulate(resume={str(out)!r}) goes on" in \
+        proc.stdout, proc.stdout
+    assert "threads: ['MainThread']" in proc.stdout, proc.stdout
+    assert not wait_gone(tag)
+    assert leftovers(tmpdir_env) == []
+
+
 def test_simulate_with_a_deep_tmpdir_runs_and_leaves_nothing(tmp_path):
     """A TMPDIR too deep for Ray's Unix sockets: Ray gets a short folder of ours, removed."""
     deep = tmp_path / ("d" * 60)
