@@ -8,19 +8,16 @@ handler turns into a clean stop.
 
 from __future__ import annotations
 
-import signal
 import sys
 
 
 def main() -> None:
     """Import the CLI, then run it (:func:`fedavg.cli.main`)."""
-    held: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    from fedavg.cli import main as cli_main
+    from fedavg.interrupts import held_interrupts
 
-    for sig, handler in previous.items():  # the commands that need one install their own
-        signal.signal(sig, handler)
+    with held_interrupts(raise_after=False) as held:  # the commands install their own
+        from fedavg.cli import main as cli_main
+
     if held:
         print("interrupted before the command started", file=sys.stderr)
         raise SystemExit(130)

@@ -28,6 +28,7 @@ import numpy as np
 from fedavg import run
 from fedavg.config import RunConfig
 from fedavg.errors import RunError, UserError
+from fedavg.interrupts import held_interrupts
 from fedavg.ray_cleanup import abortable, free_engine_threads, shutdown_ray
 from fedavg.tempdirs import PrivateDir
 
@@ -235,8 +236,11 @@ def simulate(
     config, ckpt, output = run.resolve_settings(config, overrides, resume, output,
                                                 overwrite=overwrite)
     config.validate()
-    from fedavg.train import resolve_device
+    with held_interrupts():  # an import cut short would break every later call
+        import datasets  # noqa: F401
+        import torch  # noqa: F401
 
+        from fedavg.train import resolve_device
     resolve_device(config.train.device)
     backend = _backend_config(config.train.device, cpus_per_node, gpus_per_node, verbose,
                               ray_address)
@@ -303,7 +307,8 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
             contexts = _node_contexts(prepared.strategy.name, resume_from)
             server = make_server_app(config, prepared, out, state, progress,
                                      resume_from=resume_from, node_contexts=contexts)
-            import flwr.simulation  # noqa: F401 - the engine's imports, while Ray starts
+            with held_interrupts():  # the engine's imports, while Ray starts
+                import flwr.simulation  # noqa: F401
 
             _engine(config, prepared, state, backend, starting, server, contexts, data_path,
                     progress)

@@ -254,3 +254,28 @@ def test_sigterm_in_a_command_without_a_handler_of_its_own_is_like_ctrl_c(tmp_pa
                           text=True, timeout=120)
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.strip() == "interrupted: nothing was written"
+
+
+def test_interrupts_during_imports_are_held_until_the_block_ends():
+    import os
+    import signal
+    import threading
+
+    from fedavg.interrupts import held_interrupts
+
+    reached, before = [], signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt, match="while the libraries were imported"):
+        with held_interrupts():
+            os.kill(os.getpid(), signal.SIGINT)  # an import cut here would stay broken
+            reached.append("end of block")
+    assert reached == ["end of block"]
+    assert signal.getsignal(signal.SIGINT) is before  # restored
+    with held_interrupts(raise_after=False) as held:
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert held == [signal.SIGTERM]
+    outside = []  # in another thread signals are not delivered: the block just runs
+    thread = threading.Thread(target=lambda: outside.append(
+        held_interrupts().__enter__() == []))
+    thread.start()
+    thread.join()
+    assert outside == [True]

@@ -1,0 +1,34 @@
+"""Hold Ctrl-C / SIGTERM while a library imports: an import cut short leaves it broken.
+
+An interrupt inside ``import torch`` can abort the process (torch's C++ import code), and
+one inside any large import leaves half-initialised modules behind, so that every later
+import of it in the same Python process fails ("partially initialized module 'torch'").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+
+@contextlib.contextmanager
+def held_interrupts(raise_after: bool = True):
+    """Hold SIGINT and SIGTERM within the block; yield the list of those that came.
+
+    Only in the main thread (elsewhere signals are not delivered; the block runs as is).
+    With ``raise_after``, a held signal becomes a ``KeyboardInterrupt`` once the block ends.
+    """
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield held
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if held and raise_after:
+        raise KeyboardInterrupt("interrupted while the libraries were imported")
