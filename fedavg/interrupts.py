@@ -17,7 +17,8 @@ def held_interrupts(raise_after: bool = True):
     """Hold SIGINT and SIGTERM within the block; yield the list of those that came.
 
     Only in the main thread (elsewhere signals are not delivered; the block runs as is).
-    With ``raise_after``, a held signal becomes a ``KeyboardInterrupt`` once the block ends.
+    With ``raise_after``, the first held signal is raised again once the block ends, for
+    the handler that was there before (Ctrl-C: ``KeyboardInterrupt``).
     """
     held: list[int] = []
     if threading.current_thread() is not threading.main_thread():
@@ -31,4 +32,4 @@ def held_interrupts(raise_after: bool = True):
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if held and raise_after:
-        raise KeyboardInterrupt("interrupted while the libraries were imported")
+        signal.raise_signal(held[0])
