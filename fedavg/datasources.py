@@ -70,7 +70,11 @@ def open_source(dataset: str, notes: list[str] | None = None):
     datasets.disable_progress_bars()
     _quiet_hub_logs()
     path = Path(dataset).expanduser()
-    if path.exists():
+    try:
+        exists = path.exists()
+    except OSError as exc:  # a name too long for the file system
+        raise UserError(f"--dataset {dataset[:60]}...: {exc.strerror}") from None
+    if exists:
         try:
             return _open_local(path, dataset, notes if notes is not None else [])
         except UserError:
@@ -159,9 +163,8 @@ def _one_line(exc: BaseException) -> str:
 def _check_column(features, col: str, flag: str, source: str) -> str:
     """Return ``col`` if ``features`` has it, else a user error naming ``flag``."""
     if col not in features:
-        raise UserError(
-            f"column {col!r} ({flag}) is not in {source}; columns are: {', '.join(features)}"
-        )
+        raise UserError(f"column {col!r} ({flag}) is not in {source}; columns are: "
+                        f"{', '.join(features)}")
     return col
 
 
@@ -371,10 +374,8 @@ def _array_column(ds, col: str, feature, source: str) -> np.ndarray:
     except Exception:
         arr = np.asarray(ds[col], dtype=object)
     if arr.dtype == object or arr.dtype.kind not in "biuf":
-        raise UserError(
-            f"column {col!r} of {source} holds {feature}, not images or numbers; "
-            "pass --image-column"
-        )
+        raise UserError(f"column {col!r} of {source} holds {feature}, not images or numbers; "
+                        "pass --image-column")
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
         if np.isnan(arr).all():  # e.g. a CSV column of empty strings
             raise UserError(f"column {col!r} of {source} is empty: every value is missing")

@@ -225,6 +225,10 @@ def _collect(inputs: Sequence[str]) -> list[tuple[str, Any]]:
     items: list[tuple[str, Any]] = []
     for raw in inputs:
         path = Path(raw).expanduser()
+        try:
+            path.exists()
+        except OSError as exc:  # a name too long for the file system
+            raise UserError(f"{raw[:60]}...: {exc.strerror}") from None
         if not path.exists():
             if raw in BUILTIN or (not looks_like_path(raw) and "/" in raw):
                 items.append(("dataset", raw))
@@ -240,14 +244,14 @@ def _collect(inputs: Sequence[str]) -> list[tuple[str, Any]]:
                 raise UserError(f"{raw} is neither an image ({', '.join(sorted(IMAGE_SUFFIXES))}) "
                                 "nor a dataset file")
             continue
-        is_dataset = (path / "dataset_dict.json").exists() or (path / "state.json").exists() or any(
-            p.suffix.lower() in FILE_BUILDERS for p in path.rglob("*") if p.is_file()
-        )
-        if is_dataset:
+        files = [p for p in path.rglob("*") if p.is_file()]
+        images = sorted(p for p in files if p.suffix.lower() in IMAGE_SUFFIXES)
+        # a folder of images is predicted image by image, whatever else it holds (a
+        # labels.json, an info.csv); a saved dataset, or data files alone, is a dataset
+        if (path / "dataset_dict.json").exists() or (path / "state.json").exists() or (
+                not images and any(p.suffix.lower() in FILE_BUILDERS for p in files)):
             items.append(("dataset", str(path)))
             continue
-        images = sorted(p for p in path.rglob("*")
-                        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
         if not images:
             raise UserError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in folder {raw}")
         items.extend(("image", p) for p in images)

@@ -135,6 +135,10 @@ def test_an_image_given_and_in_a_given_folder_is_predicted_once(tmp_path):
     rows = predict(model, [str(a), str(tmp_path / "imgs"), str(again)])
     assert sorted(Path(r["input"]).name for r in rows) == ["a.png", "b.png"]
     assert Path(rows[0]["input"]) == a  # in the order given
+    (tmp_path / "imgs" / "labels.json").write_text('{"a.png": "3"}')  # a stray annotation
+    (tmp_path / "imgs" / "info.csv").write_text("name,label\na.png,3\n")
+    rows = predict(model, [str(tmp_path / "imgs")])  # was read as a dataset, and refused
+    assert sorted(Path(r["input"]).name for r in rows) == ["a.png", "b.png"]
 
 
 def test_evaluate_names_the_dataset_alike_in_text_and_json(tmp_path, monkeypatch):

@@ -383,6 +383,14 @@ def test_an_output_name_too_long_for_the_file_system_is_one_line(invoke):
     assert "File name too long; give another folder" in assert_one_error_line(stderr)
 
 
+def test_a_dataset_or_input_name_too_long_for_the_file_system_is_one_line(invoke, model_dir):
+    for args in (("simulate", "--rounds", "1", "--dataset", "d" * 300),
+                 ("evaluate", model_dir, "--dataset", "d" * 300),
+                 ("predict", model_dir, "d" * 300)):
+        code, stderr = invoke(*args)  # was OSError's traceback
+        assert code == 2 and "File name too long" in assert_one_error_line(stderr), stderr
+
+
 @pytest.mark.parametrize("args", [
     ("simulate", "--rounds", "1", "--output", ""), ("simulate", "--resume", ""),
     ("coordinator", "--output", ""), ("merge", "a", "b", "--output", ""), ("certs", ""),

@@ -489,6 +489,18 @@ LAZY_SOURCE = (
     "    return torch.nn.Sequential(torch.nn.LazyLinear(16), torch.nn.Linear(3, num_classes))\n")
 
 
+def test_a_model_file_edited_since_it_was_imported_is_imported_anew(tmp_path):
+    """In a notebook: run, edit the builder's file, run again (the nodes read the new file)."""
+    import os
+
+    path = tmp_path / "nb_model.py"
+    path.write_text("import torch\ndef build(shape, k):\n    return torch.nn.Linear(64, 16)\n")
+    assert build_model(f"{path}:build", (64,), 16).out_features == 16
+    path.write_text("import torch\ndef build(shape, k):\n    return torch.nn.Linear(64, 48)\n")
+    os.utime(path, ns=(1, 1))  # a new modification time even on a coarse clock
+    assert build_model(f"{path}:build", (64,), 48).out_features == 48
+
+
 def test_a_builder_with_lazy_modules_gets_their_shapes_before_its_weights_are_used(tmp_path):
     path = tmp_path / "lazy.py"
     path.write_text(LAZY_SOURCE)

@@ -69,7 +69,8 @@ def _import(where: str, is_file: bool, name: str) -> ModuleType:
     if not path.is_file():
         raise UserError(f"the model is built by {name}, but {path} does not exist here: put "
                         "the file there, or pass --model with its path")
-    key = str(path)
+    stat = path.stat()  # a file edited since (in a notebook) is imported anew
+    key = f"{path}:{stat.st_mtime_ns}:{stat.st_size}"
     if key not in _LOADED:
         module_name = f"_fedavg_user_{path.stem}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
         spec = importlib.util.spec_from_file_location(module_name, path)
