@@ -153,14 +153,10 @@ def merge_models(
     loaded = [checkpoint.load(d) for d in dirs]
     first = _check_alike(dirs, [meta for _, meta in loaded])
     name = saved_model_name(str(first["model"]["name"]), model, str(dirs[0]))
-    from fedavg.inference import model_tokenizer
-
-    tokenizer = model_tokenizer(first, dirs[0])  # a text model's tokenizer.json goes along
-    validation, distill_x = _merge_data(config, strategy, first, tokenizer)
+    validation, distill_x = _merge_data(config, strategy, first, dirs[0])
     merged = _merge(strategy, config, dirs, loaded, first, validation, distill_x, name)
-    meta = {k: v for k, v in first.items() if k not in ("format", "kind", "node", "metrics",
-                                                        "member_weights", "members")}
-    meta.update({"strategy": config.merge.strategy, "merged_from": [str(d) for d in dirs]})
+    meta = {**{k: v for k, v in first.items() if k not in _NOT_INHERITED},
+            "strategy": config.merge.strategy, "merged_from": [str(d) for d in dirs]}
     # created only now: a refused merge leaves no folder; no run may write into it meanwhile
     make_output(out, lock=True)
     try:
@@ -214,8 +210,18 @@ def _check_alike(dirs: list[Path], metas: list[dict[str, Any]]) -> dict[str, Any
     return first
 
 
-def _merge_data(config: RunConfig, strategy, first: dict[str, Any], tokenizer):
-    """Return the validation split and unlabeled inputs for a data-driven strategy."""
+#: What a merged model's ``model.json`` does not take over from its first model's.
+_NOT_INHERITED = ("format", "kind", "node", "metrics", "member_weights", "members")
+
+
+def _merge_data(config: RunConfig, strategy, first: dict[str, Any], folder: Path):
+    """Return the validation split and unlabeled inputs for a data-driven strategy.
+
+    A text model's tokenizer comes from its ``folder`` (its ``tokenizer.json``).
+    """
+    from fedavg.inference import model_tokenizer
+
+    tokenizer = model_tokenizer(first, folder)
     m = config.merge
     validation = distill_x = None
     if strategy.needs_validation:

@@ -89,6 +89,19 @@ def _check_arguments(**given: Any) -> None:
             raise UserError(f"{name} needs a path, not an empty string")
 
 
+def _import_libraries(device: str) -> None:
+    """Import torch and datasets with Ctrl-C held; check ``device``.
+
+    An import cut short would break every later call in the process.
+    """
+    with held_interrupts():
+        import datasets  # noqa: F401
+        import torch  # noqa: F401
+
+        from fedavg.train import resolve_device
+    resolve_device(device)
+
+
 def _backend_config(device: str, cpus_per_node: float, gpus_per_node: float | None,
                     verbose: bool, ray_address: str | None = None) -> dict[str, Any]:
     import torch
@@ -236,12 +249,7 @@ def simulate(
     config, ckpt, output = run.resolve_settings(config, overrides, resume, output,
                                                 overwrite=overwrite)
     config.validate()
-    with held_interrupts():  # an import cut short would break every later call
-        import datasets  # noqa: F401
-        import torch  # noqa: F401
-
-        from fedavg.train import resolve_device
-    resolve_device(config.train.device)
+    _import_libraries(config.train.device)
     backend = _backend_config(config.train.device, cpus_per_node, gpus_per_node, verbose,
                               ray_address)
     run.quiet_logs(verbose)
