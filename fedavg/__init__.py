@@ -29,6 +29,7 @@ _EXPORTS = {
     "load_model": "fedavg.inference",
     "evaluate_model": "fedavg.inference",
     "predict": "fedavg.inference",
+    "merge_models": "fedavg.merge",
     "RunConfig": "fedavg.config",
     "DataConfig": "fedavg.config",
     "TrainConfig": "fedavg.config",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import typing
 from typing import Any, Mapping
 
@@ -26,6 +27,11 @@ def convert(key: str, value: Any, f: dataclasses.Field, hint: Any) -> Any:
         if optional:
             return None
         raise UserError(f"setting {key!r} needs a value (default: {f.default!r})")
+    if kind is str and not isinstance(value, (str, os.PathLike, int, float)):
+        named = (" (your own builder goes by name, 'file.py:function' or 'module:function')"
+                 if callable(value) else "")  # a function or nn.Module class itself
+        raise UserError(f"setting {key!r} expects a str (a name or path), got "
+                        f"{type(value).__name__}{named}")
     try:
         if kind is bool:
             return _to_bool(value)

@@ -12,15 +12,13 @@ import torch
 from fedavg import checkpoint
 from fedavg.data import (
     BUILTIN,
-    FILE_BUILDERS,
-    IMAGE_SUFFIXES,
     check_kind,
     conform,
     decode_images,
     load,
-    looks_like_path,
 )
 from fedavg.errors import NoLabelColumn, UserError
+from fedavg.inputs import check_inputs, collect
 from fedavg.models import build_model
 from fedavg.overlap import overlap_note
 from fedavg.train import evaluate as _evaluate
@@ -220,54 +218,6 @@ def model_tokenizer(meta: dict[str, Any], directory: str | Path):
     return from_spec(meta["input"]["tokenizer"], directory)
 
 
-def _collect(inputs: Sequence[str]) -> list[tuple[str, Any]]:
-    """Turn inputs into ``("image", path)`` and ``("dataset", source)`` items, each image once."""
-    items: list[tuple[str, Any]] = []
-    for raw in inputs:
-        path = Path(raw).expanduser()
-        try:
-            path.exists()
-        except OSError as exc:  # a name too long for the file system
-            raise UserError(f"{raw[:60]}...: {exc.strerror}") from None
-        if not path.exists():
-            if raw in BUILTIN or (not looks_like_path(raw) and "/" in raw):
-                items.append(("dataset", raw))
-                continue
-            raise UserError(f"no such file or folder: {raw}")
-        if path.is_file():
-            suffix = path.suffix.lower()
-            if suffix in IMAGE_SUFFIXES:
-                items.append(("image", path))
-            elif suffix in FILE_BUILDERS:
-                items.append(("dataset", str(path)))
-            else:
-                raise UserError(f"{raw} is neither an image ({', '.join(sorted(IMAGE_SUFFIXES))}) "
-                                "nor a dataset file")
-            continue
-        files = [p for p in path.rglob("*") if p.is_file()]
-        images = sorted(p for p in files if p.suffix.lower() in IMAGE_SUFFIXES)
-        # a folder of images is predicted image by image, whatever else it holds (a
-        # labels.json, an info.csv); a saved dataset, or data files alone, is a dataset
-        if (path / "dataset_dict.json").exists() or (path / "state.json").exists() or (
-                not images and any(p.suffix.lower() in FILE_BUILDERS for p in files)):
-            items.append(("dataset", str(path)))
-            continue
-        if not images:
-            raise UserError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in folder {raw}")
-        items.extend(("image", p) for p in images)
-    if not items:
-        raise UserError("nothing to predict: pass image files, folders or a dataset")
-    seen: set[Path | None] = set()  # an image given itself and in a folder is predicted once
-    unique = []
-    for kind, item in items:
-        key = item.resolve() if kind == "image" else None
-        if key is not None and key in seen:
-            continue
-        seen.add(key)
-        unique.append((kind, item))
-    return unique
-
-
 def _check_batch_size(batch_size: Any) -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise TypeError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
@@ -325,9 +275,7 @@ def predict(
     TypeError
         ``inputs`` is a single string, or ``batch_size`` is not a whole number >= 1.
     """
-    if isinstance(inputs, (str, Path)):
-        raise TypeError(f"inputs must be a list of inputs, got the single {inputs!r}: pass "
-                        f"[{str(inputs)!r}]")
+    check_inputs(inputs)
     _check_batch_size(batch_size)
     net = load_model(directory, device="cpu", model=model)
     meta = net.fedavg_meta
@@ -339,7 +287,7 @@ def predict(
         raise UserError(f"this model takes {meta['input'].get('kind', 'image')} inputs, not "
                         "text: pass image files, folders or a dataset")
     else:
-        items = _collect(inputs)
+        items = collect(inputs)
         batches = [_image_batch([p for kind, p in items if kind == "image"], meta, note)]
         batches += [_dataset_batch(source, split, meta) for kind, source in items
                     if kind == "dataset"]

@@ -23,7 +23,12 @@ def model_dirs(paths: Sequence[str | Path]) -> list[Path]:
     UserError
         A missing path, a folder holding no model, a model given twice (say, as a folder and
         inside a folder of models), or a single model.
+    TypeError
+        ``paths`` is a single path, not a list.
     """
+    if isinstance(paths, (str, Path)):
+        raise TypeError(f"models must be a list of model folders, got the single {paths!r}: "
+                        f"pass [{str(paths)!r}]")
     found: list[Path] = []
     for raw in paths:
         path = Path(raw).expanduser()
@@ -141,14 +146,11 @@ def merge_models(
         strategy that needs data it was not given or that trains nodes its own way, an
         output folder that holds a run (without ``overwrite``), is one of the inputs or
         cannot be written; models built by code that ``model`` does not name.
+    TypeError
+        ``models`` is a single path, or ``config`` is not a RunConfig.
     """
     t0 = time.monotonic()
-    dirs = model_dirs(models)  # one merge of every model given, with any method:
-    config = (config or RunConfig()).replace(rounds=1, num_nodes=len(dirs), fraction=1.0)
-    strategy = config.validate().build_strategy()
-    if strategy.trains_nodes:
-        raise UserError(f"{strategy.name} changes how nodes train in every round; saved models "
-                        "are merged with another strategy (fedavg, a soup, an ensemble)")
+    dirs, config, strategy = _one_merge(config, models)
     out = _check_output(output, dirs, overwrite)
     loaded = [checkpoint.load(d) for d in dirs]
     first = _check_alike(dirs, [meta for _, meta in loaded])
@@ -179,6 +181,28 @@ def merge_models(
     finally:
         release_output(out)
     return result
+
+
+def _one_merge(config: Any, models: Sequence[str | Path]):
+    """Return the model folders, ``config`` set for one merge of them all, and its strategy.
+
+    Raises
+    ------
+    TypeError
+        ``config`` is not a RunConfig; ``models`` a single path.
+    UserError
+        See :func:`model_dirs`; invalid settings; a strategy that changes node training.
+    """
+    if config is not None and not isinstance(config, RunConfig):
+        raise TypeError(f"config must be a RunConfig, got {type(config).__name__}: "
+                        "RunConfig().replace(strategy=..., ...)")
+    dirs = model_dirs(models)  # one merge of every model given, with any method
+    config = (config or RunConfig()).replace(rounds=1, num_nodes=len(dirs), fraction=1.0)
+    strategy = config.validate().build_strategy()
+    if strategy.trains_nodes:
+        raise UserError(f"{strategy.name} changes how nodes train in every round; saved models "
+                        "are merged with another strategy (fedavg, a soup, an ensemble)")
+    return dirs, config, strategy
 
 
 def _check_output(output: str | Path, dirs: list[Path], overwrite: bool) -> Path:

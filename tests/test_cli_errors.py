@@ -431,6 +431,28 @@ def test_the_python_api_names_an_argument_of_a_wrong_type(tmp_path, given, messa
     assert (run / "model.json").read_text() == "{}" and len(list(run.iterdir())) == 1
 
 
+def test_the_python_api_names_inputs_of_the_wrong_kind(model_dir):
+    import numpy as np
+
+    import fedavg
+    from fedavg.errors import UserError
+
+    for kwargs, words in (({"dataset": np.zeros((10, 8, 8))},
+                           "setting 'dataset' expects a str (a name or path), got ndarray"),
+                          ({"model": lambda shape, k: None},
+                           "got function (your own builder goes by name, 'file.py:function'")):
+        with pytest.raises(UserError, match=re.escape(words)):  # was "File name too long"
+            fedavg.simulate(num_nodes=2, rounds=1, **kwargs)
+    for inputs, words in ((np.zeros((2, 8, 8)), "got ndarray"), (None, "got NoneType"),
+                          ([np.zeros((8, 8))], "got list holding ndarray")):
+        with pytest.raises(TypeError, match=re.escape(words)):
+            fedavg.predict(model_dir, inputs)
+    with pytest.raises(TypeError, match=re.escape("got the single 'runs/x/nodes': pass")):
+        fedavg.merge_models("runs/x/nodes", "merged")  # it took each character as a folder
+    with pytest.raises(TypeError, match="config must be a RunConfig, got dict"):
+        fedavg.merge_models(["a", "b"], "merged", {"strategy": "average"})
+
+
 def test_the_python_api_predict_and_evaluate_name_a_wrong_argument(model_dir):
     from fedavg import inference
 

@@ -1,0 +1,85 @@
+"""What ``fedavg predict`` is given: image files, folders of images, texts or datasets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from fedavg.data import BUILTIN, FILE_BUILDERS, IMAGE_SUFFIXES, looks_like_path
+from fedavg.errors import UserError
+
+
+def collect(inputs: Sequence[str]) -> list[tuple[str, Any]]:
+    """Turn inputs into ``("image", path)`` and ``("dataset", source)`` items, each image once.
+
+    A folder holding images is searched for them recursively (other files in it are left
+    aside); a saved dataset, or a folder of data files alone, is one dataset input.
+
+    Raises
+    ------
+    UserError
+        A missing path, a name too long for the file system, a file that is neither an
+        image nor a dataset, a folder without images, or no inputs at all.
+    """
+    items: list[tuple[str, Any]] = []
+    for raw in inputs:
+        path = Path(raw).expanduser()
+        try:
+            path.exists()
+        except OSError as exc:  # a name too long for the file system
+            raise UserError(f"{raw[:60]}...: {exc.strerror}") from None
+        if not path.exists():
+            if raw in BUILTIN or (not looks_like_path(raw) and "/" in raw):
+                items.append(("dataset", raw))
+                continue
+            raise UserError(f"no such file or folder: {raw}")
+        if path.is_file():
+            suffix = path.suffix.lower()
+            if suffix in IMAGE_SUFFIXES:
+                items.append(("image", path))
+            elif suffix in FILE_BUILDERS:
+                items.append(("dataset", str(path)))
+            else:
+                raise UserError(f"{raw} is neither an image ({', '.join(sorted(IMAGE_SUFFIXES))}) "
+                                "nor a dataset file")
+            continue
+        files = [p for p in path.rglob("*") if p.is_file()]
+        images = sorted(p for p in files if p.suffix.lower() in IMAGE_SUFFIXES)
+        # a folder of images is predicted image by image, whatever else it holds (a
+        # labels.json, an info.csv); a saved dataset, or data files alone, is a dataset
+        if (path / "dataset_dict.json").exists() or (path / "state.json").exists() or (
+                not images and any(p.suffix.lower() in FILE_BUILDERS for p in files)):
+            items.append(("dataset", str(path)))
+            continue
+        if not images:
+            raise UserError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in folder {raw}")
+        items.extend(("image", p) for p in images)
+    if not items:
+        raise UserError("nothing to predict: pass image files, folders or a dataset")
+    seen: set[Path | None] = set()  # an image given itself and in a folder is predicted once
+    unique = []
+    for kind, item in items:
+        key = item.resolve() if kind == "image" else None
+        if key is not None and key in seen:
+            continue
+        seen.add(key)
+        unique.append((kind, item))
+    return unique
+
+
+def check_inputs(inputs: Any) -> None:
+    """Refuse ``predict`` inputs that are not a list of paths or texts.
+
+    Raises
+    ------
+    TypeError
+        A single path or text, or a list holding something else (arrays, images), naming it.
+    """
+    if isinstance(inputs, (str, Path)):
+        raise TypeError(f"inputs must be a list of inputs, got the single {inputs!r}: pass "
+                        f"[{str(inputs)!r}]")
+    if not isinstance(inputs, Sequence) or not all(isinstance(i, (str, Path)) for i in inputs):
+        odd = "" if not isinstance(inputs, Sequence) else " holding " + ", ".join(
+            sorted({type(i).__name__ for i in inputs if not isinstance(i, (str, Path))}))
+        raise TypeError("inputs must be a list of image or text file paths, folders, texts or "
+                        f"dataset names (str), got {type(inputs).__name__}{odd}")
