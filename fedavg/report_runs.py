@@ -86,7 +86,7 @@ def find_runs(root: str | Path) -> tuple[list[Run], list[str]]:
         folder = stack.pop()
         if all((folder / name).is_file() for name in REQUIRED):
             try:
-                runs.append(read_run(folder))
+                runs.append(read_run(folder, notes))
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 notes.append(f"{folder} left out: cannot read it ({exc})")
             else:
@@ -108,16 +108,33 @@ def find_runs(root: str | Path) -> tuple[list[Run], list[str]]:
     return sorted(runs, key=lambda r: str(r.path)), notes
 
 
-def read_run(folder: Path) -> Run:
-    """Read one run folder (``summary.json`` and ``metrics.jsonl``)."""
+def read_run(folder: Path, notes: list[str] | None = None) -> Run:
+    """Read one run folder (``summary.json`` and ``metrics.jsonl``).
+
+    A ``metrics.jsonl`` line that is not a round's record (cut short, edited) is left out,
+    and ``notes`` gets a line naming it; of a round recorded twice, the last record counts.
+
+    Raises
+    ------
+    ValueError, KeyError, TypeError, OSError
+        An unreadable ``summary.json`` or one without finite figures.
+    """
     summary = json.loads((folder / "summary.json").read_text())
-    lines = (folder / "metrics.jsonl").read_text().splitlines()
-    try:
-        rows = [json.loads(line) for line in lines if line.strip()]
-    except ValueError as exc:
-        raise ValueError(f"metrics.jsonl: {exc}") from None
-    numbers = [summary["accuracy"], summary["best_accuracy"], summary["wall_s"],
-               *(r["accuracy"] for r in rows)]
+    by_round, bad = {}, []
+    for number, line in enumerate((folder / "metrics.jsonl").read_text().splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+            if row is not None:
+                if not math.isfinite(float(row["accuracy"])):
+                    raise ValueError(row["accuracy"])
+                by_round[int(row["round"])] = row
+        except (ValueError, KeyError, TypeError, AttributeError):
+            bad.append(number)
+    if bad and notes is not None:
+        notes.append(f"{folder}: line(s) {', '.join(map(str, bad[:5]))} of its metrics.jsonl "
+                     "are not round records; they are left out of its curve")
+    rows = [by_round[r] for r in sorted(by_round)]
+    numbers = [summary["accuracy"], summary["best_accuracy"], summary["wall_s"]]
     if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in numbers):
         raise ValueError("an accuracy or time that is not a finite number")
     return Run(path=folder, settings=flat_settings(summary),

@@ -557,7 +557,8 @@ def test_corrupt_run_files_are_left_out_with_a_note(tmp_path):
     fake_run(tmp_path / "good", [0.5, 0.9], 10.0)
     (fake_run(tmp_path / "listed", [0.5], 5.0) / "summary.json").write_text("[1, 2]")
     nan = fake_run(tmp_path / "nan", [0.5, 0.6], 5.0)
-    (nan / "metrics.jsonl").write_text('{"round": 1, "accuracy": NaN, "wall_s": 1.0}\n')
+    (nan / "summary.json").write_text((nan / "summary.json").read_text().replace(
+        '"accuracy": 0.6', '"accuracy": NaN'))
     (tmp_path / "sweep.json").write_text("[]")
     runs, notes = find_runs(tmp_path)
     assert [r.path.name for r in runs] == ["good"]
@@ -566,14 +567,27 @@ def test_corrupt_run_files_are_left_out_with_a_note(tmp_path):
     result = write_report(tmp_path)
     assert result["num_runs"] == 1
     assert any("sweep.json is not a sweep record" in n for n in result["notes"])
-    (fake_run(tmp_path / "garbled", [0.5], 5.0) / "metrics.jsonl").write_text("{not json\n")
     (fake_run(tmp_path / "empty", [0.5], 5.0) / "metrics.jsonl").write_text("")
     runs, notes = find_runs(tmp_path)
     assert sorted(r.path.name for r in runs) == ["empty", "good"]
-    assert any(n.startswith(f"{tmp_path / 'garbled'} left out: cannot read it (metrics.jsonl: ")
-               for n in notes), notes
     assert f"{tmp_path / 'empty'}: its metrics.jsonl holds no rounds, so it has no curve, " \
            "target round or round time" in notes
+
+
+def test_a_bad_metrics_line_leaves_out_that_line_not_the_run(tmp_path):
+    """A line cut short (a killed run), edited or not JSON: the run stays, the line is named."""
+    run = fake_run(tmp_path / "cut", [0.5, 0.6, 0.7, 0.8], 5.0)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[1] = "not json"  # line 2
+    lines[2] = '{"round": 3, "accuracy": NaN}'  # line 3
+    lines.append(lines[3][:25])  # line 5: the last line, cut short
+    lines.append(lines[0].replace("0.5", "0.55"))  # round 1 again: the last record counts
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    runs, notes = find_runs(tmp_path)
+    assert [r.path.name for r in runs] == ["cut"]
+    assert runs[0].curve == [(1, 0.55), (4, 0.8)] and runs[0].accuracy == 0.8
+    assert notes == [f"{run}: line(s) 2, 3, 5 of its metrics.jsonl are not round records; "
+                     "they are left out of its curve"]
 
 
 @pytest.fixture
