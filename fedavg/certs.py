@@ -73,7 +73,9 @@ def make_certs(folder: Path, hosts: list[str] | None = None, nodes: int = 0,
     nodes : int
         Node key pairs to make (0 for none).
     overwrite : bool
-        Replace existing files; otherwise an existing ``ca.key`` is refused.
+        Replace existing files (node key pairs beyond the new ``nodes`` go too, as
+        ``authorized-nodes.pub`` no longer lists them); otherwise an existing ``ca.key`` is
+        refused.
 
     Returns
     -------
@@ -109,7 +111,13 @@ def make_certs(folder: Path, hosts: list[str] | None = None, nodes: int = 0,
     ):
         _write(folder / name, data, private)
         written.append(folder / name)
-    return written + _write_node_keys(folder, nodes)
+    written += _write_node_keys(folder, nodes)
+    for stale in sorted(folder.glob("node-*")) + [folder / "authorized-nodes.pub"]:
+        if overwrite and stale not in written and stale.is_file() and (
+                stale.name == "authorized-nodes.pub"
+                or re.fullmatch(r"node-\d+\.(key|pub)", stale.name)):
+            stale.unlink()  # an earlier call's node keys: the new ones replace them all
+    return written
 
 
 def _check_hosts(hosts: list[str]) -> None:

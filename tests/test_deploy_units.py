@@ -39,6 +39,13 @@ def test_certs_make_a_ca_a_server_certificate_and_node_keys(tmp_path):
     assert len(load_auth_keys(folder)) == 2
     with pytest.raises(UserError, match="already holds a CA"):
         make_certs(folder)
+    (folder / "notes.txt").write_text("mine")
+    make_certs(folder, nodes=1, overwrite=True)  # node-1's pair was left, not authorized
+    assert sorted(p.name for p in folder.glob("node-*")) == ["node-0.key", "node-0.pub"]
+    assert len(load_auth_keys(folder / "authorized-nodes.pub")) == 1
+    make_certs(folder, overwrite=True)  # no node keys: none of the old ones stay
+    assert not list(folder.glob("node-*")) and not (folder / "authorized-nodes.pub").exists()
+    assert (folder / "notes.txt").read_text() == "mine"  # not ours: kept
 
 
 def test_auth_key_errors_are_one_line(tmp_path):
