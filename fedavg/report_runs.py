@@ -93,8 +93,7 @@ def find_runs(root: str | Path) -> tuple[list[Run], list[str]]:
                 if not runs[-1].curve:
                     notes.append(f"{folder}: its metrics.jsonl holds no rounds, so it has no "
                                  "curve, target round or round time")
-            continue
-        try:
+        try:  # a run folder may hold runs too (an --output chosen inside it)
             stack += sorted((p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()),
                             reverse=True)
         except OSError as exc:

@@ -574,6 +574,15 @@ def test_corrupt_run_files_are_left_out_with_a_note(tmp_path):
            "target round or round time" in notes
 
 
+def test_a_run_inside_a_run_folder_is_found(tmp_path):
+    outer = fake_run(tmp_path / "outer", [0.5, 0.6], 5.0)
+    fake_run(outer / "inner", [0.7], 5.0)  # --output chosen inside a run's folder
+    (outer / "nodes" / "node-0").mkdir(parents=True)  # a run's node models are no runs
+    (outer / "nodes" / "node-0" / "model.json").write_text("{}")
+    runs, notes = find_runs(tmp_path)
+    assert [r.path for r in runs] == [outer, outer / "inner"] and notes == []
+
+
 def test_a_bad_metrics_line_leaves_out_that_line_not_the_run(tmp_path):
     """A line cut short (a killed run), edited or not JSON: the run stays, the line is named."""
     run = fake_run(tmp_path / "cut", [0.5, 0.6, 0.7, 0.8], 5.0)
