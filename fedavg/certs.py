@@ -131,16 +131,18 @@ def _check_hosts(hosts: list[str]) -> None:
 def host_problem(host: str, wildcard: bool = False) -> str | None:
     """Say why ``host`` is neither an IP address nor a host name, or return ``None``.
 
-    ``wildcard``: a ``*`` label (``*.example.org``, a certificate's name) is allowed.
+    ``wildcard``: a certificate's name: a ``*`` label (``*.example.org``) is allowed, and
+    ``_`` is not. Otherwise (an address to connect to) ``_`` is, as in container names.
     """
     try:
         ipaddress.ip_address(host)
         return None
     except ValueError:
         pass
-    first = "[A-Za-z0-9*]" if wildcard else "[A-Za-z0-9]"
-    if not re.fullmatch(rf"(?=.{{1,253}}$){first}([A-Za-z0-9-]*[A-Za-z0-9])?"
-                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*", host):
+    start, inner = ("[A-Za-z0-9]", "A-Za-z0-9-") if wildcard else ("[A-Za-z0-9_]", r"\w-")
+    first = "[A-Za-z0-9*]" if wildcard else start
+    if not re.fullmatch(rf"(?=.{{1,253}}$){first}([{inner}]*[A-Za-z0-9])?"
+                        rf"(\.{start}([{inner}]*[A-Za-z0-9])?)*", host, re.ASCII):
         return "is not a host name or an IP address (no scheme, port or spaces)"
     if host.rsplit(".", 1)[-1].isdigit():  # a name's last label is never a number
         return "is not a valid IP address"

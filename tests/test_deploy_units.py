@@ -88,6 +88,7 @@ def test_address_parsing():
     assert split_address("127.0.0.1:9092") == ("127.0.0.1", 9092)
     assert split_address("[::1]:9092") == ("::1", 9092)
     assert split_address("coord.example:80") == ("coord.example", 80)
+    assert split_address("proj_coordinator_1:9092") == ("proj_coordinator_1", 9092)  # Docker
     for bad in ("9092", "host:", "host:70000", "host:port"):
         with pytest.raises(UserError, match="is not host:port"):
             split_address(bad)
