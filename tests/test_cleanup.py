@@ -239,6 +239,7 @@ def test_simulate_leaves_nothing(tmpdir_env, tmp_path, how):
 
 API_CTRL_C = """
 import os, signal, sys, threading, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a shell gives it (not xdist)
 import fedavg
 out = sys.argv[1]
 def interrupt():
