@@ -142,8 +142,8 @@ def given(settings: dict[str, Any]) -> dict[str, Any]:
             if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, None)}
 
 
-def _a_path(value: str) -> Path:
-    """Return a path option's or argument's value as a path.
+def path(value: str) -> Path:
+    """Return a path option's or argument's value as a path (help shows its type as PATH).
 
     An empty string (``--output ""``, an unset shell variable) is refused rather than read
     as the current folder.
@@ -154,13 +154,13 @@ def _a_path(value: str) -> Path:
 
 
 def path_option(*args: Any, **kwargs: Any) -> Any:
-    """``typer.Option`` for a path: an empty value is a usage error (see :func:`_a_path`)."""
-    return typer.Option(*args, parser=_a_path, **kwargs)
+    """``typer.Option`` for a path: an empty value is a usage error (see :func:`path`)."""
+    return typer.Option(*args, parser=path, **kwargs)
 
 
 def path_argument(*args: Any, **kwargs: Any) -> Any:
     """``typer.Argument`` for a path: an empty value is a usage error."""
-    return typer.Argument(*args, parser=_a_path, **kwargs)
+    return typer.Argument(*args, parser=path, **kwargs)
 
 
 #: ``--model SPEC`` of the commands that load saved models (``evaluate``, ``predict``,

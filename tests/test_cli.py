@@ -41,6 +41,8 @@ def test_version():
                                      "predict", "certs"])
 def test_every_option_has_a_help_text(command):
     cmd = get_command(app).commands[command]
+    shown = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
+    assert "_A_PATH" not in shown and "PATH" in shown  # a path's type, not a parser's name
     missing = [p.name for p in cmd.params if isinstance(p, click.Option) and not p.help]
     assert not missing, f"{command}: options without help: {missing}"
     assert cmd.help, f"{command} has no description"
