@@ -25,10 +25,10 @@ def collect(inputs: Sequence[str]) -> list[tuple[str, Any]]:
     for raw in inputs:
         path = Path(raw).expanduser()
         try:
-            path.exists()
+            exists = path.exists()
         except OSError as exc:  # a name too long for the file system
             raise UserError(f"{raw[:60]}...: {exc.strerror}") from None
-        if not path.exists():
+        if not exists:
             if raw in BUILTIN or (not looks_like_path(raw) and "/" in raw):
                 items.append(("dataset", raw))
                 continue

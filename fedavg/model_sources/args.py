@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from fedavg.errors import UserError
+from fedavg.errors import first_line as message_line
 
 #: Arguments that describe the data, not the model: given to builders that take them.
 DATA_ARGS = ("vocab_size", "pad_id")
@@ -16,12 +17,10 @@ DATA_ARGS = ("vocab_size", "pad_id")
 def first_line(exc: BaseException) -> str:
     """``Type: first line of the message`` of ``exc`` (at most 240 characters).
 
-    A first line that only announces the next (``Error(s) in loading state_dict for
-    Sequential:``) is followed by that line.
+    The message's line is :func:`fedavg.errors.first_line`'s (with the line a first line
+    ending in ``:`` announces).
     """
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    text = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else \
-        (lines[0] if lines else "")
+    text = message_line(exc, 240) if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text}"[:240] if text else type(exc).__name__
 
 
