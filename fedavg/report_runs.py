@@ -121,12 +121,13 @@ def read_run(folder: Path, notes: list[str] | None = None) -> Run:
     summary = json.loads((folder / "summary.json").read_text())
     by_round, bad = {}, []
     for number, line in enumerate((folder / "metrics.jsonl").read_text().splitlines(), 1):
+        if not line.strip():
+            continue
         try:
-            row = json.loads(line) if line.strip() else None
-            if row is not None:
-                if not math.isfinite(float(row["accuracy"])):
-                    raise ValueError(row["accuracy"])
-                by_round[int(row["round"])] = row
+            row = json.loads(line)
+            if not math.isfinite(float(row["accuracy"])):
+                raise ValueError(row["accuracy"])
+            by_round[int(row["round"])] = row
         except (ValueError, KeyError, TypeError, AttributeError):
             bad.append(number)
     if bad and notes is not None:
