@@ -45,7 +45,7 @@ LOST_AFTER_S = 30.0
 #: A key the coordinator holds as connected may be a node that just stopped (a crash, a
 #: container restarted at once): the SuperLink lets it go after two missed heartbeats. A
 #: node waits this long (s) before it calls the key in use by another node.
-KEY_IN_USE_WAIT_S = 2.5 * flower_compat.HEARTBEAT_S
+KEY_IN_USE_WAIT_S = 3 * flower_compat.HEARTBEAT_S
 
 
 def _signal_name(returncode: int | None) -> str | None:
