@@ -31,14 +31,17 @@ def check_node_options(dataset: str, partition_id: int | None, num_partitions: i
                        threads: int | None = None):
     """Check the options of ``serve_node``; return the certificate folder and model code.
 
-    The model code (``--model``) is this machine's, checked before connecting.
+    The model code (``--model``) is this machine's, checked before connecting; so is a hub
+    dataset, which is fetched into the local cache.
 
     Raises
     ------
     UserError
-        An option is out of range, a path is missing, or TLS / key options do not fit.
+        An option is out of range, a path is missing, the hub cannot provide the dataset,
+        or TLS / key options do not fit.
     """
     from fedavg.data import looks_like_path
+    from fedavg.datasources import BUILTIN, open_source
     from fedavg.model_sources import node_model
     from fedavg.train import resolve_device
 
@@ -50,6 +53,8 @@ def check_node_options(dataset: str, partition_id: int | None, num_partitions: i
         raise UserError(f"--partition-id must be in 0..{num_partitions - 1}, got {partition_id}")
     if looks_like_path(dataset) and not Path(dataset).expanduser().exists():
         raise UserError(f"--dataset {dataset} does not exist")
+    if not looks_like_path(dataset) and dataset not in BUILTIN:
+        open_source(dataset)  # a hub id: fetched now, or refused before connecting
     resolve_device(device)
     certs = resolve_certs(certs, insecure, "node")
     if auth_key is not None:
