@@ -207,6 +207,13 @@ def test_ctrl_c_and_sigterm_share_one_handler():
             signal.signal(sig, handler)
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its ``SigCgt`` mask in /proc)."""
+    with open(f"/proc/{pid}/status") as status:
+        mask = next(line for line in status if line.startswith("SigCgt:")).split()[1]
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_while_the_cli_still_imports_is_one_line_and_exit_130(tmp_path, sig):
     import signal
@@ -221,7 +228,12 @@ def test_ctrl_c_while_the_cli_still_imports_is_one_line_and_exit_130(tmp_path, s
     proc = subprocess.Popen([str(script), "simulate", "--output", str(tmp_path / "run")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    time.sleep(0.3)  # torch and Flower are still importing
+    # the signal goes once the CLI holds interrupts (it catches SIGTERM, which Python itself
+    # never does), while torch and Flower still import: a fixed sleep may be too early
+    deadline = time.monotonic() + 60
+    while not _catches(proc.pid, signal.SIGTERM):
+        assert proc.poll() is None and time.monotonic() < deadline, "never held interrupts"
+        time.sleep(0.005)
     proc.send_signal(getattr(signal, sig))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err

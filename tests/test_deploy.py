@@ -175,11 +175,13 @@ def test_node_killed_in_round_two_run_still_finishes(cluster, tmp_path):
     assert cluster.wait(coord) == 0, cluster.log("coordinator")
     rounds = rounds_of(out)
     assert [r["round"] for r in rounds] == [1, 2, 3, 4]
-    assert rounds[0]["num_nodes"] == 3
-    assert rounds[1]["num_nodes"] == 2 and rounds[1]["num_failed"] >= 1
-    assert all(r["num_nodes"] == 2 for r in rounds[2:])
+    # the kill lands in round 2, or (a stalled test process) just after node1 replied to it
+    lost = next(r["round"] for r in rounds if r.get("num_failed", 0) >= 1)
+    assert lost in (2, 3), rounds
+    assert all(r["num_nodes"] == 3 for r in rounds[:lost - 1]), rounds
+    assert all(r["num_nodes"] == 2 for r in rounds[lost - 1:]), rounds
     assert rounds[-1]["accuracy"] >= 0.85
-    assert re.search(r"round 2: node \d+ failed", cluster.log("coordinator"))
+    assert re.search(rf"round {lost}: node \d+ failed", cluster.log("coordinator"))
     for n in (nodes[0], nodes[2]):
         assert cluster.wait(n, 60) == 0, cluster.log(n.name)
 
@@ -284,21 +286,22 @@ def test_a_failed_run_is_told_to_its_nodes(cluster, tmp_path):
     assert reason in cluster.log("coordinator")
     ended = time.monotonic()
     for node in (good, bad):
-        assert cluster.wait(node, 20) == 1, cluster.log(node.name)
+        assert cluster.wait(node, 60) == 1, cluster.log(node.name)
         text = cluster.log(node.name)
         assert f"run failed: {reason}" in text and "lost the coordinator" not in text, text
-    assert time.monotonic() - ended < 15  # told, not left to find the coordinator gone (30 s)
+    # told, not left to find the coordinator gone (30 s unreachable, then a SuperNode stop)
+    assert time.monotonic() - ended < 25
 
 
 def test_two_nodes_with_one_key(cluster, certs, tmp_path):
     """A second node with a key already connected: exit 2 with one line; the run goes on."""
     coord = cluster.coordinator("--rounds", "1", "--min-nodes", "2", "--certs", certs,
                                 "--auth-keys", certs / "authorized-nodes.pub",
-                                "--output", tmp_path / "run", "--wait-timeout", "120")
+                                "--output", tmp_path / "run", "--wait-timeout", "300")
     first = cluster.node("first", "--certs", certs, "--auth-key", certs / "node-0.key", "--once")
     cluster.wait_for("first", r"(?m)^connected to \S+ as node \d+")
     again = cluster.node("again", "--certs", certs, "--auth-key", certs / "node-0.key")
-    assert cluster.wait(again, 60) == 2, cluster.log("again")
+    assert cluster.wait(again, 180) == 2, cluster.log("again")  # it waits 30 s for the key
     text = cluster.log("again")
     assert f"error: a node with this key is already connected to {cluster.address}: give each " \
         "node its own key (node-<i>.key from `fedavg certs --nodes N`)" in text, text
@@ -346,8 +349,8 @@ def test_wrong_certificate_and_unknown_key_are_refused(cluster, certs, tmp_path)
     out = tmp_path / "run"
     coord = cluster.coordinator("--rounds", "1", "--min-nodes", "1", "--certs", certs,
                                 "--auth-keys", certs / "authorized-nodes.pub",
-                                "--output", out, "--wait-timeout", "120")
-    deadline = time.monotonic() + 60
+                                "--output", out, "--wait-timeout", "300")
+    deadline = time.monotonic() + 180  # limits for a loaded machine: four nodes start at once
     while "listening" not in cluster.log("coordinator"):
         assert time.monotonic() < deadline and coord.poll() is None, cluster.log("coordinator")
         time.sleep(0.2)
@@ -358,7 +361,7 @@ def test_wrong_certificate_and_unknown_key_are_refused(cluster, certs, tmp_path)
     for proc, words in ((wrong_ca, "TLS certificate"), (unknown, "refused this node's key"),
                         (no_key, "only accepts known nodes"),
                         (plain, "uses TLS: pass --certs DIR")):
-        assert cluster.wait(proc, 60) == 2, cluster.log(proc.name)
+        assert cluster.wait(proc) == 2, cluster.log(proc.name)
         text = cluster.log(proc.name)
         assert words in text and "Traceback" not in text, text
     # a registered key gets in and the run completes

@@ -627,11 +627,11 @@ def test_the_end_of_run_announcement_makes_no_call_after_it_returns(task_identit
 
     grid = _SlowNodesGrid()
     started = time.monotonic()
-    announce_end(grid, wait_s=0.3)
+    announce_end(grid, wait_s=1.0)
     returned = time.monotonic()
-    time.sleep(0.4)
+    time.sleep(0.5)
     assert grid.pulls, "the acknowledgements were never polled"
-    assert 0.25 <= returned - started < 1.0
+    assert 0.95 <= returned - started < 5.0  # at most 2 x wait_s, with room for a busy machine
     assert max(grid.pulls) < returned
 
 

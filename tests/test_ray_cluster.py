@@ -37,7 +37,7 @@ class Head:
     def processes(self) -> list[psutil.Process]:
         """Live processes of the head's session (the head and what it started)."""
         found = []
-        for p in psutil.process_iter(["status"]):
+        for p in psutil.process_iter(["status", "cmdline"]):  # read now: it may exit soon
             try:
                 if os.getsid(p.pid) == self.proc.pid and p.info["status"] != "zombie":
                     found.append(p)
@@ -117,7 +117,8 @@ def test_simulation_runs_on_an_existing_ray_cluster_which_outlives_it(ray_head, 
     # The cluster is still up, the run's node actors are gone, and the run left no folder.
     assert ray_head.proc.poll() is None
     deadline = time.monotonic() + 20
-    while any("ClientAppActor" in " ".join(p.cmdline()) for p in ray_head.processes()):
+    while any("ClientAppActor" in " ".join(p.info["cmdline"] or [])
+              for p in ray_head.processes()):
         assert time.monotonic() < deadline, "node actors outlived the run"
         time.sleep(0.5)
     assert list(tmp.iterdir()) == []
