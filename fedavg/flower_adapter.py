@@ -362,8 +362,12 @@ class FlowerAdapter(FlowerFedAvg):
         # refused by the norm check, the same models would be refused again on resume
         drop = ("--max-update-norm",) if tally.over_norm else ()
         if not tally.used:
+            stepped = server_round > 1 and self.merge.steps_from_start and any(
+                "diverged" in reason for _, reason in tally.reasons)
+            hint = (f"; the nodes started from the model {self.merge.name} stepped to, so "
+                    "lower --server-lr too") if stepped else ""
             raise RunError(f"round {server_round}: no usable model from any node "
-                           f"({tally.detail()})", resume_without=drop)
+                           f"({tally.detail()}){hint}", resume_without=drop)
         if tally.used < self.min_replies:
             raise RunError(f"round {server_round}: only {tally.used} usable model(s), fewer "
                            f"than --min-nodes-per-round {self.min_replies}",

@@ -73,6 +73,18 @@ def test_round_without_usable_model_raises_with_reasons(task_identity):
         adapter(failures).aggregate_train(3, [])
 
 
+def test_nodes_diverging_after_a_server_step_are_told_to_lower_the_server_lr(task_identity):
+    ref = {"w": torch.zeros(2), "n": torch.tensor(0)}
+    for name, round_, told in (("fedavgm", 2, True), ("fedavgm", 1, False),
+                               ("fedavg", 2, False)):
+        a = FlowerAdapter(strategies.get(name), ref, lambda *args: None)
+        with pytest.raises(RunError) as exc:
+            a.aggregate_train(round_, [reply(21, Error(
+                code=0, reason="FloatingPointError: training diverged (loss nan); lower --lr"))])
+        assert ("the nodes started from the model fedavgm stepped to, so lower --server-lr "
+                "too" in str(exc.value)) is told, str(exc.value)
+
+
 def test_error_summary_finds_the_original_exception():
     wrapped = (
         "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::"
