@@ -46,7 +46,8 @@ def strategy_parameters(merge: bool = False) -> list[inspect.Parameter]:
     Its default is ``None`` ("the strategy's own default", listed in the help); giving it
     to a strategy that does not declare it is an error (:meth:`RunConfig.build_strategy`).
     With ``merge``, only the options of the strategies that merge saved models (not those
-    that change how nodes train, ``Strategy.trains_nodes``).
+    that change how nodes train or step from a round's start model,
+    ``Strategy.merges_saved_models``).
     """
     import strategies
 

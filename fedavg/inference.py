@@ -171,7 +171,37 @@ def evaluate_model(
     """
     _check_batch_size(batch_size)
     net = load_model(directory, device="cpu", model=model)
-    meta = net.fedavg_meta
+    held = evaluation_data(net.fedavg_meta, directory, dataset, split=split,
+                           image_column=image_column, label_column=label_column)
+    return score(net, held, device=device, batch_size=batch_size)
+
+
+def evaluation_data(meta: dict[str, Any], directory: str | Path, dataset: str | None = None,
+                    *, split: str = "test", image_column: str | None = None,
+                    label_column: str | None = None) -> tuple[str, Any, str, Any]:
+    """Load a split for the saved model that ``meta`` describes, shaped as it reads inputs.
+
+    Parameters
+    ----------
+    meta : dict
+        The model's ``model.json``.
+    directory : path
+        Its folder (a text model's tokenizer).
+    dataset, split, image_column, label_column
+        As :func:`evaluate_model`.
+
+    Returns
+    -------
+    tuple
+        ``(source, data, split, part)``: the dataset as named, loaded
+        (``fedavg.data.LoadedData``), the split's name, and that split checked against the
+        model's inputs and classes and shaped for it (``fedavg.data.Split``).
+
+    Raises
+    ------
+    UserError
+        Bad dataset, split, columns, labels or input shapes.
+    """
     ds_meta = meta.get("dataset", {})
     source = dataset or ds_meta.get("source")
     if not source:
@@ -191,7 +221,20 @@ def evaluate_model(
     check_kind(meta["input"], data, source)
     part = conform(data.splits[split], source, meta["input"]["shape"], data.classes,
                    meta["classes"])
-    res = _evaluate(net, part.x, part.y, meta["input"], batch_size=batch_size,
+    return source, data, split, part
+
+
+def score(net: torch.nn.Module, held: tuple[str, Any, str, Any], device: str = "auto",
+          batch_size: int = 512) -> dict[str, Any]:
+    """Accuracy and loss of ``net`` (from :func:`load_model`) on :func:`evaluation_data`.
+
+    Returns
+    -------
+    dict
+        As :func:`evaluate_model`.
+    """
+    source, data, split, part = held
+    res = _evaluate(net, part.x, part.y, net.fedavg_meta["input"], batch_size=batch_size,
                     device=resolve_device(device))
     leak = None if split == "train" else overlap_note(data.splits[split].x, data.train.x,
                                                       split, source)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from fedavg import checkpoint
 from fedavg.config import RunConfig
-from fedavg.data import Split, check_kind, conform, holdout, load
 from fedavg.errors import UserError
+from fedavg.merge_data import saved_merge_samples
 from fedavg.model_sources import saved_model_name
 from fedavg.output import clear_previous_run, release_output
 from fedavg.run import make_output
@@ -53,55 +54,6 @@ def model_dirs(paths: Sequence[str | Path]) -> list[Path]:
         raise UserError(f"one model found ({found[0]}); a merge needs two or more: pass several "
                         "model folders, or a run's nodes/ folder (--save-node-models)")
     return found
-
-
-def _validation(source: str, meta: dict[str, Any], fraction: float, tokenizer,
-                held_out: bool = False) -> Split:
-    """Return samples of ``source`` for a data-driven merge, shaped like the models' inputs.
-
-    A dataset's ``validation`` split, else a seeded ``fraction`` of its train split. With
-    ``held_out`` (``--validation``) and ``source`` the dataset the models' run trained on,
-    the samples are the slice that run kept from its nodes (its seed and fraction), so the
-    merge never validates on data the nodes trained on.
-
-    Raises
-    ------
-    UserError
-        ``held_out``, the run's own dataset, no slice kept by the run (its metadata says
-        ``validation_samples: 0``) and no ``validation`` split: every train sample trained a
-        node.
-    """
-    ds = meta.get("dataset", {})
-    seed = int(ds.get("seed", 0))
-    data = load(source, seed=seed, test_fraction=float(ds.get("test_fraction", 0.2)),
-                tokenizer=tokenizer)
-    check_kind(meta["input"], data, source)
-    own = held_out and _same_source(source, ds.get("source"))
-    kept = ds.get("validation_samples")
-    if own and kept:  # the same slice `fedavg simulate` kept from the nodes
-        fraction = float(meta.get("config", {}).get("merge", {}).get("validation_fraction",
-                                                                     fraction))
-        _, split = holdout(data.train, fraction, seed + 1)
-    elif "validation" in data.splits:
-        split = data.splits["validation"]
-    elif own and kept == 0:
-        raise UserError(f"--validation {source}: the nodes of these models trained on all of "
-                        "its train split (their run kept no validation slice); pass data they "
-                        "did not train on, or train with a strategy that keeps a slice "
-                        "(e.g. --ensemble-weights fitted)")
-    else:
-        _, split = holdout(data.train, fraction, seed + 1)
-    return conform(split, source, meta["input"]["shape"], data.classes, meta["classes"])
-
-
-def _same_source(given: str, recorded: str | None) -> bool:
-    """Whether ``given`` names the dataset recorded as ``recorded`` (as written, or the path)."""
-    if recorded is None:
-        return False
-    if given == recorded:
-        return True
-    a, b = Path(given).expanduser(), Path(recorded).expanduser()
-    return a.exists() and b.exists() and a.resolve() == b.resolve()
 
 
 def merge_models(
@@ -155,6 +107,7 @@ def merge_models(
     loaded = [checkpoint.load(d) for d in dirs]
     first = _check_alike(dirs, [meta for _, meta in loaded])
     name = saved_model_name(str(first["model"]["name"]), model, str(dirs[0]))
+    held = _test_data(first, dirs[0], dataset)  # a wrong --dataset: nothing merged or written
     validation, distill_x = _merge_data(config, strategy, first, dirs[0])
     merged = _merge(strategy, config, dirs, loaded, first, validation, distill_x, name)
     meta = {**{k: v for k, v in first.items() if k not in _NOT_INHERITED},
@@ -168,10 +121,10 @@ def merge_models(
         result: dict[str, Any] = {"num_models": len(dirs), "strategy": config.merge.strategy}
         if (kept := merged.info.get("members", merged.info.get("selected_nodes"))) is not None:
             result["members"] = list(kept)  # a greedy soup's, Krum's: the models it kept
-        if dataset:
-            from fedavg.inference import evaluate_model
+        if held is not None:
+            from fedavg.inference import load_model, score
 
-            ev = evaluate_model(out, dataset, model=model)
+            ev = score(load_model(out, model=model), held, device=config.train.device)
             result.update({"accuracy": ev["accuracy"], "loss": ev["loss"]})
             meta["metrics"] = {"accuracy": ev["accuracy"], "loss": ev["loss"]}
             checkpoint.save_merged(out, merged, meta)
@@ -181,6 +134,18 @@ def merge_models(
     finally:
         release_output(out)
     return result
+
+
+def _test_data(first: dict[str, Any], folder: Path, dataset: str | None):
+    """Load ``dataset``'s test split for the models, or ``None`` without one.
+
+    See :func:`fedavg.inference.evaluation_data`.
+    """
+    if not dataset:
+        return None
+    from fedavg.inference import evaluation_data
+
+    return evaluation_data(first, folder, dataset)
 
 
 def _one_merge(config: Any, models: Sequence[str | Path]):
@@ -202,6 +167,17 @@ def _one_merge(config: Any, models: Sequence[str | Path]):
     if strategy.trains_nodes:
         raise UserError(f"{strategy.name} changes how nodes train in every round; saved models "
                         "are merged with another strategy (fedavg, a soup, an ensemble)")
+    if strategy.steps_from_start:
+        raise UserError(f"{strategy.name} steps from a round's starting model (a server "
+                        "optimiser), which saved models do not have; merge them with "
+                        "another strategy (average, a soup, an ensemble)")
+    for flag, given, used in (("--validation", config.merge.validation,
+                               strategy.needs_validation),
+                              ("--distill-data", config.merge.distill_data,
+                               strategy.needs_unlabeled)):
+        if given and not used:
+            raise UserError(f"{strategy.name} does not use {flag}: leave it out (see "
+                            "`fedavg strategies` for the strategies that use data)")
     return dirs, config, strategy
 
 
@@ -227,11 +203,47 @@ def _check_alike(dirs: list[Path], metas: list[dict[str, Any]]) -> dict[str, Any
     for d, meta in zip(dirs, metas):
         if meta.get("kind") == "ensemble":
             raise UserError(f"{d} is an ensemble; merge its members' folders instead")
-        for key in ("model", "classes", "input"):
+        for key in ("model", "classes"):
             if meta[key] != first[key]:
                 raise UserError(f"{d} differs from {dirs[0]} in {key!r}: models must share "
                                 "architecture, classes and input normalisation")
+        if problem := _input_difference(meta["input"], first["input"]):
+            raise UserError(f"{d} differs from {dirs[0]} in its inputs: {problem}; models "
+                            "trained on other data cannot be merged")
     return first
+
+
+#: Input statistics that differ by less than this fraction of a standard deviation are
+#: the same preparation (runs of one dataset with other seeds hold out other test samples).
+INPUT_TOLERANCE = 0.02
+
+
+def _input_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    """Say how input spec ``a`` differs from ``b`` beyond :data:`INPUT_TOLERANCE`, or ``None``.
+
+    Per channel (or feature) means may differ by ``INPUT_TOLERANCE`` of ``b``'s standard
+    deviation and standard deviations by that fraction of themselves; all else must match.
+    """
+    import numpy as np
+
+    stats = ("mean", "std")
+    for key in sorted(set(a) | set(b)):
+        if key not in stats and a.get(key) != b.get(key):
+            return f"{key} {a.get(key)!r} against {b.get(key)!r}"
+    if not all(k in a and k in b for k in stats):
+        return None
+    try:
+        mean_a, mean_b, std_a, std_b = (np.asarray(v, dtype=np.float64) for v in
+                                        (a["mean"], b["mean"], a["std"], b["std"]))
+        far = (np.abs(mean_a - mean_b) > INPUT_TOLERANCE * std_b) \
+            | (np.abs(std_a - std_b) > INPUT_TOLERANCE * std_b)
+    except (TypeError, ValueError):  # other lengths or non-numbers: a damaged model.json
+        return f"normalisation {a['mean']!r}/{a['std']!r} against {b['mean']!r}/{b['std']!r}"
+    if far.any():
+        i = int(np.argmax(far.reshape(-1)))
+        return (f"mean/std of input {i} {mean_a.reshape(-1)[i]:.4g}/{std_a.reshape(-1)[i]:.4g} "
+                f"against {mean_b.reshape(-1)[i]:.4g}/{std_b.reshape(-1)[i]:.4g}")
+    return None
 
 
 #: What a merged model's ``model.json`` does not take over from its first model's.
@@ -251,12 +263,14 @@ def _merge_data(config: RunConfig, strategy, first: dict[str, Any], folder: Path
     if strategy.needs_validation:
         if not m.validation:
             raise UserError(f"{m.strategy} needs held-out data: pass --validation DATASET")
-        validation = _validation(m.validation, first, m.validation_fraction, tokenizer,
-                                 held_out=True)
+        validation = saved_merge_samples(m.validation, first, m.validation_fraction,
+                                         tokenizer, held_out=True)
     if strategy.needs_unlabeled:
         if not m.distill_data:
             raise UserError(f"{m.strategy} needs unlabeled inputs: pass --distill-data DATASET")
-        distill_x = _validation(m.distill_data, first, m.distill_fraction, tokenizer).x
+        distill_x = saved_merge_samples(m.distill_data, first, m.distill_fraction, tokenizer,
+                                        unlabeled=True,
+                                        validation_fraction=m.validation_fraction).x
     return validation, distill_x
 
 
@@ -269,7 +283,7 @@ def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill
     from fedavg.models import ModelSpec, merge_context
 
     spec = dataclasses.replace(ModelSpec.from_dict(first["model"]), name=name)  # the code named
-    weights = [_weight(d, meta) for d, (_, meta) in zip(dirs, loaded)]
+    weights = _weights(dirs, [meta for _, meta in loaded])
     try:
         with torch.device("meta"):  # shapes only: a tampered model.json allocates nothing
             model = spec.build()
@@ -277,7 +291,7 @@ def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill
         raise UserError(f"{dirs[0]}/{checkpoint.META}: {exc}") from None
     _check_fit(dirs, [sd for sd, _ in loaded], model.state_dict(), spec.name)
     try:
-        return strategy.merge(
+        merged = strategy.merge(
             [sd for sd, _ in loaded], weights, [str(d) for d in dirs],
             buffers=frozenset(name for name, _ in model.named_buffers()),
             context=merge_context(spec, first["input"], config.data.seed, validation,
@@ -285,10 +299,38 @@ def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill
         )
     except strategies.MergeError as exc:
         raise UserError(str(exc)) from None
+    for i, state in enumerate([merged.state_dict, *(merged.members or [])]):
+        if (bad := strategies.first_non_finite(state)) is not None:
+            raise UserError(f"the {strategy.name} merge holds NaN or infinite values "
+                            f"{f'(member {i - 1}) ' if i else ''}in {bad}; nothing was written")
+    return merged
 
 
-def _weight(folder: Path, meta: dict[str, Any]) -> float:
-    """Return a saved model's merge weight: its node's sample count (1 when of no node).
+def _weights(dirs: list[Path], metas: list[dict[str, Any]]) -> list[float]:
+    """Return each model's merge weight: its node's sample count; 1 each for models of no node.
+
+    Raises
+    ------
+    UserError
+        Models of nodes mixed with models of no node (those would weigh one sample), or
+        sample counts that are not finite numbers > 0 or whose sum is not finite.
+    """
+    counts = [_weight(d, meta) for d, meta in zip(dirs, metas)]
+    if all(c is None for c in counts):
+        return [1.0] * len(counts)
+    if None in counts:
+        lone, counted = dirs[counts.index(None)], next(d for d, c in zip(dirs, counts) if c)
+        raise UserError(f"{lone} is no node's model (its model.json has no node sample count) "
+                        f"while {counted} is: weighed by samples it would count as 1; merge "
+                        "models of one kind (node models, or whole runs)")
+    if not math.isfinite(sum(counts)):
+        raise UserError("the models' node.num_examples sum beyond the float range; their "
+                        f"{checkpoint.META} files are damaged")
+    return counts
+
+
+def _weight(folder: Path, meta: dict[str, Any]) -> float | None:
+    """Return a saved model's node sample count (``None`` when of no node).
 
     Raises
     ------
@@ -300,7 +342,7 @@ def _weight(folder: Path, meta: dict[str, Any]) -> float:
 
     node = meta.get("node")
     if not isinstance(node, dict) or "num_examples" not in node:
-        return 1.0
+        return None
     try:
         return check_weight(node["num_examples"], str(folder))
     except MergeError as exc:

@@ -279,8 +279,10 @@ def _distill_notes(runs: list[Run]) -> list[str]:
     for r in runs:
         s = r.settings
         if s.get("strategy") == "distill":
-            data = s.get("distill-data") or (f"{float(s.get('distill-fraction') or 0):.0%} of "
-                                             "the train split, kept from the nodes")
+            given = s.get("distill-data")  # the run's own dataset: the slice kept, too
+            data = given if given and given != s.get("dataset") else (
+                f"{float(s.get('distill-fraction') or 0):.0%} of the train split, kept from "
+                "the nodes")
             augmented = ", augmented" if s.get("distill-augment") == "default" else ""
             used.add(f"distillation data: {data} (unlabeled{augmented})")
     return sorted(used)

@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 
 from fedavg.config import RunConfig
-from fedavg.data import LoadedData, Split, check_kind, conform, data_settings, holdout, load
+from fedavg.data import LoadedData, Split, data_settings, load
 from fedavg.errors import RunError, UserError
+from fedavg.merge_data import run_merge_data
 from fedavg.output import (  # noqa: F401  (re-exported: the run folder)
     RUN_FILES,
     RUN_OUTPUT,
@@ -254,7 +255,7 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
         data.notes.append(f"--tokenizer {d.tokenizer} does nothing for {data.kind} inputs "
                           "(it tokenizes text only)")
     data.notes.extend(unused_setting_notes(d))
-    validation, distill_x = _merge_data(config, strategy, data)
+    validation, distill_x = run_merge_data(config, strategy, data)
     parts = partition(data.train.y, config.merge.num_nodes, d.partitioner, alpha=d.alpha,
                       classes_per_node=d.classes_per_node, groups=data.train.groups,
                       seed=d.seed)
@@ -292,40 +293,6 @@ def _strategy_notes(strategy, model, config: RunConfig) -> list[str]:
         return strategy.check_setup(model, dataclasses.asdict(config.train))
     except strategies.MergeError as exc:
         raise UserError(f"{strategy.name}: {exc}") from None
-
-
-def _merge_data(config: RunConfig, strategy, data: LoadedData):
-    """Return the validation split and unlabeled inputs the strategy needs.
-
-    They are taken out of ``data.train`` unless given as their own datasets.
-    """
-    d, m = config.data, config.merge
-    validation, distill_x = None, None
-    if strategy.needs_validation:
-        if m.validation:
-            validation = _aligned_split(m.validation, data, "--validation")
-        else:
-            data.splits["train"], validation = holdout(data.train, m.validation_fraction,
-                                                       d.seed + 1)
-            data.notes.append(f"validation for {m.strategy}: {len(validation)} train samples "
-                              f"({m.validation_fraction:.0%}) kept from the nodes")
-    if strategy.needs_unlabeled:
-        if m.distill_data:
-            distill_x = _aligned_split(m.distill_data, data, "--distill-data", labels=False).x
-        else:
-            data.splits["train"], unlabeled = holdout(data.train, m.distill_fraction, d.seed + 2)
-            distill_x = unlabeled.x
-            data.notes.append(f"distillation data: {len(distill_x)} train samples "
-                              f"({m.distill_fraction:.0%}) kept from the nodes, labels removed")
-    return validation, distill_x
-
-
-def _aligned_split(source: str, data: LoadedData, flag: str, labels: bool = True) -> Split:
-    """Return the train split of another dataset, checked against ``data``'s inputs and classes."""
-    other = load(source, tokenizer=data.tokenizer if data.tokenizer else "hashed")
-    check_kind(data.input_spec(), other, f"{flag} {source}")
-    return conform(other.train, f"{flag} {source}", data.input_shape,
-                   other.classes if labels else None, data.classes)
 
 
 def text_model_args(data: LoadedData) -> dict:

@@ -152,11 +152,19 @@ class Strategy:
     trains_nodes: bool = False
     """True when the method changes how nodes train (a ``node_rule``, FedProx's proximal
     term): it has no meaning for a merge of saved models (``fedavg merge``)."""
+    steps_from_start: bool = False
+    """True when the merge steps away from the round's starting model (server optimisers):
+    saved models have no such model, so it has no meaning for ``fedavg merge`` either."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.node_rule is not None:
             cls.trains_nodes = True
+
+    @classmethod
+    def merges_saved_models(cls) -> bool:
+        """Whether ``fedavg merge`` can use it: it neither trains nodes nor steps from a start."""
+        return not (cls.trains_nodes or cls.steps_from_start)
 
     def __init__(self, **options: Any) -> None:
         problem = self.unknown_options(options)
@@ -412,10 +420,10 @@ def all_options(merge: bool = False) -> dict[str, list[tuple[str, Option]]]:
 
     The mapping is ``name -> [(strategy, Option)]``. An option declared by several
     strategies has one type everywhere. With ``merge``, only the strategies that can merge
-    saved models (``trains_nodes`` false) count.
+    saved models (:meth:`Strategy.merges_saved_models`) count.
     """
     out: dict[str, list[tuple[str, Option]]] = {}
     for sname, cls in available().items():
-        for opt in () if merge and cls.trains_nodes else cls.options:
+        for opt in () if merge and not cls.merges_saved_models() else cls.options:
             out.setdefault(opt.name, []).append((sname, opt))
     return dict(sorted(out.items()))

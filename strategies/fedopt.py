@@ -32,6 +32,7 @@ from strategies.fedavg import FedAvg
 class _ServerOpt(FedAvg):
     """FedAvg average, then an optimiser step of the global model along it."""
 
+    steps_from_start = True
     beta1: float = 0.9
     beta2: float = 0.99
     tau: float = 1e-3

@@ -59,10 +59,11 @@ def test_coordinator_takes_the_training_options_of_simulate():
 
 def test_merge_lists_only_options_of_strategies_that_merge_saved_models():
     options = {p.name for p in get_command(app).commands["merge"].params}
-    assert {"distill_steps", "ensemble_weights", "beta", "num_malicious", "server_lr"} <= options
+    assert {"distill_steps", "ensemble_weights", "beta", "num_malicious"} <= options
     assert not {"mu", "moon_mu", "temperature", "alpha_dyn"} & options  # node training only
+    assert not {"server_lr", "server_momentum", "tau"} & options  # steps from a round's start
     simulate = {p.name for p in get_command(app).commands["simulate"].params}
-    assert {"mu", "moon_mu", "temperature", "alpha_dyn"} <= simulate
+    assert {"mu", "moon_mu", "temperature", "alpha_dyn", "server_lr", "tau"} <= simulate
 
 
 @pytest.mark.parametrize("width", [60, 80, 200])

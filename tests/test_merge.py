@@ -70,6 +70,15 @@ def test_ensemble_merge_is_one_loadable_model(tmp_path, node_models):
     (["--strategy", "trimmed-mean", "--beta", "0.7"], "--beta"),
     *[(["--strategy", s], f"{s} changes how nodes train")
       for s in ("scaffold", "fednova", "moon", "feddyn", "fedprox")],
+    # a server optimiser would step from the first model given: order-dependent nonsense
+    *[(["--strategy", s], f"{s} steps from a round's starting model")
+      for s in ("fedavgm", "fedadam", "fedyogi", "fedadagrad")],
+    (["--strategy", "trimmed-mean", "--beta", "0.3"],
+     "--beta 0.3 trims floor(0.3 x 3) = 0 of 3 node models per side: raise --beta to at "
+     "least 0.334"),
+    (["--strategy", "average", "--validation", "digits"], "average does not use --validation"),
+    (["--strategy", "greedy-soup", "--validation", "digits", "--distill-data", "digits"],
+     "greedy-soup does not use --distill-data"),
 ])
 def test_merge_user_errors(tmp_path, node_models, args, message):
     folder, _ = node_models
@@ -139,10 +148,10 @@ def test_merge_validates_on_the_slice_the_run_kept_from_its_nodes(tmp_path):
     import numpy as np
 
     from fedavg.data import holdout
-    from fedavg.merge import _validation
+    from fedavg.merge_data import saved_merge_samples
 
     _, meta = _saved_run(tmp_path, kept=288, fraction=0.2)
-    got = _validation("digits", meta, 0.1, None, held_out=True)
+    got = saved_merge_samples("digits", meta, 0.1, None, held_out=True)
     # the run's own fraction (0.2 of digits' 1,438 train samples) and seed + 1, not merge's 0.1
     _, want = holdout(load("digits", seed=0).train, 0.2, 1)
     assert len(got) == 288 and np.array_equal(got.y, want.y)
@@ -157,11 +166,11 @@ def test_merge_refuses_validation_data_the_nodes_trained_on(tmp_path):
     assert "trained on all of its train split" in res.output and "Traceback" not in res.output
     assert not (tmp_path / "soup").exists()
     # another dataset is data the nodes did not train on: a slice of it is fine
-    from fedavg.merge import _validation
+    from fedavg.merge_data import saved_merge_samples
 
     _, meta = _saved_run(tmp_path / "elsewhere", kept=0)
     meta["dataset"]["source"] = str(tmp_path / "their-data")
-    assert len(_validation("digits", meta, 0.1, None, held_out=True)) == 144
+    assert len(saved_merge_samples("digits", meta, 0.1, None, held_out=True)) == 144
 
 
 @pytest.mark.parametrize("count", ["many", 0, -5, None, True, float("nan")])
@@ -263,3 +272,145 @@ def test_an_old_run_file_overwrite_cannot_remove_is_one_line(tmp_path, node_mode
     assert (f"--overwrite cannot remove the previous run's {run / 'metrics.jsonl'}: Operation "
             "not permitted; remove it yourself") in res.output.replace("\n", "")
     assert (run / "metrics.jsonl").read_text() == "old"
+
+
+def test_trimmed_mean_with_a_beta_that_trims_one_per_side(tmp_path, node_models):
+    folder, dirs = node_models
+    res = runner.invoke(app, ["merge", str(folder), "--strategy", "trimmed-mean", "--beta",
+                              "0.334", "--output", str(tmp_path / "tm")])
+    assert res.exit_code == 0, res.output
+    merged, _ = checkpoint.load(tmp_path / "tm")
+    stacked = torch.stack([checkpoint.load(d)[0]["1.weight"] for d in dirs])
+    assert torch.equal(merged["1.weight"], stacked.median(dim=0).values)  # 3 - 2 x 1 left
+
+
+def test_node_models_and_a_whole_runs_model_are_not_mixed(tmp_path, node_models):
+    """A model of no node would weigh one sample against the nodes' hundreds."""
+    folder, _ = node_models
+    meta = _meta()
+    checkpoint.save(tmp_path / "run", build_model("mlp", (1, 8, 8), 10).state_dict(), meta)
+    res = runner.invoke(app, ["merge", str(folder), str(tmp_path / "run"), "--output",
+                              str(tmp_path / "x")])
+    assert res.exit_code == 2, res.output
+    assert f"{tmp_path / 'run'} is no node's model" in res.output and "node-0 is" in res.output
+    assert not (tmp_path / "x").exists()
+    # whole runs' models alone: equal weights
+    checkpoint.save(tmp_path / "run2", build_model("mlp", (1, 8, 8), 10).state_dict(), meta)
+    res = runner.invoke(app, ["merge", str(tmp_path / "run"), str(tmp_path / "run2"),
+                              "--output", str(tmp_path / "y")])
+    assert res.exit_code == 0, res.output
+    a, b = (checkpoint.load(tmp_path / r)[0]["1.weight"] for r in ("run", "run2"))
+    assert torch.allclose(checkpoint.load(tmp_path / "y")[0]["1.weight"], (a + b) / 2)
+
+
+def test_a_merge_that_overflows_writes_nothing(tmp_path):
+    """Finite inputs can merge to Inf (float32 overflow): refused, no folder."""
+    meta = _meta()
+    for i, sign in enumerate((1.0, -1.0)):
+        state = build_model("mlp", (1, 8, 8), 10).state_dict()
+        state["1.weight"].fill_(sign * 3e38)
+        checkpoint.save(tmp_path / "nodes" / f"node-{i}", state,
+                        {**meta, "node": {"num_examples": 5, "partition_id": i}})
+    res = runner.invoke(app, ["merge", str(tmp_path / "nodes"), "--output", str(tmp_path / "x")])
+    assert res.exit_code == 2, res.output
+    assert "the average merge holds NaN or infinite values in 1.weight" in res.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_sample_counts_whose_sum_overflows_are_refused(tmp_path, node_models):
+    folder, dirs = node_models
+    for d in dirs:
+        meta = json.loads((d / "model.json").read_text())
+        meta["node"]["num_examples"] = 1e308
+        (d / "model.json").write_text(json.dumps(meta))
+    res = runner.invoke(app, ["merge", str(folder), "--strategy", "ensemble", "--output",
+                              str(tmp_path / "x")])
+    assert res.exit_code == 2 and "sum beyond the float range" in res.output, res.output
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("shift, merges", [(0.001, True), (0.5, False)])
+def test_models_of_runs_with_other_seeds_merge(tmp_path, node_models, shift, merges):
+    """Other seeds hold out other test samples: input statistics differ a little, not much."""
+    folder, dirs = node_models
+    meta = json.loads((dirs[2] / "model.json").read_text())
+    mean, std = meta["input"]["mean"], meta["input"]["std"]
+    meta["input"]["mean"] = [m + shift * s for m, s in zip(mean, std)]
+    (dirs[2] / "model.json").write_text(json.dumps(meta))
+    res = runner.invoke(app, ["merge", str(folder), "--strategy", "ensemble", "--output",
+                              str(tmp_path / "x")])
+    if merges:
+        assert res.exit_code == 0, res.output
+        assert load_model(tmp_path / "x").fedavg_meta["input"]["mean"] == mean  # the first's
+    else:
+        assert res.exit_code == 2, res.output
+        assert f"{dirs[2]} differs from {dirs[0]} in its inputs: mean/std of input 0 " \
+            f"{mean[0] + shift * std[0]:.4g}/{std[0]:.4g} against {mean[0]:.4g}/" in res.output
+        assert not (tmp_path / "x").exists()
+
+
+def test_a_wrong_dataset_stops_the_merge_before_it_replaces_a_run(tmp_path, node_models):
+    folder, _ = node_models
+    out = tmp_path / "merged"
+    assert runner.invoke(app, ["merge", str(folder), "--output", str(out)]).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    res = runner.invoke(app, ["merge", str(folder), "--strategy", "ensemble", "--output",
+                              str(out), "--overwrite", "--dataset", "./digitz"])
+    assert res.exit_code == 2 and "no such file or folder: ./digitz" in res.output, res.output
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_distillation_inputs_are_never_the_validation_samples(tmp_path):
+    """Both from digits' train split: the student is not picked on what it learnt from."""
+    import numpy as np
+
+    from fedavg.merge_data import saved_merge_samples
+
+    for kept in (0, 144):
+        _, meta = _saved_run(tmp_path / str(kept), kept=kept)
+        meta["dataset"]["source"] = "elsewhere" if not kept else "digits"
+        validation = saved_merge_samples("digits", meta, 0.1, None, held_out=True)
+        unlabeled = saved_merge_samples("digits", meta, 0.2, None, unlabeled=True)
+        rows = {r.tobytes() for r in validation.x.reshape(len(validation), -1)}
+        assert len(unlabeled) > 200 and len(validation) == 144
+        assert not rows & {r.tobytes() for r in unlabeled.x.reshape(len(unlabeled), -1)}
+        assert np.unique(unlabeled.x.reshape(len(unlabeled), -1), axis=0).shape[0] > 200
+
+
+def test_simulate_validation_on_its_own_dataset_is_the_slice_kept_from_the_nodes():
+    """Its train split is the nodes' data: validating on it would pick on trained samples."""
+    import numpy as np
+
+    from fedavg.config import RunConfig
+    from fedavg.data import holdout
+    from fedavg.merge_data import run_merge_data
+
+    train = load("digits", seed=0).train
+    rest, want = holdout(train, 0.1, 1)
+    for config in (RunConfig().replace(strategy="greedy-soup", validation="digits", rounds=1),
+                   RunConfig().replace(strategy="distill", validation="digits", rounds=1,
+                                       distill_data="digits")):
+        data = load("digits", seed=0)
+        got, unlabeled = run_merge_data(config, config.build_strategy(), data)
+        assert np.array_equal(got.y, want.y) and np.array_equal(got.x, want.x)
+        nodes = rest
+        if unlabeled is not None:
+            nodes, kept = holdout(rest, 0.1, 2)
+            assert np.array_equal(unlabeled, kept.x)
+        assert np.array_equal(data.train.x, nodes.x)  # the nodes never see either slice
+        assert any("(the run's own dataset: its train split is the nodes' data)" in n
+                   for n in data.notes), data.notes
+
+
+def test_simulate_notes_data_its_strategy_does_not_use():
+    from fedavg.config import RunConfig
+    from fedavg.merge_data import run_merge_data
+
+    config = RunConfig().replace(strategy="average", validation="digits", distill_data="x",
+                                 rounds=1)
+    data = load("digits", seed=0)
+    n = len(data.train)
+    assert run_merge_data(config, config.build_strategy(), data) == (None, None)
+    assert len(data.train) == n
+    assert "--validation digits does nothing with --strategy average" in data.notes
+    assert "--distill-data x does nothing with --strategy average" in data.notes

@@ -1024,10 +1024,11 @@ def test_report_says_which_data_distillation_used(tmp_path):
     fake_run(tmp_path / "own", [0.8], 5.0, strategy="distill", distill_data="/data/unlabeled",
              distill_augment="default")
     fake_run(tmp_path / "avg", [0.6], 5.0, strategy="average")
+    fake_run(tmp_path / "same", [0.7], 5.0, strategy="distill", distill_data="digits")
     notes = write_report(tmp_path)["notes"]
     assert "distillation data: 10% of the train split, kept from the nodes (unlabeled)" in notes
     assert "distillation data: /data/unlabeled (unlabeled, augmented)" in notes
-    assert sum(n.startswith("distillation data") for n in notes) == 2
+    assert sum(n.startswith("distillation data") for n in notes) == 2  # digits: the slice
 
 
 @pytest.mark.e2e
