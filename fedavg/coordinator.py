@@ -85,6 +85,23 @@ class Deployment:
             time.sleep(0.2)
 
 
+def _remove_node_models_before(folder: Path, last_round: int) -> None:
+    """Remove the saved node models in ``folder`` of a round before ``last_round``.
+
+    A run resumed to train longer saved its node models at its earlier last round; those of
+    nodes not sampled in the new last round would stay beside the new ones.
+    """
+    import shutil
+
+    for node in folder.glob("node-*"):
+        try:
+            rounds = json.loads((node / checkpoint.META).read_text()).get("rounds")
+        except (OSError, ValueError, AttributeError):
+            continue  # not a node model this run saved: left alone
+        if isinstance(rounds, int) and rounds < last_round:
+            shutil.rmtree(node, ignore_errors=True)
+
+
 def announce_end(grid: Grid, wait_s: float = 5.0, failure: str | None = None) -> None:
     """Tell every connected node the run is over (a ``query`` message).
 
@@ -169,6 +186,7 @@ class ServerRun:
         self.adapter: FlowerAdapter | None = None
         self.swa = WeightAverage() if config.merge.swa_start is not None else None
         self.stale_summary = False
+        self.stale_nodes = resume_from is not None  # a resumed run's earlier last round saved
 
     def __call__(self, grid: Grid) -> None:
         """Run every round on ``grid``."""
@@ -280,6 +298,9 @@ class ServerRun:
             return
         pid = info["partition_id"]
         folder = self.output / "nodes" / f"node-{pid if pid >= 0 else info['node_id']}"
+        if self.stale_nodes:  # its nodes' models, not of this last round: they go
+            self.stale_nodes = False
+            _remove_node_models_before(self.output / "nodes", server_round)
         checkpoint.save(folder, state_dict,
                         {**self.prepared.meta, "rounds": server_round, "node": info})
 

@@ -254,6 +254,36 @@ def test_only_the_rounds_may_change(tmp_path):
         resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=3), str(tmp_path))
 
 
+def test_a_run_resumed_to_train_longer_keeps_only_its_last_rounds_node_models(tmp_path):
+    """Node models of the earlier last round go once the new last round saves its own."""
+    import types
+
+    from fedavg import checkpoint
+    from fedavg.coordinator import ServerRun
+    from fedavg.run import RunState
+
+    def saved(folder, rounds):
+        checkpoint.save(tmp_path / "nodes" / folder, {"w": torch.zeros(2)},
+                        {"rounds": rounds, "node": {"num_examples": 3}})
+
+    config = RunConfig().replace(rounds=4, save_node_models=True)
+    prepared = types.SimpleNamespace(meta={"model": None})
+    info = {"partition_id": 0, "node_id": 7, "num_examples": 3}
+    for resumed, left in ((False, {"node-0", "node-1", "node-2", "mine"}),
+                          (True, {"node-0", "node-1", "mine"})):
+        for folder, rounds in (("node-0", 2), ("node-1", 4), ("node-2", 2)):
+            saved(folder, rounds)
+        (tmp_path / "nodes" / "mine").mkdir(exist_ok=True)  # not a node model: left alone
+        run = ServerRun(config, prepared, tmp_path, RunState(),
+                        resume_from=object() if resumed else None)
+        run.save_node_model(3, {"w": torch.ones(2)}, info)  # not the last round: no file
+        assert json.loads((tmp_path / "nodes/node-0/model.json").read_text())["rounds"] == 2
+        run.save_node_model(4, {"w": torch.ones(2)}, info)
+        run.save_node_model(4, {"w": torch.ones(2)}, {**info, "partition_id": 1})
+        assert {d.name for d in (tmp_path / "nodes").iterdir()} == left
+        assert json.loads((tmp_path / "nodes/node-0/model.json").read_text())["rounds"] == 4
+
+
 def test_resume_command_replaces_output_and_keeps_the_rest():
     argv = ["simulate", "--num-nodes", "3", "--output", "runs/a b", "--overwrite", "--lr=0.1"]
     assert resume.resume_command(argv, Path("runs/a b")) == \
