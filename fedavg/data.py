@@ -28,12 +28,11 @@ from fedavg.datasources import (
     detect_columns,
     input_array,
     is_text,
-    label_array,
-    label_classes,
     looks_like_path,
     open_source,
 )
 from fedavg.errors import UserError
+from fedavg.labels import label_array, label_classes
 
 __all__ = [
     "BUILTIN",
@@ -420,7 +419,9 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text) -> 
             continue
         x = _tokenized(tokenizer, ds, image[0], source) if tokenizer else \
             input_array(ds, image, source)
-        y = label_array(ds[label], mapping, classes, label, name)
+        feature = ds.features[label]
+        y = label_array(ds[label], mapping, classes, label, name,
+                        names=getattr(feature, "names", None) if name != train_name else None)
         groups = None
         if partition_by is not None and partition_by in ds.features:
             groups = np.asarray([str(v) for v in ds[partition_by]])

@@ -154,6 +154,28 @@ def test_save_to_disk_datasetdict(tmp_path):
                                     6: "moose", 7: "moose", 8: "ant"}
 
 
+def test_a_split_whose_classlabel_lists_other_classes_is_matched_by_name(tmp_path):
+    """Each split of a dataset may encode its labels alone (class_encode_column per split)."""
+    train = image_dataset([1, 2, 3, 4], [0, 1, 2, 0]).cast_column(
+        "label", datasets.ClassLabel(names=["a", "b", "c"]))
+    test = image_dataset([7, 8, 9], [0, 1, 1]).cast_column(
+        "label", datasets.ClassLabel(names=["c", "b"]))  # index 0 is "c" here, 1 is "b"
+    datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(tmp_path / "dd"))
+    data = load(str(tmp_path / "dd"))
+    assert data.classes == ["a", "b", "c"]
+    assert pixel_to_label(data) == {1: "a", 2: "b", 3: "c", 4: "a", 7: "c", 8: "b", 9: "b"}
+    odd = image_dataset([7], [0]).cast_column("label", datasets.ClassLabel(names=["fox"]))
+    datasets.DatasetDict({"train": train, "test": odd}).save_to_disk(str(tmp_path / "fox"))
+    with pytest.raises(UserError, match="split 'test' has label 'fox' that train does not have"):
+        load(str(tmp_path / "fox"))
+    # train of raw values (here ints), a split encoded apart: its names are those values
+    raw = image_dataset([1, 2], [5, 6])
+    datasets.DatasetDict({"train": raw, "test": image_dataset([7], [0]).cast_column(
+        "label", datasets.ClassLabel(names=["6"]))}).save_to_disk(str(tmp_path / "raw"))
+    data = load(str(tmp_path / "raw"))
+    assert data.classes == ["5", "6"] and list(data.test.y) == [1]
+
+
 def test_csv_tabular(tmp_path):
     """A CSV table gives float32 features and sorted string classes."""
     names = ["pear", "apple", "fig"]

@@ -1,0 +1,87 @@
+"""Class labels: the classes of a train split, and every split's labels as class indices.
+
+A split's labels are matched to the train split's classes by name: a ``ClassLabel`` column
+of another split may list its classes in another order, or fewer of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fedavg.errors import UserError
+
+
+def label_classes(train_ds, label: str, split: str) -> tuple[list[str], dict[Any, int] | None]:
+    """Return the class names of column ``label`` of ``train_ds`` (split ``split``).
+
+    Returns
+    -------
+    classes : list of str
+        A ``ClassLabel``'s names in their order, else the sorted distinct values as text.
+    mapping : dict or None
+        Raw value to class index; ``None`` for a ``ClassLabel`` (values are indices).
+
+    Raises
+    ------
+    UserError
+        Empty labels, or non-integer numbers as labels.
+    """
+    import datasets
+
+    label_feature = train_ds.features[label]
+    if isinstance(label_feature, datasets.ClassLabel):
+        return list(label_feature.names), None
+    values = np.asarray(train_ds[label], dtype=object)
+    empty = sum(v is None or (isinstance(v, float) and np.isnan(v)) for v in values)
+    if empty:
+        raise UserError(f"label column {label!r} has {empty} empty value(s) in split "
+                        f"{split!r}: fill or drop those rows")
+    values = np.asarray(list(values))
+    if values.dtype.kind == "f" and not np.all(values == np.round(values)):
+        raise UserError(
+            f"label column {label!r} holds non-integer numbers: fedavg trains classifiers; "
+            "pass --label-column with a class column"
+        )
+    uniq = np.unique(values)
+    classes = [str(v) for v in uniq]
+    mapping = {v.item() if hasattr(v, "item") else v: i for i, v in enumerate(uniq)}
+    return classes, mapping
+
+
+def label_array(values, mapping: dict[Any, int] | None, classes: list[str], column: str,
+                split: str, names: list[str] | None = None) -> np.ndarray:
+    """Turn a split's label values into ``(N,)`` ``int64`` class indices.
+
+    ``mapping`` (from :func:`label_classes`) maps raw values; without it the values are
+    indices already and must lie in ``0..len(classes) - 1``. ``names`` are the split's own
+    ``ClassLabel`` names when its values are indices into them: those indices are read as
+    the class names they stand for.
+
+    Raises
+    ------
+    UserError
+        An index out of range, or a value train does not have.
+    """
+    arr = np.asarray(values)
+    if names is not None and (mapping is not None or list(names) != list(classes)):
+        if len(arr) and (arr.min() < 0 or arr.max() >= len(names)):
+            raise UserError(f"label column {column!r} in split {split!r} has values outside "
+                            f"0..{len(names) - 1}")
+        lookup = mapping if mapping is not None else {c: i for i, c in enumerate(classes)}
+        arr = np.asarray([names[i] for i in arr], dtype=object)
+        mapping = {**lookup, **{str(k): v for k, v in lookup.items()}}  # names are text
+    if mapping is None:
+        y = arr.astype(np.int64)
+        if len(y) and (y.min() < 0 or y.max() >= len(classes)):
+            raise UserError(f"label column {column!r} in split {split!r} has values outside "
+                            f"0..{len(classes) - 1}")
+        return y
+    try:
+        return np.asarray([mapping[v.item() if hasattr(v, "item") else v] for v in arr],
+                          dtype=np.int64)
+    except KeyError as exc:
+        raise UserError(
+            f"split {split!r} has label {exc.args[0]!r} that train does not have"
+        ) from None
