@@ -12,12 +12,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedavg.datasources import (
+from fedavg.datasources import (  # noqa: F401  (digits_arrays re-exported)
     BUILTIN,
     FILE_BUILDERS,
     IMAGE_NAMES,
@@ -26,6 +25,7 @@ from fedavg.datasources import (
     TEST_NAMES,
     decode_images,
     detect_columns,
+    digits_arrays,
     input_array,
     is_text,
     looks_like_path,
@@ -219,6 +219,7 @@ def load(
     tokenizer: Any = "hashed",
     max_tokens: int = 256,
     hash_buckets: int = 131072,
+    feature_columns: list[str] | None = None,
 ) -> LoadedData:
     """Load ``dataset`` into arrays with ``train`` and ``test`` splits.
 
@@ -244,6 +245,8 @@ def load(
         tokenizer object (a saved run's, :func:`fedavg.text.from_spec`).
     max_tokens, hash_buckets : int
         Tokens per text; ids of the hashed tokenizer.
+    feature_columns : list of str, optional
+        A tabular model's feature columns, taken by name (a saved model's ``columns``).
 
     Returns
     -------
@@ -266,7 +269,8 @@ def load(
         dsdict = open_source(dataset, notes)
         text = {"column": text_column, "tokenizer": tokenizer, "max_tokens": max_tokens,
                 "buckets": hash_buckets}
-        data = _from_hf(dsdict, dataset, image_column, label_column, partition_by, text)
+        data = _from_hf(dsdict, dataset, image_column, label_column, partition_by, text,
+                        feature_columns)
         data.notes.extend(notes)
     if "test" not in data.splits:
         train = data.splits["train"]
@@ -353,29 +357,6 @@ def _take(split: Split, idx: np.ndarray) -> Split:
     return Split(split.x[idx], split.y[idx], groups)
 
 
-def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's digits: images ``(1797, 8, 8)`` float (0..16) and labels ``(1797,)``.
-
-    Read from the file scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``) without
-    importing scikit-learn, which costs about a second (SciPy); where that file is not found,
-    from :func:`sklearn.datasets.load_digits`.
-    """
-    import gzip
-    import importlib.util
-
-    spec = importlib.util.find_spec("sklearn")
-    path = (Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data"
-            / "digits.csv.gz") if spec and spec.submodule_search_locations else None
-    if path is None or not path.is_file():
-        from sklearn.datasets import load_digits
-
-        bunch = load_digits()
-        return bunch.images, bunch.target
-    with gzip.open(path, "rt") as fh:
-        table = np.loadtxt(fh, delimiter=",")
-    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
-
-
 def _load_digits() -> LoadedData:
     images, target = digits_arrays()
     # 0..16 intensities -> 0..255 uint8 so digits are handled like any image dataset
@@ -385,7 +366,8 @@ def _load_digits() -> LoadedData:
     return LoadedData({"train": Split(x, y)}, classes, "digits", {"image": None, "label": None})
 
 
-def _from_hf(dsdict, source, image_column, label_column, partition_by, text) -> LoadedData:
+def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
+             feature_columns=None) -> LoadedData:
     """Turn every split of ``dsdict`` that has the input and label columns into arrays.
 
     The ``train`` split (else the first one) fixes the columns and the classes; the first
@@ -400,7 +382,7 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text) -> 
     if len(train_ds) == 0:
         raise UserError(f"split {train_name!r} of {source!r} is empty")
     label, image = detect_columns(train_ds.features, source, image_column, label_column,
-                                  partition_by, text["column"])
+                                  partition_by, text["column"], feature_columns)
     tokenizer = None
     if len(image) == 1 and is_text(train_ds.features[image[0]]):
         tokenizer = text["tokenizer"]

@@ -170,14 +170,17 @@ def _check_column(features, col: str, flag: str, source: str) -> str:
 def detect_columns(features, source: str, image_column: str | None = None,
                    label_column: str | None = None,
                    partition_by: str | None = None,
-                   text_column: str | None = None) -> tuple[str, list[str]]:
+                   text_column: str | None = None,
+                   feature_columns: list[str] | None = None) -> tuple[str, list[str]]:
     """Pick the label column and the input column(s) of the train split's ``features``.
 
     Columns the user named (``image_column``, ``label_column``, ``partition_by``,
     ``text_column``) are checked, the others detected: the label is a ``ClassLabel``
-    column, else the first with a usual label name; the input is one image (or array)
-    column, else one text (string) column (:func:`is_text`), else every numeric column but
-    the label and ``partition_by`` (tabular data). ``source`` names the data in messages.
+    column, else the column with the most usual label name (``label`` before ``y``, see
+    :data:`LABEL_NAMES`); the input is one image (or array) column, else one text (string)
+    column (:func:`is_text`), else every numeric column but the label and ``partition_by``
+    (tabular data). ``feature_columns`` (a saved tabular model's) are taken by name, in
+    their order. ``source`` names the data in messages.
 
     Returns
     -------
@@ -198,7 +201,7 @@ def detect_columns(features, source: str, image_column: str | None = None,
     else:
         label = next(
             (c for c, f in features.items() if isinstance(f, datasets.ClassLabel)), None
-        ) or next((c for c in columns if c.lower() in LABEL_NAMES), None)
+        ) or next((c for name in LABEL_NAMES for c in columns if c.lower() == name), None)
         if label is None:
             raise NoLabelColumn(
                 f"no label column found in {source}; pass --label-column (columns: "
@@ -211,6 +214,12 @@ def detect_columns(features, source: str, image_column: str | None = None,
         if not is_text(features[text_column]):
             raise UserError(f"--text-column {text_column}: it holds {features[text_column]}, "
                             "not text")
+    elif feature_columns:
+        missing = [c for c in feature_columns if c not in features]
+        if missing:
+            raise UserError(f"{source} lacks the feature column(s) {', '.join(missing)} that "
+                            f"the model takes ({', '.join(feature_columns)})")
+        image = list(feature_columns)
     elif image_column is not None:
         image = [_check_column(features, image_column, "--image-column", source)]
         if is_text(features[image_column]):
@@ -234,7 +243,8 @@ def _detect_inputs(features, source: str, label: str, partition_by: str | None) 
     found = next(
         (c for c, f in features.items() if isinstance(f, datasets.Image) and c != label),
         None,
-    ) or next((c for c in columns if c.lower() in IMAGE_NAMES and c != label), None)
+    ) or next((c for c in columns if c.lower() in IMAGE_NAMES and c != label
+               and not isinstance(features[c], datasets.Value)), None)  # arrays, not scalars
     if found is not None:
         return [found]
     text = next((c for c, f in features.items() if c not in (label, partition_by)
@@ -380,3 +390,26 @@ def decode_images(raw, source: str = "", size: tuple[int, int] | None = None,
     if not out:
         raise UserError(f"no images in {source}")
     return np.stack(out)
+
+
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits: images ``(1797, 8, 8)`` float (0..16) and labels ``(1797,)``.
+
+    Read from the file scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``) without
+    importing scikit-learn, which costs about a second (SciPy); where that file is not found,
+    from :func:`sklearn.datasets.load_digits`.
+    """
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    path = (Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data"
+            / "digits.csv.gz") if spec and spec.submodule_search_locations else None
+    if path is None or not path.is_file():
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        return bunch.images, bunch.target
+    with gzip.open(path, "rt") as fh:
+        table = np.loadtxt(fh, delimiter=",")
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)

@@ -18,7 +18,7 @@ from fedavg.data import (
     load,
 )
 from fedavg.errors import NoLabelColumn, UserError
-from fedavg.inputs import check_inputs, collect
+from fedavg.inputs import check_inputs, collect, input_notes
 from fedavg.models import build_model
 from fedavg.overlap import overlap_note
 from fedavg.train import evaluate as _evaluate
@@ -206,12 +206,13 @@ def evaluation_data(meta: dict[str, Any], directory: str | Path, dataset: str | 
     source = dataset or ds_meta.get("source")
     if not source:
         raise UserError("pass --dataset: the model does not record its dataset")
-    cols = ds_meta.get("columns", {}) if source == ds_meta.get("source") else {}
+    cols = recorded_columns(meta, source)
     data = load(
         source,
         image_column=image_column or cols.get("image"),
         label_column=label_column or cols.get("label"),
         text_column=cols.get("text"),
+        feature_columns=None if image_column else cols.get("features"),
         seed=int(ds_meta.get("seed", 0)),
         test_fraction=float(ds_meta.get("test_fraction", 0.2)),
         tokenizer=model_tokenizer(meta, directory),
@@ -222,6 +223,22 @@ def evaluation_data(meta: dict[str, Any], directory: str | Path, dataset: str | 
     part = conform(data.splits[split], source, meta["input"]["shape"], data.classes,
                    meta["classes"])
     return source, data, split, part
+
+
+def recorded_columns(meta: dict[str, Any], source: str) -> dict[str, Any]:
+    """Return the columns of ``source`` the saved model reads, as its run recorded them.
+
+    All of them for the run's own dataset; for another, a tabular model's feature and
+    label columns (a table's names are its schema); else none (they are detected).
+    """
+    from fedavg.merge_data import same_source
+
+    ds_meta = meta.get("dataset", {})
+    cols = ds_meta.get("columns") or {}
+    if same_source(source, ds_meta.get("source")):
+        return dict(cols)
+    return {"features": cols["features"], "label": cols.get("label")} \
+        if cols.get("features") else {}
 
 
 def score(net: torch.nn.Module, held: tuple[str, Any, str, Any], device: str = "auto",
@@ -381,8 +398,13 @@ def _text_batches(inputs: Sequence[str], literal: bool, split: str, meta: dict[s
 
 def _dataset_batch(source: str, split: str, meta: dict[str, Any], tokenizer: Any = "hashed"):
     """Load the ``split`` of a dataset, checked against the model's inputs: ``(x, names)``."""
+    cols = recorded_columns(meta, source)
     try:
-        data = load(source, tokenizer=tokenizer)
+        data = load(source, tokenizer=tokenizer, image_column=cols.get("image"),
+                    label_column=cols.get("label"), text_column=cols.get("text"),
+                    feature_columns=cols.get("features"),
+                    seed=int(meta.get("dataset", {}).get("seed", 0)),
+                    test_fraction=float(meta.get("dataset", {}).get("test_fraction", 0.2)))
     except NoLabelColumn:
         raise UserError(f"{source}: a dataset input needs a label column (its {split} split "
                         "is predicted); give unlabelled inputs as image files or folders, or "
@@ -392,44 +414,3 @@ def _dataset_batch(source: str, split: str, meta: dict[str, Any], tokenizer: Any
     check_kind(meta["input"], data, source)
     part = conform(data.splits[split], source, meta["input"]["shape"])
     return part.x, [f"{source}#{split}[{i}]" for i in range(len(part))]
-
-
-#: An image resized by more than this factor (height or width, up or down) gets a note.
-RESIZE_NOTE_FACTOR = 2.0
-
-
-def input_notes(images: Sequence[str | Path], shape: tuple[int, ...]) -> list[str]:
-    """Say which images change a lot on the way into a model taking ``(C, H, W)`` inputs.
-
-    Reads only the image headers. One line per kind of change (resized by more than
-    :data:`RESIZE_NOTE_FACTOR`, colour made grey, grey made colour), naming how many
-    images and one example; no line when nothing changes much.
-    """
-    from PIL import Image
-
-    grey_model, (height, width) = shape[0] == 1, shape[1:]
-    resized, to_grey, to_colour = [], [], []
-    for path in images:
-        try:
-            with Image.open(path) as img:
-                w, h, img_mode = img.width, img.height, img.mode
-        except Exception:  # noqa: BLE001 - decode_images reports unreadable files
-            continue
-        factor = max(h / height, height / h, w / width, width / w)
-        if factor > RESIZE_NOTE_FACTOR:
-            resized.append(f"{Path(path).name} is {w}x{h}")
-        is_grey = img_mode in ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F")
-        if grey_model and not is_grey and img_mode != "P":
-            to_grey.append(f"{Path(path).name} is {img_mode}")
-        elif not grey_model and is_grey:
-            to_colour.append(f"{Path(path).name} is {img_mode}")
-    kind = f"{'grey' if grey_model else 'colour'} {width}x{height}"
-    notes = []
-    for found, change in ((resized, f"resized by more than {RESIZE_NOTE_FACTOR:g}x to the "
-                                    f"model's {kind} inputs"),
-                          (to_grey, "converted from colour to grey"),
-                          (to_colour, "converted from grey to colour")):
-        if found:
-            notes.append(f"{len(found)} of {len(images)} image(s) {change} (e.g. {found[0]}); "
-                         "predictions may be unreliable: use images like the training data")
-    return notes

@@ -83,3 +83,44 @@ def check_inputs(inputs: Any) -> None:
             sorted({type(i).__name__ for i in inputs if not isinstance(i, (str, Path))}))
         raise TypeError("inputs must be a list of image or text file paths, folders, texts or "
                         f"dataset names (str), got {type(inputs).__name__}{odd}")
+
+
+#: An image resized by more than this factor (height or width, up or down) gets a note.
+RESIZE_NOTE_FACTOR = 2.0
+
+
+def input_notes(images: Sequence[str | Path], shape: tuple[int, ...]) -> list[str]:
+    """Say which images change a lot on the way into a model taking ``(C, H, W)`` inputs.
+
+    Reads only the image headers. One line per kind of change (resized by more than
+    :data:`RESIZE_NOTE_FACTOR`, colour made grey, grey made colour), naming how many
+    images and one example; no line when nothing changes much.
+    """
+    from PIL import Image
+
+    grey_model, (height, width) = shape[0] == 1, shape[1:]
+    resized, to_grey, to_colour = [], [], []
+    for path in images:
+        try:
+            with Image.open(path) as img:
+                w, h, img_mode = img.width, img.height, img.mode
+        except Exception:  # noqa: BLE001 - decode_images reports unreadable files
+            continue
+        factor = max(h / height, height / h, w / width, width / w)
+        if factor > RESIZE_NOTE_FACTOR:
+            resized.append(f"{Path(path).name} is {w}x{h}")
+        is_grey = img_mode in ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F")
+        if grey_model and not is_grey and img_mode != "P":
+            to_grey.append(f"{Path(path).name} is {img_mode}")
+        elif not grey_model and is_grey:
+            to_colour.append(f"{Path(path).name} is {img_mode}")
+    kind = f"{'grey' if grey_model else 'colour'} {width}x{height}"
+    notes = []
+    for found, change in ((resized, f"resized by more than {RESIZE_NOTE_FACTOR:g}x to the "
+                                    f"model's {kind} inputs"),
+                          (to_grey, "converted from colour to grey"),
+                          (to_colour, "converted from grey to colour")):
+        if found:
+            notes.append(f"{len(found)} of {len(images)} image(s) {change} (e.g. {found[0]}); "
+                         "predictions may be unreliable: use images like the training data")
+    return notes

@@ -255,6 +255,10 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
         data.notes.append(f"--tokenizer {d.tokenizer} does nothing for {data.kind} inputs "
                           "(it tokenizes text only)")
     data.notes.extend(unused_setting_notes(d))
+    if features := data.columns.get("features"):  # chosen, not named: say which
+        data.notes.append(f"tabular: label column {data.columns['label']!r}, {len(features)} "
+                          f"feature column(s): {', '.join(features[:8])}"
+                          f"{', ...' if len(features) > 8 else ''}")
     validation, distill_x = run_merge_data(config, strategy, data)
     parts = partition(data.train.y, config.merge.num_nodes, d.partitioner, alpha=d.alpha,
                       classes_per_node=d.classes_per_node, groups=data.train.groups,

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from fedavg import checkpoint
 from fedavg.cli import app
-from fedavg.inference import input_notes
+from fedavg.inputs import input_notes
 from fedavg.models import build_model
 
 runner = CliRunner()

@@ -370,3 +370,48 @@ def test_unreadable_files_say_what_is_wrong_in_one_line(tmp_path):
     message = str(info.value)
     assert "must have the same columns" in message and "'target'" in message
     assert "\n" not in message
+
+
+# --- a saved model's columns -------------------------------------------------------------------
+
+
+def _tabular_meta(data, source):
+    return {"input": data.input_spec(), "classes": data.classes,
+            "dataset": {"source": source, "columns": data.columns, "seed": 0,
+                        "test_fraction": 0.2}}
+
+
+def test_the_label_column_is_the_most_usual_name_and_scalars_are_features(tmp_path):
+    """``x`` and ``y`` are usual input and label names, but ``label`` says more."""
+    rows = ["x,y,z,label"] + [f"{i % 7},{i % 3},{i * 0.5},{'ab'[i % 2]}" for i in range(20)]
+    (tmp_path / "xy.csv").write_text("\n".join(rows) + "\n")
+    data = load(str(tmp_path / "xy.csv"))
+    assert data.columns == {"features": ["x", "y", "z"], "label": "label"}
+    assert data.classes == ["a", "b"] and data.train.x.shape[1:] == (3,)
+
+
+def test_a_saved_tabular_model_reads_its_own_columns_by_name(tmp_path, monkeypatch):
+    """The run's label and features, however the file is named or its columns ordered."""
+    from fedavg.inference import evaluation_data
+
+    rows = ["f1,f2,class,grade,site"] + [
+        f"{i},{-i},{(i * 7) % 2},{'lo' if i < 10 else 'hi'},{i % 3}" for i in range(20)]
+    (tmp_path / "grade.csv").write_text("\n".join(rows) + "\n")
+    data = load(str(tmp_path / "grade.csv"), label_column="grade", partition_by="site")
+    # site is the partition column and class another column: the features are f1, f2, class
+    assert data.columns == {"features": ["f1", "f2", "class"], "label": "grade"}
+    meta = _tabular_meta(data, str(tmp_path / "grade.csv"))
+    monkeypatch.chdir(tmp_path)
+    _, _, _, part = evaluation_data(meta, tmp_path, "grade.csv")  # the same file, relative
+    assert np.array_equal(part.y, data.test.y) and np.array_equal(part.x, data.test.x)
+    # another file: features (and the label) taken by name, whatever their order
+    header = ["class", "site", "grade", "f2", "f1"]
+    table = [dict(zip(rows[0].split(","), line.split(","))) for line in rows[1:]]
+    (tmp_path / "other.csv").write_text("\n".join(
+        [",".join(header)] + [",".join(r[c] for c in header) for r in table]) + "\n")
+    _, _, _, part = evaluation_data(meta, tmp_path, "other.csv", split="train")
+    assert np.array_equal(part.x, data.train.x) and np.array_equal(part.y, data.train.y)
+    (tmp_path / "less.csv").write_text("f1,grade\n1,lo\n2,hi\n3,lo\n")
+    with pytest.raises(UserError, match="less.csv lacks the feature column.s. f2, class that "
+                                        "the model takes .f1, f2, class."):
+        evaluation_data(meta, tmp_path, "less.csv")
