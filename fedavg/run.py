@@ -263,6 +263,7 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
     parts = partition(data.train.y, config.merge.num_nodes, d.partitioner, alpha=d.alpha,
                       classes_per_node=d.classes_per_node, groups=data.train.groups,
                       seed=d.seed)
+    data.notes.extend(_coverage_notes(data, parts, d.partitioner))
     spec = None
     if model:
         t = config.train
@@ -285,6 +286,26 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
     if grouped:
         data.notes.append(grouped)  # shown with the plan, kept in model.json
     return prepared
+
+
+def _coverage_notes(data: LoadedData, parts: list[np.ndarray], partitioner: str) -> list[str]:
+    """Say which classes no train sample has, and which samples no node's partition holds."""
+    def named(idx) -> str:
+        return ", ".join(data.classes[i] for i in idx[:5]) + (", ..." if len(idx) > 5 else "")
+
+    notes, n = [], len(data.classes)
+    if len(absent := np.flatnonzero(np.bincount(data.train.y, minlength=n) == 0)):
+        notes.append(f"{len(absent)} class(es) without train samples, never learnt: "
+                     f"{named(absent)}")
+    used = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    if len(used) < len(data.train):
+        left = np.setdiff1d(np.flatnonzero(np.bincount(data.train.y, minlength=n)),
+                            data.train.y[used])
+        notes.append(f"the {partitioner} partition gives the nodes {len(used)} of "
+                     f"{len(data.train)} train samples" + (
+                         f"; {len(left)} class(es) in no node's partition: {named(left)}"
+                         if len(left) else ""))
+    return notes
 
 
 def _strategy_notes(strategy, model, config: RunConfig) -> list[str]:

@@ -305,3 +305,33 @@ def test_partition_settings_a_partitioner_does_not_take_are_noted():
                      "(it is for --partitioner pathological)"]
     assert unused_setting_notes(DataConfig(partitioner="dirichlet", alpha=0.3)) == []
     assert unused_setting_notes(DataConfig()) == []  # defaults were not given
+
+
+def test_samples_and_classes_no_node_trains_on_are_noted(tmp_path):
+    """The pathological partition leaves classes out; a class may have no train sample."""
+    import datasets
+    import numpy as np
+
+    from fedavg.config import RunConfig
+    from fedavg.run import prepare
+
+    p = prepare(RunConfig().replace(partitioner="pathological", classes_per_node=2,
+                                    num_nodes=2), model=False)
+    used = sum(len(part) for part in p.parts)
+    kept = sorted({p.data.classes[c] for c in np.unique(p.data.train.y[np.concatenate(p.parts)])})
+    left = [c for c in p.data.classes if c not in kept]
+    assert len(left) == 6 and used < len(p.data.train)
+    assert (f"the pathological partition gives the nodes {used} of {len(p.data.train)} train "
+            f"samples; 6 class(es) in no node's partition: {', '.join(left[:5])}, ...") \
+        in p.data.notes
+    assert not any("partition gives" in n for n in prepare(
+        RunConfig().replace(num_nodes=2), model=False).data.notes)
+    label = datasets.ClassLabel(names=["cat", "dog", "fox"])
+    rows = {"f1": [float(i) for i in range(12)], "label": [i % 2 for i in range(12)]}
+    test = {"f1": [1.0, 2.0, 3.0], "label": [0, 1, 2]}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows).cast_column("label", label),
+                          "test": datasets.Dataset.from_dict(test).cast_column("label", label)}
+                         ).save_to_disk(str(tmp_path / "dd"))
+    notes = prepare(RunConfig().replace(dataset=str(tmp_path / "dd"), num_nodes=2),
+                    model=False).data.notes
+    assert "1 class(es) without train samples, never learnt: fox" in notes
