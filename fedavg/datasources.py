@@ -384,7 +384,8 @@ def decode_images(raw, source: str = "", size: tuple[int, int] | None = None,
                 img = img.resize((size[1], size[0]), Image.BILINEAR)
             arr = np.asarray(img, dtype=np.uint8)
         except Exception as exc:
-            where = item if isinstance(item, (str, Path)) else f"row {i}"
+            path = item.get("path") if isinstance(item, dict) else None
+            where = item if isinstance(item, (str, Path)) else path or f"row {i}"
             raise UserError(f"cannot decode image {where} of {source}: {_one_line(exc)}") from None
         out.append(arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1))
     if not out:

@@ -415,3 +415,14 @@ def test_a_saved_tabular_model_reads_its_own_columns_by_name(tmp_path, monkeypat
     with pytest.raises(UserError, match="less.csv lacks the feature column.s. f2, class that "
                                         "the model takes .f1, f2, class."):
         evaluation_data(meta, tmp_path, "less.csv")
+
+
+def test_a_corrupt_image_in_a_folder_is_named_by_its_file(tmp_path):
+    for cls in ("cat", "dog"):
+        (tmp_path / "pics" / cls).mkdir(parents=True)
+        for i in range(3):
+            (tmp_path / "pics" / cls / f"{i}.png").write_bytes(png(10 * i))
+    bad = tmp_path / "pics" / "dog" / "1.png"
+    bad.write_bytes(png(5)[:40])  # a truncated PNG
+    with pytest.raises(UserError, match=f"cannot decode image {bad} of "):
+        load(str(tmp_path / "pics"))
