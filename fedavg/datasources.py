@@ -148,6 +148,8 @@ def _reason(exc: BaseException) -> str:
     seen: BaseException | None = exc
     while seen is not None:
         for line in str(seen).splitlines():
+            if "corresponds to no data" in line:  # a split of no rows (a header-only CSV)
+                return "it holds no rows"
             if line.strip() and line.strip() != _GENERIC:
                 return line.strip()[:300]
         seen = seen.__cause__ or seen.__context__

@@ -361,6 +361,10 @@ def test_unreadable_files_say_what_is_wrong_in_one_line(tmp_path):
     empty.write_text("")
     with pytest.raises(UserError, match=r"empty.csv is an empty file: give a data file"):
         load(str(empty))
+    (tmp_path / "header.csv").write_text("a,b,label\n")
+    with pytest.raises(UserError, match=r"cannot read dataset at \S+header.csv: it holds no "
+                                        r"rows$"):
+        load(str(tmp_path / "header.csv"))
     folder = tmp_path / "splits"
     folder.mkdir()
     (folder / "train.csv").write_text("a,b,label\n1,2,0\n3,4,1\n5,6,0\n7,8,1\n")
