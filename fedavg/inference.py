@@ -397,8 +397,14 @@ def _text_batches(inputs: Sequence[str], literal: bool, split: str, meta: dict[s
 
 
 def _dataset_batch(source: str, split: str, meta: dict[str, Any], tokenizer: Any = "hashed"):
-    """Load the ``split`` of a dataset, checked against the model's inputs: ``(x, names)``."""
+    """Load the ``split`` of a dataset, checked against the model's inputs: ``(x, names)``.
+
+    A single table (one file, one split) given to a tabular model is predicted whole, row
+    by row, and needs no label column.
+    """
     cols = recorded_columns(meta, source)
+    if cols.get("features") and (rows := _table_rows(source, cols["features"])) is not None:
+        return rows
     try:
         data = load(source, tokenizer=tokenizer, image_column=cols.get("image"),
                     label_column=cols.get("label"), text_column=cols.get("text"),
@@ -414,3 +420,27 @@ def _dataset_batch(source: str, split: str, meta: dict[str, Any], tokenizer: Any
     check_kind(meta["input"], data, source)
     part = conform(data.splits[split], source, meta["input"]["shape"])
     return part.x, [f"{source}#{split}[{i}]" for i in range(len(part))]
+
+
+def _table_rows(source: str, features: list[str]):
+    """Return every row of a one-split table as ``(x, names)``; ``None`` for other data.
+
+    Names are ``source#row<i>``, ``i`` counting data rows from 0.
+
+    Raises
+    ------
+    UserError
+        The table lacks one of the model's ``features`` columns.
+    """
+    from fedavg.datasources import input_array, open_source
+
+    dsdict = open_source(source)
+    if len(dsdict) != 1:
+        return None
+    table = next(iter(dsdict.values()))
+    missing = [c for c in features if c not in table.features]
+    if missing:
+        raise UserError(f"{source} lacks the feature column(s) {', '.join(missing)} that the "
+                        f"model takes ({', '.join(features)})")
+    x = input_array(table, features, source)
+    return x, [f"{source}#row{i}" for i in range(len(x))]

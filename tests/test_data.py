@@ -430,3 +430,27 @@ def test_a_corrupt_image_in_a_folder_is_named_by_its_file(tmp_path):
     bad.write_bytes(png(5)[:40])  # a truncated PNG
     with pytest.raises(UserError, match=f"cannot decode image {bad} of "):
         load(str(tmp_path / "pics"))
+
+
+def test_predict_on_a_table_takes_every_row_by_feature_name_without_labels(tmp_path):
+    """A tabular model predicts a whole table, labelled or not, its columns in any order."""
+    from fedavg import checkpoint
+    from fedavg.inference import predict
+    from fedavg.models import build_model
+
+    rows = ["f1,f2,label"] + [f"{i},{-i},{'ab'[i % 2]}" for i in range(20)]
+    (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
+    data = load(str(tmp_path / "t.csv"))
+    meta = {**_tabular_meta(data, str(tmp_path / "t.csv")),
+            "model": {"name": "mlp", "input_shape": [2], "num_classes": 2, "args": {}}}
+    checkpoint.save(tmp_path / "run", build_model("mlp", (2,), 2).state_dict(), meta)
+    (tmp_path / "new.csv").write_text(
+        "\n".join(["f2,extra,f1"] + [f"{-i},x,{i}" for i in range(7)]) + "\n")  # no label
+    for table, n in ((tmp_path / "t.csv", 20), (tmp_path / "new.csv", 7)):
+        got = predict(tmp_path / "run", [str(table)])
+        assert [r["input"] for r in got] == [f"{table}#row{i}" for i in range(n)]
+    # the same rows in both, the features matched by name: the same predictions
+    first = predict(tmp_path / "run", [str(tmp_path / "t.csv")])[:7]
+    second = predict(tmp_path / "run", [str(tmp_path / "new.csv")])
+    assert [r["prediction"] for r in first] == [r["prediction"] for r in second]
+    assert [r["confidence"] for r in first] == pytest.approx([r["confidence"] for r in second])
