@@ -29,6 +29,7 @@ from fedavg.datasources import (  # noqa: F401  (digits_arrays re-exported)
     input_array,
     is_text,
     looks_like_path,
+    numbers_as_text,
     open_source,
 )
 from fedavg.errors import UserError
@@ -385,6 +386,8 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
                                   partition_by, text["column"], feature_columns)
     tokenizer = None
     if len(image) == 1 and is_text(train_ds.features[image[0]]):
+        if text["column"] is None:  # detected: a column of numbers with a stray string?
+            numbers_as_text(train_ds, image[0], source)
         tokenizer = text["tokenizer"]
         if isinstance(tokenizer, str):
             from fedavg.text import make_tokenizer

@@ -268,6 +268,38 @@ def _detect_inputs(features, source: str, label: str, partition_by: str | None) 
     return image
 
 
+def numbers_as_text(ds, column: str, source: str, sample: int = 1000) -> None:
+    """Refuse a text column that holds numbers but for a few values: a table's typo.
+
+    One ``?`` or ``n/a`` among the numbers of a CSV column makes the whole column text;
+    taken as the run's input, every numeric feature would be left out.
+
+    Raises
+    ------
+    UserError
+        Most of the first ``sample`` non-empty values of ``column`` parse as numbers.
+    """
+    try:
+        values = [v for v in ds.select(range(min(len(ds), sample)))[column] if v and v.strip()]
+    except UnicodeDecodeError:  # said where the text is read (fedavg.data._tokenized)
+        return
+
+    def number(v: str) -> bool:
+        try:
+            float(v)
+        except ValueError:
+            return False
+        return True
+
+    odd = [v for v in values if not number(v)]
+    if values and len(odd) < 0.5 * len(values):
+        such = f" such as {odd[0]!r}" if odd else ""
+        raise UserError(f"column {column!r} of {source} holds numbers but also "
+                        f"{len(odd)} other value(s){such}, so it reads as text: "
+                        f"fix or drop those values, or pass --text-column {column} if it is "
+                        "text")
+
+
 def is_text(feature) -> bool:
     """Tell whether a ``datasets`` feature is a text column (``string`` values)."""
     import datasets

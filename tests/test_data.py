@@ -454,3 +454,17 @@ def test_predict_on_a_table_takes_every_row_by_feature_name_without_labels(tmp_p
     second = predict(tmp_path / "run", [str(tmp_path / "new.csv")])
     assert [r["prediction"] for r in first] == [r["prediction"] for r in second]
     assert [r["confidence"] for r in first] == pytest.approx([r["confidence"] for r in second])
+
+
+def test_a_stray_string_in_a_column_of_numbers_is_refused_not_read_as_text(tmp_path):
+    rows = ["a,b,label"] + [f"{i},{'?' if i == 3 else i * 2},{'xy'[i % 2]}" for i in range(30)]
+    (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
+    with pytest.raises(UserError, match=r"column 'b' of \S+t.csv holds numbers but also 1 other "
+                                        r"value\(s\) such as '\?', so it reads as text: fix or "
+                                        r"drop those values, or pass --text-column b if it is "
+                                        r"text"):
+        load(str(tmp_path / "t.csv"))
+    assert load(str(tmp_path / "t.csv"), text_column="b").kind == "text"  # named: as asked
+    words = ["a,b,label"] + [f"{i},word{i} here,{'xy'[i % 2]}" for i in range(30)]
+    (tmp_path / "w.csv").write_text("\n".join(words) + "\n")
+    assert load(str(tmp_path / "w.csv")).kind == "text"  # real text is text
