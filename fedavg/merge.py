@@ -94,10 +94,11 @@ def merge_models(
     Raises
     ------
     UserError
-        Missing or damaged models, models of different architectures or classes, a
-        strategy that needs data it was not given or that trains nodes its own way, an
-        output folder that holds a run (without ``overwrite``), is one of the inputs or
-        cannot be written; models built by code that ``model`` does not name.
+        Missing, damaged or unlike models (architecture, classes, input statistics, node
+        models mixed with others); a strategy that lacks or does not use the data given,
+        trains nodes or steps from a round's start (server optimisers); a NaN/Inf merge; a
+        bad ``dataset`` (checked first); an output folder that holds a run (without
+        ``overwrite``), is an input or cannot be written; code ``model`` does not name.
     TypeError
         ``models`` is a single path, or ``config`` is not a RunConfig.
     """
