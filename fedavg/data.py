@@ -412,7 +412,11 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
             groups = np.asarray([str(v) for v in ds[partition_by]])
         key = "train" if name == train_name else ("test" if name == test_name else name)
         splits[key] = Split(x, y, groups)
-    notes = []
+    folded: dict[str, list[str]] = {}
+    for c in classes:
+        folded.setdefault(c.strip().lower(), []).append(c)
+    notes = [f"label values that differ only in case or spaces are separate classes: "
+             f"{', '.join(map(repr, same))}" for same in folded.values() if len(same) > 1][:1]
     if tokenizer is not None:
         cols: dict[str, Any] = {"text": image[0], "label": label}
         others = [c for c, f in train_ds.features.items() if is_text(f) and c != image[0]]

@@ -468,3 +468,13 @@ def test_a_stray_string_in_a_column_of_numbers_is_refused_not_read_as_text(tmp_p
     words = ["a,b,label"] + [f"{i},word{i} here,{'xy'[i % 2]}" for i in range(30)]
     (tmp_path / "w.csv").write_text("\n".join(words) + "\n")
     assert load(str(tmp_path / "w.csv")).kind == "text"  # real text is text
+
+
+def test_labels_that_differ_only_in_case_or_spaces_are_noted(tmp_path):
+    rows = ["a,label"] + [f"{i},{['neg', 'neg ', 'pos'][i % 3]}" for i in range(30)]
+    (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
+    data = load(str(tmp_path / "t.csv"))
+    assert data.classes == ["neg", "neg ", "pos"]
+    assert "label values that differ only in case or spaces are separate classes: 'neg', " \
+        "'neg '" in data.notes
+    assert not any("differ only" in n for n in load("digits").notes)
