@@ -123,6 +123,8 @@ def merge(
     acc = f": test accuracy [bold]{res['accuracy']:.4f}[/]" if "accuracy" in res else ""
     kept = (f"\nkept {len(res['members'])} of {res['num_models']}: "
             + ", ".join(escape(m) for m in res["members"])) if "members" in res else ""
+    for note in res.get("notes", []):
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     console.print(f"merged {res['num_models']} models with {res['strategy']} into "
                   f"[bold]{escape(str(output))}[/]{acc}{kept}", highlight=False)
 

@@ -119,9 +119,7 @@ def merge_models(
         if overwrite:  # a previous run's files go as a whole (its checkpoint, metrics, nodes)
             clear_previous_run(out)
         checkpoint.save_merged(out, merged, meta)
-        result: dict[str, Any] = {"num_models": len(dirs), "strategy": config.merge.strategy}
-        if (kept := merged.info.get("members", merged.info.get("selected_nodes"))) is not None:
-            result["members"] = list(kept)  # a greedy soup's, Krum's: the models it kept
+        result = _result(config.merge.strategy, len(dirs), merged.info)
         if held is not None:
             from fedavg.inference import load_model, score
 
@@ -134,6 +132,18 @@ def merge_models(
                                                      "models": [str(d) for d in dirs]})
     finally:
         release_output(out)
+    return result
+
+
+def _result(strategy: str, num_models: int, info: dict[str, Any]) -> dict[str, Any]:
+    """Return a merge's result before evaluation: its models, those it kept, its notes."""
+    result: dict[str, Any] = {"num_models": num_models, "strategy": strategy}
+    if (kept := info.get("members", info.get("selected_nodes"))) is not None:
+        result["members"] = list(kept)  # a greedy soup's, Krum's: the models it kept
+    if info.get("best_step") == 0:  # distillation that never beat its start
+        result["notes"] = ["no distillation step beat the members' average on the validation "
+                           "data, so the model is that average (try other --distill-steps or "
+                           "--distill-lr)"]
     return result
 
 
@@ -261,14 +271,16 @@ def _merge_data(config: RunConfig, strategy, first: dict[str, Any], folder: Path
     tokenizer = model_tokenizer(first, folder)
     m = config.merge
     validation = distill_x = None
+    lacking = [flag for flag, need, given in (
+        ("--validation DATASET (held-out data)", strategy.needs_validation, m.validation),
+        ("--distill-data DATASET (unlabeled inputs)", strategy.needs_unlabeled,
+         m.distill_data)) if need and not given]
+    if lacking:
+        raise UserError(f"{m.strategy} needs data: pass {' and '.join(lacking)}")
     if strategy.needs_validation:
-        if not m.validation:
-            raise UserError(f"{m.strategy} needs held-out data: pass --validation DATASET")
         validation = saved_merge_samples(m.validation, first, m.validation_fraction,
                                          tokenizer, held_out=True)
     if strategy.needs_unlabeled:
-        if not m.distill_data:
-            raise UserError(f"{m.strategy} needs unlabeled inputs: pass --distill-data DATASET")
         distill_x = saved_merge_samples(m.distill_data, first, m.distill_fraction, tokenizer,
                                         unlabeled=True,
                                         validation_fraction=m.validation_fraction).x

@@ -160,7 +160,7 @@ class Distill(_Collect):
         """Return one network distilled from the weighted ensemble of the collected models.
 
         The student starts from the FedAvg of the models; the state with the best validation
-        accuracy is kept.
+        accuracy is kept (``info["best_step"]``: 0 when no step beat the start).
         """
         ctx = self._context
         if ctx is None or ctx.distill_x is None or ctx.val_x is None:
@@ -187,6 +187,7 @@ class Distill(_Collect):
             return ctx.accuracy(ctx.probabilities(sd, ctx.val_x))
 
         best_acc = start_acc = val_acc()
+        best_step = 0
         best = {k: v.detach().cpu().clone() for k, v in student.state_dict().items()}
         check_every = max(self.distill_steps // 20, 1)
         with torch.random.fork_rng(devices=[]):
@@ -206,12 +207,12 @@ class Distill(_Collect):
                 if step % check_every == 0 or step == self.distill_steps:
                     acc = val_acc()
                     if acc > best_acc:
-                        best_acc = acc
+                        best_acc, best_step = acc, step
                         best = {k: v.detach().cpu().clone()
                                 for k, v in student.state_dict().items()}
         return Merged(best, len(self._models), sum(self._weights), info={
             "val_accuracy_average": round(start_acc, 6), "val_accuracy": round(best_acc, 6),
-            "steps": self.distill_steps, "unlabeled_samples": len(x),
+            "steps": self.distill_steps, "best_step": best_step, "unlabeled_samples": len(x),
             "augment": self.distill_augment,
         })
 

@@ -66,6 +66,8 @@ def test_ensemble_merge_is_one_loadable_model(tmp_path, node_models):
 @pytest.mark.parametrize("args, message", [
     (["--strategy", "greedy-soup"], "--validation"),
     (["--strategy", "distill", "--validation", "digits"], "--distill-data"),
+    (["--strategy", "distill"], "distill needs data: pass --validation DATASET (held-out data) "
+                                "and --distill-data DATASET (unlabeled inputs)"),
     (["--strategy", "nope"], "unknown strategy"),
     (["--strategy", "trimmed-mean", "--beta", "0.7"], "--beta"),
     *[(["--strategy", s], f"{s} changes how nodes train")
@@ -414,3 +416,16 @@ def test_simulate_notes_data_its_strategy_does_not_use():
     assert len(data.train) == n
     assert "--validation digits does nothing with --strategy average" in data.notes
     assert "--distill-data x does nothing with --strategy average" in data.notes
+
+
+def test_a_distillation_that_never_beats_the_average_says_so(tmp_path, node_models):
+    folder, _ = node_models
+    args = ["merge", str(folder), "--strategy", "distill", "--validation", "digits",
+            "--distill-data", "digits", "--distill-steps", "1"]
+    res = runner.invoke(app, [*args, "--distill-lr", "1e-12", "--output", str(tmp_path / "d")],
+                        env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    assert "note: no distillation step beat the members' average on the validation data, so " \
+        "the model is that average" in res.output
+    summary = json.loads((tmp_path / "d" / "summary.json").read_text())
+    assert summary["merge_info"]["best_step"] == 0 and summary["notes"]
