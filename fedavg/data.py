@@ -16,20 +16,16 @@ from typing import Any
 
 import numpy as np
 
+from fedavg.columns import IMAGE_NAMES, LABEL_NAMES, detect_columns, is_text, text_or_table
 from fedavg.datasources import (  # noqa: F401  (digits_arrays re-exported)
     BUILTIN,
     FILE_BUILDERS,
-    IMAGE_NAMES,
     IMAGE_SUFFIXES,
-    LABEL_NAMES,
     TEST_NAMES,
     decode_images,
-    detect_columns,
     digits_arrays,
     input_array,
-    is_text,
     looks_like_path,
-    numbers_as_text,
     open_source,
 )
 from fedavg.errors import UserError
@@ -384,10 +380,10 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
         raise UserError(f"split {train_name!r} of {source!r} is empty")
     label, image = detect_columns(train_ds.features, source, image_column, label_column,
                                   partition_by, text["column"], feature_columns)
-    tokenizer = None
+    tokenizer, left_out = None, None
+    if len(image) == 1 and is_text(train_ds.features[image[0]]) and text["column"] is None:
+        image, left_out = text_or_table(train_ds, image[0], label, partition_by, source)
     if len(image) == 1 and is_text(train_ds.features[image[0]]):
-        if text["column"] is None:  # detected: a column of numbers with a stray string?
-            numbers_as_text(train_ds, image[0], source)
         tokenizer = text["tokenizer"]
         if isinstance(tokenizer, str):
             from fedavg.text import make_tokenizer
@@ -417,6 +413,7 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
         folded.setdefault(c.strip().lower(), []).append(c)
     notes = [f"label values that differ only in case or spaces are separate classes: "
              f"{', '.join(map(repr, same))}" for same in folded.values() if len(same) > 1][:1]
+    notes += [left_out] if left_out else []
     if tokenizer is not None:
         cols: dict[str, Any] = {"text": image[0], "label": label}
         others = [c for c, f in train_ds.features.items() if is_text(f) and c != image[0]]

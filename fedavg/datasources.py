@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedavg.errors import NoLabelColumn, UserError, first_line
+from fedavg.errors import UserError, first_line
 
 BUILTIN = ("digits",)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -26,8 +26,6 @@ FILE_BUILDERS = {
     ".json": "json",
     ".jsonl": "json",
 }
-IMAGE_NAMES = ("image", "img", "images", "pixel_values", "pixels", "x", "features")
-LABEL_NAMES = ("label", "labels", "target", "class", "y", "fine_label")
 TEST_NAMES = ("test", "validation", "valid", "val")
 
 
@@ -159,152 +157,6 @@ def _reason(exc: BaseException) -> str:
 def _one_line(exc: BaseException) -> str:
     """Shorten ``exc`` to its first line, at most 300 characters."""
     return first_line(exc, 300)
-
-
-def _check_column(features, col: str, flag: str, source: str) -> str:
-    """Return ``col`` if ``features`` has it, else a user error naming ``flag``."""
-    if col not in features:
-        raise UserError(f"column {col!r} ({flag}) is not in {source}; columns are: "
-                        f"{', '.join(features)}")
-    return col
-
-
-def detect_columns(features, source: str, image_column: str | None = None,
-                   label_column: str | None = None,
-                   partition_by: str | None = None,
-                   text_column: str | None = None,
-                   feature_columns: list[str] | None = None) -> tuple[str, list[str]]:
-    """Pick the label column and the input column(s) of the train split's ``features``.
-
-    Columns the user named (``image_column``, ``label_column``, ``partition_by``,
-    ``text_column``) are checked, the others detected: the label is a ``ClassLabel``
-    column, else the column with the most usual label name (``label`` before ``y``, see
-    :data:`LABEL_NAMES`); the input is one image (or array) column, else one text (string)
-    column (:func:`is_text`), else every numeric column but the label and ``partition_by``
-    (tabular data). ``feature_columns`` (a saved tabular model's) are taken by name, in
-    their order. ``source`` names the data in messages.
-
-    Returns
-    -------
-    tuple of (str, list of str)
-        ``(label, inputs)``.
-
-    Raises
-    ------
-    UserError
-        A named column that does not exist, no label or input column found, or the same
-        column as both input and label.
-    """
-    import datasets
-
-    columns = list(features)
-    if label_column is not None:
-        label = _check_column(features, label_column, "--label-column", source)
-    else:
-        label = next(
-            (c for c, f in features.items() if isinstance(f, datasets.ClassLabel)), None
-        ) or next((c for name in LABEL_NAMES for c in columns if c.lower() == name), None)
-        if label is None:
-            raise NoLabelColumn(
-                f"no label column found in {source}; pass --label-column (columns: "
-                f"{', '.join(columns)})"
-            )
-    if image_column is not None and text_column is not None:
-        raise UserError("pass --image-column or --text-column, not both")
-    if text_column is not None:
-        image = [_check_column(features, text_column, "--text-column", source)]
-        if not is_text(features[text_column]):
-            raise UserError(f"--text-column {text_column}: it holds {features[text_column]}, "
-                            "not text")
-    elif feature_columns:
-        missing = [c for c in feature_columns if c not in features]
-        if missing:
-            raise UserError(f"{source} lacks the feature column(s) {', '.join(missing)} that "
-                            f"the model takes ({', '.join(feature_columns)})")
-        image = list(feature_columns)
-    elif image_column is not None:
-        image = [_check_column(features, image_column, "--image-column", source)]
-        if is_text(features[image_column]):
-            raise UserError(f"--image-column {image_column}: it holds text; pass --text-column "
-                            f"{image_column}")
-    else:
-        image = _detect_inputs(features, source, label, partition_by)
-    if partition_by is not None:
-        _check_column(features, partition_by, "--partition-by", source)
-    if label in image:
-        raise UserError(f"column {label!r} is both the input and the label; pass another "
-                        "--image-column or --label-column")
-    return label, image
-
-
-def _detect_inputs(features, source: str, label: str, partition_by: str | None) -> list[str]:
-    """Find an image column, or else every numeric feature column (tabular data)."""
-    import datasets
-
-    columns = list(features)
-    found = next(
-        (c for c, f in features.items() if isinstance(f, datasets.Image) and c != label),
-        None,
-    ) or next((c for c in columns if c.lower() in IMAGE_NAMES and c != label
-               and not isinstance(features[c], datasets.Value)), None)  # arrays, not scalars
-    if found is not None:
-        return [found]
-    text = next((c for c, f in features.items() if c not in (label, partition_by)
-                 and is_text(f)), None)
-    if text is not None:
-        return [text]
-    # tabular: every numeric column but the label and the group column
-    image = [c for c, f in features.items() if c not in (label, partition_by)
-             and isinstance(f, datasets.Value)
-             and (f.dtype.startswith(("int", "uint", "float")) or f.dtype == "bool")]
-    if not image:
-        besides = f"the label column {label!r}" + (
-            f" and the --partition-by column {partition_by!r}" if partition_by else "")
-        raise UserError(
-            f"no image, text or numeric feature column in {source} besides {besides}; pass "
-            f"--image-column or --text-column, or another --label-column"
-            f"{' or --partition-by' if partition_by else ''} (columns: {', '.join(columns)})"
-        )
-    return image
-
-
-def numbers_as_text(ds, column: str, source: str, sample: int = 1000) -> None:
-    """Refuse a text column that holds numbers but for a few values: a table's typo.
-
-    One ``?`` or ``n/a`` among the numbers of a CSV column makes the whole column text;
-    taken as the run's input, every numeric feature would be left out.
-
-    Raises
-    ------
-    UserError
-        Most of the first ``sample`` non-empty values of ``column`` parse as numbers.
-    """
-    try:
-        values = [v for v in ds.select(range(min(len(ds), sample)))[column] if v and v.strip()]
-    except UnicodeDecodeError:  # said where the text is read (fedavg.data._tokenized)
-        return
-
-    def number(v: str) -> bool:
-        try:
-            float(v)
-        except ValueError:
-            return False
-        return True
-
-    odd = [v for v in values if not number(v)]
-    if values and len(odd) < 0.5 * len(values):
-        such = f" such as {odd[0]!r}" if odd else ""
-        raise UserError(f"column {column!r} of {source} holds numbers but also "
-                        f"{len(odd)} other value(s){such}, so it reads as text: "
-                        f"fix or drop those values, or pass --text-column {column} if it is "
-                        "text")
-
-
-def is_text(feature) -> bool:
-    """Tell whether a ``datasets`` feature is a text column (``string`` values)."""
-    import datasets
-
-    return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
 
 
 def input_array(ds, columns: list[str], source: str) -> np.ndarray:

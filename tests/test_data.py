@@ -468,6 +468,15 @@ def test_a_stray_string_in_a_column_of_numbers_is_refused_not_read_as_text(tmp_p
     words = ["a,b,label"] + [f"{i},word{i} here,{'xy'[i % 2]}" for i in range(30)]
     (tmp_path / "w.csv").write_text("\n".join(words) + "\n")
     assert load(str(tmp_path / "w.csv")).kind == "text"  # real text is text
+    # a table with a category column: its numbers are the features, the category is noted
+    rows = ["a,city,b,label"] + [f"{i},{['Oslo', 'Rome', 'Lima'][i % 3]},{i * 2},{'xy'[i % 2]}"
+                                  for i in range(30)]
+    (tmp_path / "c.csv").write_text("\n".join(rows) + "\n")
+    data = load(str(tmp_path / "c.csv"))
+    assert data.kind == "tabular" and data.columns == {"features": ["a", "b"], "label": "label"}
+    assert "string column(s) city left out: short values are categories, which a table's " \
+        "features do not encode (--text-column to train on one as text)" in data.notes
+    assert load(str(tmp_path / "c.csv"), text_column="city").kind == "text"
 
 
 def test_labels_that_differ_only_in_case_or_spaces_are_noted(tmp_path):

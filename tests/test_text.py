@@ -130,7 +130,8 @@ def test_text_column_override_and_its_errors(tmp_path):
     from fedavg.data import load
 
     csv = tmp_path / "t.csv"
-    pd.DataFrame({"title": ["good day", "bad day"] * 5, "body": ["x", "y"] * 5,
+    pd.DataFrame({"title": [f"a {'good' if i % 2 else 'bad'} day, the {i}th" for i in range(10)],
+                  "body": [f"text {i}" for i in range(10)],
                   "n": list(range(10)), "label": [0, 1] * 5}).to_csv(csv, index=False)
     data = load(str(csv))
     assert data.columns["text"] == "title"  # the first string column, and said so
