@@ -166,6 +166,7 @@ def flat_settings(summary: dict[str, Any]) -> dict[str, Any]:
             else:
                 flat[key.replace("_", "-")] = value
     flat["model"] = summary.get("model", flat.get("model"))  # "auto" resolved
+    flat["dataset"] = summary.get("dataset") or flat.get("dataset")  # a path made absolute
     flat["num-nodes"] = summary.get("num_nodes", flat.get("num-nodes"))
     flat.setdefault("strategy", summary.get("strategy"))
     return flat

@@ -427,7 +427,7 @@ def write_summary(result: RunResult, prepared: Prepared, config: RunConfig) -> N
         "wall_s": result.wall_s,
         "strategy": config.merge.strategy,
         "model": prepared.spec.name,
-        "dataset": prepared.data.source,
+        "dataset": prepared.meta["dataset"]["source"],  # a local path made absolute
         "train_samples": len(prepared.data.train),
         "test_samples": len(prepared.data.test),
         "failures": result.failures,

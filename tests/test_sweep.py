@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +116,24 @@ def test_report_names_model_args_as_sweep_points_do():
     config = RunConfig().replace(model_args={"hidden": 16, "act": "gelu"}).as_dict()
     assert flat_settings({"config": config})["model-args"] == "hidden=16,act=gelu"
     assert flat_settings({"config": RunConfig().as_dict()}).get("model-args") is None
+
+
+def test_report_names_a_local_dataset_by_its_absolute_path(tmp_path, monkeypatch):
+    """The same file given relative and absolute is one dataset in a report."""
+    from fedavg.report_runs import flat_settings
+    from fedavg.run import prepare, write_summary
+
+    (tmp_path / "t.csv").write_text("\n".join(
+        ["a,b,label"] + [f"{i},{i % 5},{'xy'[i % 2]}" for i in range(20)]) + "\n")
+    monkeypatch.chdir(tmp_path)
+    config = RunConfig().replace(dataset="t.csv", num_nodes=2)
+    result = types.SimpleNamespace(
+        summary_path=tmp_path / "summary.json", accuracy=0.5, loss=1.0,
+        rounds=[{"accuracy": 0.5}], num_nodes=2, wall_s=1.0, failures=[], startup_s=None)
+    write_summary(result, prepare(config), config)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["dataset"] == str(tmp_path / "t.csv")
+    assert flat_settings(summary)["dataset"] == str(tmp_path / "t.csv")
 
 
 @pytest.mark.parametrize("text, message", BAD)
