@@ -6,6 +6,8 @@ numeric column); the label a ``ClassLabel`` or the most usual label name.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fedavg.errors import NoLabelColumn, UserError
 
 IMAGE_NAMES = ("image", "img", "images", "pixel_values", "pixels", "x", "features")
@@ -24,7 +26,8 @@ def detect_columns(features, source: str, image_column: str | None = None,
                    label_column: str | None = None,
                    partition_by: str | None = None,
                    text_column: str | None = None,
-                   feature_columns: list[str] | None = None) -> tuple[str, list[str]]:
+                   feature_columns: list[str] | None = None,
+                   label_hint: str | None = None) -> tuple[str, list[str]]:
     """Pick the label column and the input column(s) of the train split's ``features``.
 
     Columns the user named (``image_column``, ``label_column``, ``partition_by``,
@@ -33,7 +36,8 @@ def detect_columns(features, source: str, image_column: str | None = None,
     :data:`LABEL_NAMES`); the input is one image (or array) column, else one text (string)
     column (:func:`is_text`), else every numeric column but the label and ``partition_by``
     (tabular data). ``feature_columns`` (a saved tabular model's) are taken by name, in
-    their order. ``source`` names the data in messages.
+    their order; ``label_hint`` (a saved model's label) is the label where the data has it.
+    ``source`` names the data in messages.
 
     Returns
     -------
@@ -51,6 +55,8 @@ def detect_columns(features, source: str, image_column: str | None = None,
     columns = list(features)
     if label_column is not None:
         label = _check_column(features, label_column, "--label-column", source)
+    elif label_hint is not None and label_hint in features:  # a saved model's, if there
+        label = label_hint
     else:
         label = next(
             (c for c, f in features.items() if isinstance(f, datasets.ClassLabel)), None
@@ -73,6 +79,7 @@ def detect_columns(features, source: str, image_column: str | None = None,
             raise UserError(f"{source} lacks the feature column(s) {', '.join(missing)} that "
                             f"the model takes ({', '.join(feature_columns)})")
         image = list(feature_columns)
+        check_numeric(features, image, source)
     elif image_column is not None:
         image = [_check_column(features, image_column, "--image-column", source)]
         if is_text(features[image_column]):
@@ -114,6 +121,39 @@ def _detect_inputs(features, source: str, label: str, partition_by: str | None) 
             f"{' or --partition-by' if partition_by else ''} (columns: {', '.join(columns)})"
         )
     return image
+
+
+def check_numeric(features, names: list[str], source: str) -> None:
+    """Refuse feature columns ``names`` that do not hold numbers (a saved tabular model's).
+
+    Raises
+    ------
+    UserError
+        One of them is not a numeric or bool column (say, a ``?`` made it text).
+    """
+    numeric = set(numeric_columns(features, "", None))
+    if odd := [c for c in names if c not in numeric]:
+        kind = "text" if is_text(features[odd[0]]) else str(features[odd[0]])
+        raise UserError(f"column(s) {', '.join(odd)} of {source} do not hold numbers only "
+                        f"({odd[0]} reads as {kind}), but the model takes them as numeric "
+                        "features: fix or drop the values that are not numbers")
+
+
+def recorded_columns(meta: dict[str, Any], source: str) -> dict[str, Any]:
+    """Return the columns of ``source`` a saved model reads, as its run recorded them.
+
+    All of them (``image``/``text``/``features``, ``label``) for the run's own dataset;
+    for another, a tabular model's ``features`` and its label as ``label_hint`` (a table's
+    column names are its schema); else none (they are detected).
+    """
+    from fedavg.datasources import same_source
+
+    ds_meta = meta.get("dataset", {})
+    cols = ds_meta.get("columns") or {}
+    if same_source(source, ds_meta.get("source")):
+        return {k: v for k, v in cols.items() if k in ("image", "text", "features", "label")}
+    return {"features": cols["features"], "label_hint": cols.get("label")} \
+        if cols.get("features") else {}
 
 
 def numeric_columns(features, label: str, partition_by: str | None) -> list[str]:
@@ -187,11 +227,11 @@ def numbers_as_text(values: list[str], column: str, source: str) -> None:
 
     odd = [v for v in values if not number(v)]
     if values and len(odd) < 0.5 * len(values):
-        such = f" such as {odd[0]!r}" if odd else ""
-        raise UserError(f"column {column!r} of {source} holds numbers but also "
-                        f"{len(odd)} other value(s){such}, so it reads as text: "
-                        f"fix or drop those values, or pass --text-column {column} if it is "
-                        "text")
+        what = (f"holds numbers but also {len(odd)} other value(s) such as {odd[0]!r}, so it "
+                "reads as text" if odd else f"holds numbers (its first {len(values)} values) "
+                "stored as text")
+        raise UserError(f"column {column!r} of {source} {what}: fix or drop the values that "
+                        f"are not numbers, or pass --text-column {column} if it is text")
 
 
 def is_text(feature) -> bool:

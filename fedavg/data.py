@@ -217,6 +217,7 @@ def load(
     max_tokens: int = 256,
     hash_buckets: int = 131072,
     feature_columns: list[str] | None = None,
+    label_hint: str | None = None,
 ) -> LoadedData:
     """Load ``dataset`` into arrays with ``train`` and ``test`` splits.
 
@@ -242,8 +243,8 @@ def load(
         tokenizer object (a saved run's, :func:`fedavg.text.from_spec`).
     max_tokens, hash_buckets : int
         Tokens per text; ids of the hashed tokenizer.
-    feature_columns : list of str, optional
-        A tabular model's feature columns, taken by name (a saved model's ``columns``).
+    feature_columns, label_hint : list of str, str, optional
+        A saved tabular model's features, taken by name, and its label, where the data has it.
 
     Returns
     -------
@@ -267,7 +268,7 @@ def load(
         text = {"column": text_column, "tokenizer": tokenizer, "max_tokens": max_tokens,
                 "buckets": hash_buckets}
         data = _from_hf(dsdict, dataset, image_column, label_column, partition_by, text,
-                        feature_columns)
+                        (feature_columns, label_hint))
         data.notes.extend(notes)
     if "test" not in data.splits:
         train = data.splits["train"]
@@ -364,11 +365,12 @@ def _load_digits() -> LoadedData:
 
 
 def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
-             feature_columns=None) -> LoadedData:
+             saved=(None, None)) -> LoadedData:
     """Turn every split of ``dsdict`` that has the input and label columns into arrays.
 
     The ``train`` split (else the first one) fixes the columns and the classes; the first
-    of :data:`TEST_NAMES` present becomes ``test``; other splits keep their names.
+    of :data:`TEST_NAMES` present becomes ``test``; other splits keep their names. ``saved``
+    is a saved model's ``(feature_columns, label_hint)`` (see :func:`load`).
     """
     names = list(dsdict.keys())
     if not names:
@@ -379,7 +381,7 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
     if len(train_ds) == 0:
         raise UserError(f"split {train_name!r} of {source!r} is empty")
     label, image = detect_columns(train_ds.features, source, image_column, label_column,
-                                  partition_by, text["column"], feature_columns)
+                                  partition_by, text["column"], *saved)
     tokenizer, left_out = None, None
     if len(image) == 1 and is_text(train_ds.features[image[0]]) and text["column"] is None:
         image, left_out = text_or_table(train_ds, image[0], label, partition_by, source)

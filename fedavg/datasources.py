@@ -300,3 +300,13 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     with gzip.open(path, "rt") as fh:
         table = np.loadtxt(fh, delimiter=",")
     return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
+
+
+def same_source(given: str, recorded: str | None) -> bool:
+    """Whether ``given`` names the dataset recorded as ``recorded`` (as written, or the path)."""
+    if recorded is None:
+        return False
+    if given == recorded:
+        return True
+    a, b = Path(given).expanduser(), Path(recorded).expanduser()
+    return a.exists() and b.exists() and a.resolve() == b.resolve()

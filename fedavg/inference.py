@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from fedavg import checkpoint
+from fedavg.columns import check_numeric, recorded_columns
 from fedavg.data import (
     BUILTIN,
     check_kind,
@@ -213,6 +214,7 @@ def evaluation_data(meta: dict[str, Any], directory: str | Path, dataset: str | 
         label_column=label_column or cols.get("label"),
         text_column=cols.get("text"),
         feature_columns=None if image_column else cols.get("features"),
+        label_hint=cols.get("label_hint"),
         seed=int(ds_meta.get("seed", 0)),
         test_fraction=float(ds_meta.get("test_fraction", 0.2)),
         tokenizer=model_tokenizer(meta, directory),
@@ -223,22 +225,6 @@ def evaluation_data(meta: dict[str, Any], directory: str | Path, dataset: str | 
     part = conform(data.splits[split], source, meta["input"]["shape"], data.classes,
                    meta["classes"])
     return source, data, split, part
-
-
-def recorded_columns(meta: dict[str, Any], source: str) -> dict[str, Any]:
-    """Return the columns of ``source`` the saved model reads, as its run recorded them.
-
-    All of them for the run's own dataset; for another, a tabular model's feature and
-    label columns (a table's names are its schema); else none (they are detected).
-    """
-    from fedavg.merge_data import same_source
-
-    ds_meta = meta.get("dataset", {})
-    cols = ds_meta.get("columns") or {}
-    if same_source(source, ds_meta.get("source")):
-        return dict(cols)
-    return {"features": cols["features"], "label": cols.get("label")} \
-        if cols.get("features") else {}
 
 
 def score(net: torch.nn.Module, held: tuple[str, Any, str, Any], device: str = "auto",
@@ -408,7 +394,7 @@ def _dataset_batch(source: str, split: str, meta: dict[str, Any], tokenizer: Any
     try:
         data = load(source, tokenizer=tokenizer, image_column=cols.get("image"),
                     label_column=cols.get("label"), text_column=cols.get("text"),
-                    feature_columns=cols.get("features"),
+                    feature_columns=cols.get("features"), label_hint=cols.get("label_hint"),
                     seed=int(meta.get("dataset", {}).get("seed", 0)),
                     test_fraction=float(meta.get("dataset", {}).get("test_fraction", 0.2)))
     except NoLabelColumn:
@@ -442,5 +428,6 @@ def _table_rows(source: str, features: list[str]):
     if missing:
         raise UserError(f"{source} lacks the feature column(s) {', '.join(missing)} that the "
                         f"model takes ({', '.join(features)})")
+    check_numeric(table.features, features, source)
     x = input_array(table, features, source)
     return x, [f"{source}#row{i}" for i in range(len(x))]

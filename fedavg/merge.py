@@ -182,6 +182,8 @@ def _one_merge(config: Any, models: Sequence[str | Path]):
         raise UserError(f"{strategy.name} steps from a round's starting model (a server "
                         "optimiser), which saved models do not have; merge them with "
                         "another strategy (average, a soup, an ensemble)")
+    if note := strategy.nodes_note(len(dirs)):  # a merge of models chosen for it: refused
+        raise UserError(f"{strategy.name}: {note}; or merge more models")
     for flag, given, used in (("--validation", config.merge.validation,
                                strategy.needs_validation),
                               ("--distill-data", config.merge.distill_data,
@@ -218,22 +220,27 @@ def _check_alike(dirs: list[Path], metas: list[dict[str, Any]]) -> dict[str, Any
             if meta[key] != first[key]:
                 raise UserError(f"{d} differs from {dirs[0]} in {key!r}: models must share "
                                 "architecture, classes and input normalisation")
-        if problem := _input_difference(meta["input"], first["input"]):
+        n = min(int(m.get("dataset", {}).get("train_samples") or 0) for m in (meta, first))
+        if problem := _input_difference(meta["input"], first["input"], max(
+                INPUT_TOLERANCE, 3 / math.sqrt(n) if n else 0.0)):  # n unknown: the floor
             raise UserError(f"{d} differs from {dirs[0]} in its inputs: {problem}; models "
                             "trained on other data cannot be merged")
     return first
 
 
 #: Input statistics that differ by less than this fraction of a standard deviation are
-#: the same preparation (runs of one dataset with other seeds hold out other test samples).
+#: the same preparation (runs of one dataset with other seeds hold out other test samples);
+#: for ``n`` train samples the bound is ``max(INPUT_TOLERANCE, 3 / sqrt(n))``, about three
+#: standard errors, since a small table's statistics move more with its hold-out.
 INPUT_TOLERANCE = 0.02
 
 
-def _input_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
-    """Say how input spec ``a`` differs from ``b`` beyond :data:`INPUT_TOLERANCE`, or ``None``.
+def _input_difference(a: dict[str, Any], b: dict[str, Any],
+                      tolerance: float = INPUT_TOLERANCE) -> str | None:
+    """Say how input spec ``a`` differs from ``b`` beyond ``tolerance``, or return ``None``.
 
-    Per channel (or feature) means may differ by ``INPUT_TOLERANCE`` of ``b``'s standard
-    deviation and standard deviations by that fraction of themselves; all else must match.
+    Per channel (or feature) means may differ by ``tolerance`` of ``b``'s standard
+    deviation and standard deviations by that fraction of ``b``'s; all else must match.
     """
     import numpy as np
 
@@ -246,8 +253,8 @@ def _input_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
     try:
         mean_a, mean_b, std_a, std_b = (np.asarray(v, dtype=np.float64) for v in
                                         (a["mean"], b["mean"], a["std"], b["std"]))
-        far = (np.abs(mean_a - mean_b) > INPUT_TOLERANCE * std_b) \
-            | (np.abs(std_a - std_b) > INPUT_TOLERANCE * std_b)
+        far = (np.abs(mean_a - mean_b) > tolerance * std_b) \
+            | (np.abs(std_a - std_b) > tolerance * std_b)
     except (TypeError, ValueError):  # other lengths or non-numbers: a damaged model.json
         return f"normalisation {a['mean']!r}/{a['std']!r} against {b['mean']!r}/{b['std']!r}"
     if far.any():

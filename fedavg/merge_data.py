@@ -8,10 +8,11 @@ given (:func:`saved_merge_samples`), never from the samples the models' nodes tr
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+from fedavg.columns import recorded_columns
 from fedavg.data import LoadedData, Split, check_kind, conform, holdout, load
+from fedavg.datasources import same_source
 from fedavg.errors import UserError
 
 
@@ -100,11 +101,18 @@ def saved_merge_samples(source: str, meta: dict[str, Any], fraction: float, toke
     """
     ds = meta.get("dataset", {})
     seed = int(ds.get("seed", 0))
+    cols = recorded_columns(meta, source)
     data = load(source, seed=seed, test_fraction=float(ds.get("test_fraction", 0.2)),
-                tokenizer=tokenizer)
+                tokenizer=tokenizer, image_column=cols.get("image"),
+                label_column=cols.get("label"), text_column=cols.get("text"),
+                feature_columns=cols.get("features"), label_hint=cols.get("label_hint"))
     check_kind(meta["input"], data, source)
     own = same_source(source, ds.get("source"))
-    kept = ds.get("validation_samples")
+    kept = ds.get("validation_kept")  # kept from the nodes' train split (not --validation B)
+    if kept is None:  # a run saved before the key: its --validation tells
+        given = meta.get("config", {}).get("merge", {}).get("validation")
+        kept = 0 if given and not same_source(given, ds.get("source")) \
+            else ds.get("validation_samples")
     if own and kept:  # the slice `fedavg simulate` kept from the nodes: its own fraction
         validation_fraction = float(meta.get("config", {}).get("merge", {}).get(
             "validation_fraction", validation_fraction))
@@ -125,13 +133,3 @@ def saved_merge_samples(source: str, meta: dict[str, Any], fraction: float, toke
     else:
         _, split = holdout(data.train, fraction, seed + 1)
     return conform(split, source, meta["input"]["shape"], data.classes, meta["classes"])
-
-
-def same_source(given: str, recorded: str | None) -> bool:
-    """Whether ``given`` names the dataset recorded as ``recorded`` (as written, or the path)."""
-    if recorded is None:
-        return False
-    if given == recorded:
-        return True
-    a, b = Path(given).expanduser(), Path(recorded).expanduser()
-    return a.exists() and b.exists() and a.resolve() == b.resolve()

@@ -275,12 +275,14 @@ def write_report(runs_dir: str | Path, *, target: float = 0.9,
 
 def _distill_notes(runs: list[Run]) -> list[str]:
     """Say which unlabeled data the distilled runs used (papers differ: some use none)."""
+    from fedavg.datasources import same_source
+
     used = set()
     for r in runs:
         s = r.settings
         if s.get("strategy") == "distill":
             given = s.get("distill-data")  # the run's own dataset: the slice kept, too
-            data = given if given and given != s.get("dataset") else (
+            data = given if given and not same_source(given, s.get("dataset")) else (
                 f"{float(s.get('distill-fraction') or 0):.0%} of the train split, kept from "
                 "the nodes")
             augmented = ", augmented" if s.get("distill-augment") == "default" else ""

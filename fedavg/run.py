@@ -22,6 +22,7 @@ import numpy as np
 
 from fedavg.config import RunConfig
 from fedavg.data import LoadedData, Split, data_settings, load
+from fedavg.datasources import same_source
 from fedavg.errors import RunError, UserError
 from fedavg.merge_data import run_merge_data
 from fedavg.output import (  # noqa: F401  (re-exported: the run folder)
@@ -314,8 +315,10 @@ def _strategy_notes(strategy, model, config: RunConfig) -> list[str]:
 
     import strategies
 
+    note = strategy.nodes_note(config.nodes_per_round)
     try:
-        return strategy.check_setup(model, dataclasses.asdict(config.train))
+        return strategy.check_setup(model, dataclasses.asdict(config.train)) + (
+            [f"{strategy.name}: {note}"] if note else [])
     except strategies.MergeError as exc:
         raise UserError(f"{strategy.name}: {exc}") from None
 
@@ -340,6 +343,10 @@ def _metadata(config: RunConfig, data: LoadedData, spec, validation, distill_x) 
             "train_samples": len(data.train), "test_samples": len(data.test),
             "seed": config.data.seed, "test_fraction": config.data.test_fraction,
             "validation_samples": 0 if validation is None else len(validation),
+            "validation_kept": 0 if validation is None or (  # of these, kept from train
+                config.merge.validation and not same_source(config.merge.validation,
+                                                            config.data.dataset))
+            else len(validation),
             "distill_samples": 0 if distill_x is None else len(distill_x),
             "notes": data.notes,
         },

@@ -203,6 +203,13 @@ class Strategy:
             Too few models for the option values, naming the options.
         """
 
+    def nodes_note(self, n: int) -> str | None:
+        """Say what the method does with ``n`` models per merge, if not what it is for.
+
+        For instance a trimmed mean that trims nothing; ``None`` otherwise.
+        """
+        return None
+
     def check_setup(self, model: torch.nn.Module, train: Mapping[str, Any]) -> list[str]:
         """Check the run's model and node training settings before anything trains.
 

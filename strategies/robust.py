@@ -119,16 +119,14 @@ class TrimmedMean(_Collect):
         if not 0 <= self.beta < 0.5:
             raise ValueError(f"--beta must be in [0, 0.5) (got {self.beta})")
 
-    def check_nodes(self, n: int) -> None:
-        """Refuse a ``beta`` > 0 that trims none of ``n`` models per side (``beta * n < 1``)."""
-        if self.beta > 0 and n < 3:
-            raise ValueError(f"--beta {self.beta:g} trims nothing of {n} node model(s) (it is "
-                             "below 0.5): merge 3 or more, or pass --beta 0 for a plain mean")
+    def nodes_note(self, n: int) -> str | None:
+        """Say that a ``beta`` > 0 trims none of ``n`` models per side (``beta * n < 1``)."""
         if self.beta > 0 and math.floor(self.beta * n) == 0:
-            raise ValueError(f"--beta {self.beta:g} trims floor({self.beta:g} x {n}) = 0 of {n} "
-                             f"node models per side: raise --beta to at least "
-                             f"{math.ceil(1000 / n) / 1000:g} (1/{n}), merge more nodes, or pass "
-                             "--beta 0 for a plain mean")
+            least = (f"raise --beta to at least {math.ceil(1000 / n) / 1000:g}" if n >= 3
+                     else "trimming needs 3 or more")
+            return (f"--beta {self.beta:g} trims floor({self.beta:g} x {n}) = 0 of {n} models "
+                    f"per side, so it is a plain mean ({least})")
+        return None
 
     def combine(self) -> Merged:
         """Return the coordinate-wise trimmed mean of the collected models."""

@@ -461,8 +461,8 @@ def test_a_stray_string_in_a_column_of_numbers_is_refused_not_read_as_text(tmp_p
     (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
     with pytest.raises(UserError, match=r"column 'b' of \S+t.csv holds numbers but also 1 other "
                                         r"value\(s\) such as '\?', so it reads as text: fix or "
-                                        r"drop those values, or pass --text-column b if it is "
-                                        r"text"):
+                                        r"drop the values that are not numbers, or pass "
+                                        r"--text-column b if it is text"):
         load(str(tmp_path / "t.csv"))
     assert load(str(tmp_path / "t.csv"), text_column="b").kind == "text"  # named: as asked
     words = ["a,b,label"] + [f"{i},word{i} here,{'xy'[i % 2]}" for i in range(30)]
@@ -487,3 +487,25 @@ def test_labels_that_differ_only_in_case_or_spaces_are_noted(tmp_path):
     assert "label values that differ only in case or spaces are separate classes: 'neg', " \
         "'neg '" in data.notes
     assert not any("differ only" in n for n in load("digits").notes)
+
+
+def test_a_saved_tabular_model_on_other_tables_label_hint_and_stray_strings(tmp_path):
+    from fedavg.inference import _table_rows, evaluation_data
+
+    rows = ["f1,f2,grade"] + [f"{i},{-i},{'lo' if i < 10 else 'hi'}" for i in range(20)]
+    (tmp_path / "g.csv").write_text("\n".join(rows) + "\n")
+    data = load(str(tmp_path / "g.csv"), label_column="grade")
+    meta = _tabular_meta(data, str(tmp_path / "g.csv"))
+    # another table whose label goes by another name: detected, as before
+    (tmp_path / "t.csv").write_text("\n".join(r.replace("grade", "target") for r in rows) + "\n")
+    _, _, _, part = evaluation_data(meta, tmp_path, str(tmp_path / "t.csv"))
+    assert np.array_equal(part.y, data.test.y)
+    # a "?" among a feature's numbers: one line, not a traceback, in evaluate and predict
+    bad = rows[:5] + ["5,?,lo"] + rows[6:]
+    (tmp_path / "bad.csv").write_text("\n".join(bad) + "\n")
+    for call in (lambda: evaluation_data(meta, tmp_path, str(tmp_path / "bad.csv")),
+                 lambda: _table_rows(str(tmp_path / "bad.csv"), ["f1", "f2"])):
+        with pytest.raises(UserError, match=r"column\(s\) f2 of \S+bad.csv do not hold numbers "
+                                            r"only \(f2 reads as text\), but the model takes "
+                                            r"them as numeric features"):
+            call()

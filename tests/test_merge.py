@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from fedavg import checkpoint
 from fedavg.cli import app
 from fedavg.data import load
+from fedavg.errors import UserError
 from fedavg.inference import evaluate_model, load_model
 from fedavg.models import build_model
 
@@ -76,8 +77,8 @@ def test_ensemble_merge_is_one_loadable_model(tmp_path, node_models):
     *[(["--strategy", s], f"{s} steps from a round's starting model")
       for s in ("fedavgm", "fedadam", "fedyogi", "fedadagrad")],
     (["--strategy", "trimmed-mean", "--beta", "0.3"],
-     "--beta 0.3 trims floor(0.3 x 3) = 0 of 3 node models per side: raise --beta to at "
-     "least 0.334"),
+     "trimmed-mean: --beta 0.3 trims floor(0.3 x 3) = 0 of 3 models per side, so it is a "
+     "plain mean (raise --beta to at least 0.334); or merge more models"),
     (["--strategy", "average", "--validation", "digits"], "average does not use --validation"),
     (["--strategy", "greedy-soup", "--validation", "digits", "--distill-data", "digits"],
      "greedy-soup does not use --distill-data"),
@@ -331,11 +332,14 @@ def test_sample_counts_whose_sum_overflows_are_refused(tmp_path, node_models):
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.parametrize("shift, merges", [(0.001, True), (0.5, False)])
+@pytest.mark.parametrize("shift, merges", [(0.001, True), (0.07, True), (0.5, False)])
 def test_models_of_runs_with_other_seeds_merge(tmp_path, node_models, shift, merges):
     """Other seeds hold out other test samples: input statistics differ a little, not much."""
     folder, dirs = node_models
-    meta = json.loads((dirs[2] / "model.json").read_text())
+    for d in dirs:  # 1,438 train samples: statistics may move 3 / sqrt(1438) = 0.079 std
+        meta = json.loads((d / "model.json").read_text())
+        meta["dataset"]["train_samples"] = 1438
+        (d / "model.json").write_text(json.dumps(meta))
     mean, std = meta["input"]["mean"], meta["input"]["std"]
     meta["input"]["mean"] = [m + shift * s for m, s in zip(mean, std)]
     (dirs[2] / "model.json").write_text(json.dumps(meta))
@@ -429,3 +433,30 @@ def test_a_distillation_that_never_beats_the_average_says_so(tmp_path, node_mode
         "the model is that average" in res.output
     summary = json.loads((tmp_path / "d" / "summary.json").read_text())
     assert summary["merge_info"]["best_step"] == 0 and summary["notes"]
+
+
+def test_a_simulated_trimmed_mean_that_trims_nothing_is_noted_not_refused():
+    """The defaults (beta 0.1, 5 nodes) run, saying it is a plain mean; beta 0.2 trims one."""
+    from fedavg.config import RunConfig
+    from fedavg.run import prepare
+
+    notes = prepare(RunConfig().replace(strategy="trimmed-mean")).data.notes
+    assert "trimmed-mean: --beta 0.1 trims floor(0.1 x 5) = 0 of 5 models per side, so it is " \
+        "a plain mean (raise --beta to at least 0.2)" in notes
+    notes = prepare(RunConfig().replace(strategy="trimmed-mean", beta=0.2)).data.notes
+    assert not any("plain mean" in n for n in notes)
+
+
+def test_a_validation_slice_of_other_data_is_not_the_runs_own_kept_slice(tmp_path):
+    """A run validated on dataset B kept nothing of its own: --validation A is refused."""
+    from fedavg.merge_data import saved_merge_samples
+
+    for kept_key in (True, False):  # this version's metadata, and a run saved before it
+        _, meta = _saved_run(tmp_path / str(kept_key), kept=144)
+        meta["config"]["merge"]["validation"] = str(tmp_path / "other-data")
+        if kept_key:
+            meta["dataset"]["validation_kept"] = 0
+        with pytest.raises(UserError, match="trained on all of its train split"):
+            saved_merge_samples("digits", meta, 0.1, None, held_out=True)
+    meta["config"]["merge"]["validation"] = None  # kept from train: that slice
+    assert len(saved_merge_samples("digits", meta, 0.1, None, held_out=True)) == 144
