@@ -139,21 +139,25 @@ def check_numeric(features, names: list[str], source: str) -> None:
                         "features: fix or drop the values that are not numbers")
 
 
-def recorded_columns(meta: dict[str, Any], source: str) -> dict[str, Any]:
-    """Return the columns of ``source`` a saved model reads, as its run recorded them.
+def saved_load_args(meta: dict[str, Any], source: str) -> dict[str, Any]:
+    """Return :func:`fedavg.data.load`'s column and hold-out arguments for a saved model.
 
-    All of them (``image``/``text``/``features``, ``label``) for the run's own dataset;
-    for another, a tabular model's ``features`` and its label as ``label_hint`` (a table's
-    column names are its schema); else none (they are detected).
+    The run's seed and test fraction (the same hold-out); the columns its run recorded: all
+    of them for its own dataset; for another, a tabular model's ``feature_columns`` and its
+    label as ``label_hint`` (a table's column names are its schema); else none (detected).
     """
     from fedavg.datasources import same_source
 
     ds_meta = meta.get("dataset", {})
+    args: dict[str, Any] = {"seed": int(ds_meta.get("seed", 0)),
+                            "test_fraction": float(ds_meta.get("test_fraction", 0.2))}
     cols = ds_meta.get("columns") or {}
     if same_source(source, ds_meta.get("source")):
-        return {k: v for k, v in cols.items() if k in ("image", "text", "features", "label")}
-    return {"features": cols["features"], "label_hint": cols.get("label")} \
-        if cols.get("features") else {}
+        args.update(image_column=cols.get("image"), label_column=cols.get("label"),
+                    text_column=cols.get("text"), feature_columns=cols.get("features"))
+    elif cols.get("features"):
+        args.update(feature_columns=cols["features"], label_hint=cols.get("label"))
+    return args
 
 
 def numeric_columns(features, label: str, partition_by: str | None) -> list[str]:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from fedavg import checkpoint
-from fedavg.columns import check_numeric, recorded_columns
+from fedavg.columns import check_numeric, saved_load_args
 from fedavg.data import (
     BUILTIN,
     check_kind,
@@ -207,18 +207,12 @@ def evaluation_data(meta: dict[str, Any], directory: str | Path, dataset: str | 
     source = dataset or ds_meta.get("source")
     if not source:
         raise UserError("pass --dataset: the model does not record its dataset")
-    cols = recorded_columns(meta, source)
-    data = load(
-        source,
-        image_column=image_column or cols.get("image"),
-        label_column=label_column or cols.get("label"),
-        text_column=cols.get("text"),
-        feature_columns=None if image_column else cols.get("features"),
-        label_hint=cols.get("label_hint"),
-        seed=int(ds_meta.get("seed", 0)),
-        test_fraction=float(ds_meta.get("test_fraction", 0.2)),
-        tokenizer=model_tokenizer(meta, directory),
-    )
+    args = saved_load_args(meta, source)
+    if image_column:  # the user's choice over the run's
+        args.update(image_column=image_column, feature_columns=None)
+    if label_column:
+        args["label_column"] = label_column
+    data = load(source, tokenizer=model_tokenizer(meta, directory), **args)
     if split not in data.splits:
         raise UserError(f"{source} has no split {split!r}; splits: {', '.join(data.splits)}")
     check_kind(meta["input"], data, source)
@@ -388,15 +382,12 @@ def _dataset_batch(source: str, split: str, meta: dict[str, Any], tokenizer: Any
     A single table (one file, one split) given to a tabular model is predicted whole, row
     by row, and needs no label column.
     """
-    cols = recorded_columns(meta, source)
-    if cols.get("features") and (rows := _table_rows(source, cols["features"])) is not None:
+    args = saved_load_args(meta, source)
+    features = args.get("feature_columns")
+    if features and (rows := _table_rows(source, features)) is not None:
         return rows
     try:
-        data = load(source, tokenizer=tokenizer, image_column=cols.get("image"),
-                    label_column=cols.get("label"), text_column=cols.get("text"),
-                    feature_columns=cols.get("features"), label_hint=cols.get("label_hint"),
-                    seed=int(meta.get("dataset", {}).get("seed", 0)),
-                    test_fraction=float(meta.get("dataset", {}).get("test_fraction", 0.2)))
+        data = load(source, tokenizer=tokenizer, **args)
     except NoLabelColumn:
         raise UserError(f"{source}: a dataset input needs a label column (its {split} split "
                         "is predicted); give unlabelled inputs as image files or folders, or "

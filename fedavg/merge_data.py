@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedavg.columns import recorded_columns
+from fedavg.columns import saved_load_args
 from fedavg.data import LoadedData, Split, check_kind, conform, holdout, load
 from fedavg.datasources import same_source
 from fedavg.errors import UserError
@@ -101,11 +101,7 @@ def saved_merge_samples(source: str, meta: dict[str, Any], fraction: float, toke
     """
     ds = meta.get("dataset", {})
     seed = int(ds.get("seed", 0))
-    cols = recorded_columns(meta, source)
-    data = load(source, seed=seed, test_fraction=float(ds.get("test_fraction", 0.2)),
-                tokenizer=tokenizer, image_column=cols.get("image"),
-                label_column=cols.get("label"), text_column=cols.get("text"),
-                feature_columns=cols.get("features"), label_hint=cols.get("label_hint"))
+    data = load(source, tokenizer=tokenizer, **saved_load_args(meta, source))
     check_kind(meta["input"], data, source)
     own = same_source(source, ds.get("source"))
     kept = ds.get("validation_kept")  # kept from the nodes' train split (not --validation B)
