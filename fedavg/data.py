@@ -393,15 +393,18 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
             tokenizer = make_tokenizer(tokenizer, text["max_tokens"], text["buckets"])
     classes, mapping = label_classes(train_ds, label, train_name)
     splits: dict[str, Split] = {}
-    for name in names:
+    notes: list[str] = []
+    for name in [train_name] + [n for n in names if n != train_name]:  # others as train
         ds = dsdict[name]
         missing = [c for c in image + [label] if c not in ds.features]
         if missing:
             if name == train_name:
                 raise UserError(f"split {name!r} lacks column(s) {missing}")
             continue
+        like = None if name == train_name else splits["train"].x.shape[1:]
         x = _tokenized(tokenizer, ds, image[0], source) if tokenizer else \
-            input_array(ds, image, source)
+            input_array(ds, image, source if like is None else f"{source}'s {name} split",
+                        like, notes)
         feature = ds.features[label]
         y = label_array(ds[label], mapping, classes, label, name,
                         names=getattr(feature, "names", None) if name != train_name else None)
@@ -413,8 +416,8 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
     folded: dict[str, list[str]] = {}
     for c in classes:
         folded.setdefault(c.strip().lower(), []).append(c)
-    notes = [f"label values that differ only in case or spaces are separate classes: "
-             f"{', '.join(map(repr, same))}" for same in folded.values() if len(same) > 1][:1]
+    notes += [f"label values that differ only in case or spaces are separate classes: "
+              f"{', '.join(map(repr, same))}" for same in folded.values() if len(same) > 1][:1]
     notes += [left_out] if left_out else []
     if tokenizer is not None:
         cols: dict[str, Any] = {"text": image[0], "label": label}

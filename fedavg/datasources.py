@@ -159,11 +159,14 @@ def _one_line(exc: BaseException) -> str:
     return first_line(exc, 300)
 
 
-def input_array(ds, columns: list[str], source: str) -> np.ndarray:
+def input_array(ds, columns: list[str], source: str, like: tuple[int, ...] | None = None,
+                notes: list[str] | None = None) -> np.ndarray:
     """Read the input ``columns`` of split ``ds`` as one array.
 
     ``columns`` is one image or array column, or several numeric feature columns;
-    ``source`` names the data in messages.
+    ``source`` names the data in messages. Images are decoded to the ``(C, H, W)`` of
+    ``like`` (another split's images) when given, else as :func:`decode_images` chooses,
+    its notes going to ``notes``.
 
     Returns
     -------
@@ -189,11 +192,13 @@ def input_array(ds, columns: list[str], source: str) -> np.ndarray:
         return x
     col = columns[0]
     feature = ds.features[col]
+    shape = {} if like is None or len(like) != 3 else \
+        {"size": tuple(like[1:]), "mode": "L" if like[0] == 1 else "RGB"}
     if isinstance(feature, datasets.Image):
         raw = ds.cast_column(col, datasets.Image(decode=False))[col]
-        return decode_images(raw, source)
+        return decode_images(raw, source, notes=notes, **shape)
     if isinstance(feature, dict) and "bytes" in feature:  # image structs without HF metadata
-        return decode_images(ds[col], source)
+        return decode_images(ds[col], source, notes=notes, **shape)
     return _array_column(ds, col, feature, source)
 
 
@@ -221,8 +226,42 @@ def _array_column(ds, col: str, feature, source: str) -> np.ndarray:
     return arr if arr.dtype == np.uint8 else arr.astype(np.float32)
 
 
+#: PIL modes read as grey (a palette image is grey unless its palette is RGB).
+GREY_MODES = ("L", "1", "I", "I;16", "I;16B", "I;16L", "F", "LA", "P")
+
+
+def _own_mode(img) -> str:
+    """``"L"`` for a grey image, ``"RGB"`` for a colour one."""
+    grey = img.mode in GREY_MODES and not (img.mode == "P" and "RGB" in img.palette.mode)
+    return "L" if grey else "RGB"
+
+
+def _open_image(item, i: int, source: str):
+    """Open and decode one item of :func:`decode_images` as an 8-bit PIL image."""
+    from PIL import Image
+
+    try:
+        if isinstance(item, Image.Image):
+            img = item
+        elif isinstance(item, dict):
+            img = Image.open(io.BytesIO(item["bytes"]) if item.get("bytes") else item["path"])
+        else:
+            img = Image.open(item)
+        if img.mode.startswith("I;16") or img.mode == "I":
+            # 16/32-bit grey: scale to 8 bits (PIL's convert would clip at 255)
+            wide = np.asarray(img, dtype=np.float64)
+            top = 65535.0 if img.mode.startswith("I;16") else max(float(wide.max()), 1.0)
+            img = Image.fromarray(np.clip(wide * (255.0 / top), 0, 255).astype(np.uint8))
+        img.load()
+        return img
+    except Exception as exc:
+        path = item.get("path") if isinstance(item, dict) else None
+        where = item if isinstance(item, (str, Path)) else path or f"row {i}"
+        raise UserError(f"cannot decode image {where} of {source}: {_one_line(exc)}") from None
+
+
 def decode_images(raw, source: str = "", size: tuple[int, int] | None = None,
-                  mode: str | None = None) -> np.ndarray:
+                  mode: str | None = None, notes: list[str] | None = None) -> np.ndarray:
     """Decode images (bytes, paths or PIL images) into one ``(N, C, H, W)`` uint8 array.
 
     Parameters
@@ -233,49 +272,52 @@ def decode_images(raw, source: str = "", size: tuple[int, int] | None = None,
     source : str
         What the user asked for, for messages.
     size : (int, int), optional
-        ``(H, W)`` to resize to; default the first image's size.
+        ``(H, W)`` to resize to (bilinear); default the most common size (the first of
+        equally common ones).
     mode : str, optional
-        ``"L"`` or ``"RGB"``; default: grey if the first image is grey, else RGB.
+        ``"L"`` or ``"RGB"``; default RGB if any image has colour, else grey.
+    notes : list of str, optional
+        Where to add one line each, when there are any, for the images converted to
+        ``mode`` and those resized to ``size``.
 
     Raises
     ------
     UserError
-        When an item cannot be decoded as an image.
+        When an item cannot be decoded as an image, or there is none.
     """
+    from collections import Counter
+
     from PIL import Image
 
-    out = []
+    out, own = [], []
     for i, item in enumerate(raw):
-        try:
-            if isinstance(item, Image.Image):
-                img = item
-            elif isinstance(item, dict):
-                img = Image.open(io.BytesIO(item["bytes"]) if item.get("bytes") else item["path"])
-            else:
-                img = Image.open(item)
-            if mode is None:
-                mode = "L" if img.mode in ("L", "1", "I", "I;16", "I;16B", "I;16L", "F", "LA",
-                                           "P") and not (
-                    img.mode == "P" and "RGB" in img.palette.mode
-                ) else "RGB"
-            if img.mode.startswith("I;16") or img.mode == "I":
-                # 16/32-bit grey: scale to 8 bits (PIL's convert would clip at 255)
-                wide = np.asarray(img, dtype=np.float64)
-                top = 65535.0 if img.mode.startswith("I;16") else max(float(wide.max()), 1.0)
-                img = Image.fromarray(np.clip(wide * (255.0 / top), 0, 255).astype(np.uint8))
-            img = img.convert(mode)
-            if size is None:
-                size = (img.height, img.width)
-            if (img.height, img.width) != tuple(size):
-                img = img.resize((size[1], size[0]), Image.BILINEAR)
-            arr = np.asarray(img, dtype=np.uint8)
-        except Exception as exc:
-            path = item.get("path") if isinstance(item, dict) else None
-            where = item if isinstance(item, (str, Path)) else path or f"row {i}"
-            raise UserError(f"cannot decode image {where} of {source}: {_one_line(exc)}") from None
-        out.append(arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1))
+        img = _open_image(item, i, source)
+        own.append((_own_mode(img), img.height, img.width))
+        img = img.convert(mode or own[-1][0])
+        if size is not None and (img.height, img.width) != tuple(size):
+            img = img.resize((size[1], size[0]), Image.BILINEAR)
+        out.append(np.asarray(img, dtype=np.uint8))
     if not out:
         raise UserError(f"no images in {source}")
+    to_mode = mode or ("RGB" if any(m == "RGB" for m, _, _ in own) else "L")
+    to_size = tuple(size) if size is not None else \
+        Counter((h, w) for _, h, w in own).most_common(1)[0][0]
+    for i, arr in enumerate(out):
+        if arr.ndim != (2 if to_mode == "L" else 3):
+            arr = np.asarray(Image.fromarray(arr).convert(to_mode), dtype=np.uint8)
+        if arr.shape[:2] != to_size:
+            arr = np.asarray(Image.fromarray(arr).resize(to_size[::-1], Image.BILINEAR),
+                             dtype=np.uint8)
+        out[i] = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+    converted = sum(m != to_mode for m, _, _ in own)
+    resized = sum((h, w) != to_size for _, h, w in own)
+    if notes is not None and converted:
+        notes.append(f"{converted} of {len(out)} images of {source} converted to "
+                     f"{'grey' if to_mode == 'L' else 'RGB'}")
+    if notes is not None and resized:
+        notes.append(f"{resized} of {len(out)} images of {source} resized to "
+                     f"{to_size[1]}x{to_size[0]}" + (", the most common size" if size is None
+                                                     else ""))
     return np.stack(out)
 
 

@@ -61,6 +61,49 @@ def test_16_bit_grey_images_are_scaled_not_clipped(tmp_path):
     assert x[0, 0].tolist() == [[0, 128], [255, 1]]
 
 
+def test_a_grey_first_image_does_not_grey_the_colour_ones(tmp_path):
+    grey = tmp_path / "a.png"
+    Image.fromarray(np.full((4, 4), 100, dtype=np.uint8)).save(grey)
+    red = tmp_path / "b.png"
+    Image.fromarray(np.tile(np.array([200, 10, 30], np.uint8), (4, 4, 1))).save(red)
+    notes = []
+    x = decode_images([str(grey), str(red)], "imgs", notes=notes)
+    assert x.shape == (2, 3, 4, 4)
+    assert x[0, :, 0, 0].tolist() == [100, 100, 100]  # grey copied to the 3 channels
+    assert x[1, :, 0, 0].tolist() == [200, 10, 30]  # the colour kept
+    assert notes == ["1 of 2 images of imgs converted to RGB"]
+
+
+def test_images_take_the_most_common_size_not_the_first(tmp_path):
+    paths = []
+    for i, side in enumerate((6, 4, 4)):
+        paths.append(tmp_path / f"{i}.png")
+        Image.fromarray(np.full((side, side), 50 * i, dtype=np.uint8)).save(paths[-1])
+    notes = []
+    x = decode_images([str(p) for p in paths], "imgs", notes=notes)
+    assert x.shape == (3, 1, 4, 4)
+    assert x[0, 0].tolist() == [[0] * 4] * 4  # a uniform image stays uniform when resized
+    assert notes == ["1 of 3 images of imgs resized to 4x4, the most common size"]
+    assert decode_images([str(p) for p in paths], "imgs").shape == (3, 1, 4, 4)  # no list
+
+
+def test_other_splits_are_decoded_as_the_train_split_is(tmp_path):
+    """A test split whose first image is colour and larger is read as train's images are."""
+    for split, n in (("train", 6), ("test", 4)):
+        for i in range(n):
+            folder = tmp_path / split / ("a" if i % 2 else "b")
+            folder.mkdir(parents=True, exist_ok=True)
+            img = Image.fromarray(np.full((8, 8), 20 * i, dtype=np.uint8))
+            if split == "test" and i == 0:
+                img = img.convert("RGB").resize((16, 16))
+            img.save(folder / f"{i}.png")
+    data = load(str(tmp_path))
+    assert data.splits["train"].x.shape[1:] == data.splits["test"].x.shape[1:] == (1, 8, 8)
+    assert sorted(n for n in data.notes if "split" in n) == [
+        f"1 of 4 images of {tmp_path}'s test split converted to grey",
+        f"1 of 4 images of {tmp_path}'s test split resized to 8x8"]
+
+
 def test_seed_and_device_checks():
     with pytest.raises(UserError, match="--seed must be >= 0"):
         RunConfig().replace(seed=-1).validate()
