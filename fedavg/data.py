@@ -29,7 +29,7 @@ from fedavg.datasources import (  # noqa: F401  (digits_arrays re-exported)
     open_source,
 )
 from fedavg.errors import UserError
-from fedavg.labels import label_array, label_classes
+from fedavg.labels import label_array, label_classes, numeric_name
 
 __all__ = [
     "BUILTIN",
@@ -305,6 +305,10 @@ def conform(split: Split, source: str, shape: tuple[int, ...] | list[int],
     if split_classes is None or classes is None or list(split_classes) == list(classes):
         return split
     index = {c: i for i, c in enumerate(classes)}
+    by_value = {numeric_name(c): i for i, c in enumerate(classes)}  # "1" and "1.0" alike
+    by_value.pop(None, None)
+    index.update({c: by_value[numeric_name(c)] for c in split_classes
+                  if c not in index and numeric_name(c) in by_value})
     unknown = [c for c in split_classes if c not in index]
     if unknown:
         raise UserError(f"{source} has labels the model does not know: {unknown[:5]} "

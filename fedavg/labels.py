@@ -19,7 +19,8 @@ def label_classes(train_ds, label: str, split: str) -> tuple[list[str], dict[Any
     Returns
     -------
     classes : list of str
-        A ``ClassLabel``'s names in their order, else the sorted distinct values as text.
+        A ``ClassLabel``'s names in their order, else the sorted distinct values as text
+        (whole numbers stored as floats without their ``.0``).
     mapping : dict or None
         Raw value to class index; ``None`` for a ``ClassLabel`` (values are indices).
 
@@ -45,7 +46,9 @@ def label_classes(train_ds, label: str, split: str) -> tuple[list[str], dict[Any
             "pass --label-column with a class column"
         )
     uniq = np.unique(values)
-    classes = [str(v) for v in uniq]
+    # whole numbers stored as floats (a CSV column with an empty cell elsewhere, 0.0 / 1.0)
+    # are the classes "0", "1", as the same labels stored as integers are
+    classes = [str(int(v)) if values.dtype.kind == "f" else str(v) for v in uniq]
     mapping = {v.item() if hasattr(v, "item") else v: i for i, v in enumerate(uniq)}
     return classes, mapping
 
@@ -71,7 +74,8 @@ def label_array(values, mapping: dict[Any, int] | None, classes: list[str], colu
                             f"0..{len(names) - 1}")
         lookup = mapping if mapping is not None else {c: i for i, c in enumerate(classes)}
         arr = np.asarray([names[i] for i in arr], dtype=object)
-        mapping = {**lookup, **{str(k): v for k, v in lookup.items()}}  # names are text
+        mapping = {**lookup, **{str(k): v for k, v in lookup.items()},  # names are text
+                   **{c: i for i, c in enumerate(classes)}}
     if mapping is None:
         y = arr.astype(np.int64)
         if len(y) and (y.min() < 0 or y.max() >= len(classes)):
@@ -85,3 +89,12 @@ def label_array(values, mapping: dict[Any, int] | None, classes: list[str], colu
         raise UserError(
             f"split {split!r} has label {exc.args[0]!r} that train does not have"
         ) from None
+
+
+def numeric_name(name: str) -> float | None:
+    """Return the number a class name spells (``"1"`` and ``"1.0"`` alike), else ``None``."""
+    try:
+        value = float(name)
+    except (TypeError, ValueError):
+        return None
+    return value if np.isfinite(value) else None
