@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from fedavg import checkpoint
 from fedavg.config import RunConfig
 from fedavg.errors import UserError
-from fedavg.merge_data import saved_merge_samples
+from fedavg.merge_data import saved_merge_samples, unused_data
 from fedavg.model_sources import saved_model_name
 from fedavg.output import clear_previous_run, release_output
 from fedavg.run import make_output
@@ -184,13 +184,9 @@ def _one_merge(config: Any, models: Sequence[str | Path]):
                         "another strategy (average, a soup, an ensemble)")
     if note := strategy.nodes_note(len(dirs)):  # a merge of models chosen for it: refused
         raise UserError(f"{strategy.name}: {note}; or merge more models")
-    for flag, given, used in (("--validation", config.merge.validation,
-                               strategy.needs_validation),
-                              ("--distill-data", config.merge.distill_data,
-                               strategy.needs_unlabeled)):
-        if given and not used:
-            raise UserError(f"{strategy.name} does not use {flag}: leave it out (see "
-                            "`fedavg strategies` for the strategies that use data)")
+    if unused := unused_data(config, strategy):
+        raise UserError(f"{strategy.name} does not use {unused[0][0]}: leave it out (see "
+                        "`fedavg strategies` for the strategies that use data)")
     return dirs, config, strategy
 
 

@@ -16,6 +16,17 @@ from fedavg.datasources import same_source
 from fedavg.errors import UserError
 
 
+def unused_data(config, strategy) -> list[tuple[str, str]]:
+    """Return ``(flag, dataset)`` of each of ``--validation``, ``--distill-data`` given unused.
+
+    ``strategy`` (``needs_validation``, ``needs_unlabeled``) is ``config``'s.
+    """
+    m = config.merge
+    return [(flag, given) for flag, given, used in (
+        ("--validation", m.validation, strategy.needs_validation),
+        ("--distill-data", m.distill_data, strategy.needs_unlabeled)) if given and not used]
+
+
 def run_merge_data(config, strategy, data: LoadedData):
     """Return the validation split and unlabeled inputs the strategy needs.
 
@@ -45,10 +56,8 @@ def run_merge_data(config, strategy, data: LoadedData):
     """
     d, m = config.data, config.merge
     validation, distill_x = None, None
-    for flag, given, used in (("--validation", m.validation, strategy.needs_validation),
-                              ("--distill-data", m.distill_data, strategy.needs_unlabeled)):
-        if given and not used:
-            data.notes.append(f"{flag} {given} does nothing with --strategy {m.strategy}")
+    data.notes.extend(f"{flag} {given} does nothing with --strategy {m.strategy}"
+                      for flag, given in unused_data(config, strategy))
     own = " (the run's own dataset: its train split is the nodes' data)"
     if strategy.needs_validation:
         if m.validation and not same_source(m.validation, d.dataset):
