@@ -400,7 +400,8 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
     notes: list[str] = []
     for name in [train_name] + [n for n in names if n != train_name]:  # others as train
         ds = dsdict[name]
-        missing = [c for c in image + [label] if c not in ds.features]
+        features = ds.features  # a deep copy on every access: seconds for a wide table
+        missing = [c for c in image + [label] if c not in features]
         if missing:
             if name == train_name:
                 raise UserError(f"split {name!r} lacks column(s) {missing}")
@@ -409,11 +410,11 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
         x = _tokenized(tokenizer, ds, image[0], source) if tokenizer else \
             input_array(ds, image, source if like is None else f"{source}'s {name} split",
                         like, notes)
-        feature = ds.features[label]
+        feature = features[label]
         y = label_array(ds[label], mapping, classes, label, name,
                         names=getattr(feature, "names", None) if name != train_name else None)
         groups = None
-        if partition_by is not None and partition_by in ds.features:
+        if partition_by is not None and partition_by in features:
             groups = np.asarray([str(v) for v in ds[partition_by]])
         key = "train" if name == train_name else ("test" if name == test_name else name)
         splits[key] = Split(x, y, groups)

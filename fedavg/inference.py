@@ -415,10 +415,11 @@ def _table_rows(source: str, features: list[str]):
     if len(dsdict) != 1:
         return None
     table = next(iter(dsdict.values()))
-    missing = [c for c in features if c not in table.features]
+    have = table.features  # a deep copy on every access
+    missing = [c for c in features if c not in have]
     if missing:
         raise UserError(f"{source} lacks the feature column(s) {', '.join(missing)} that the "
                         f"model takes ({', '.join(features)})")
-    check_numeric(table.features, features, source)
+    check_numeric(have, features, source)
     x = input_array(table, features, source)
     return x, [f"{source}#row{i}" for i in range(len(x))]

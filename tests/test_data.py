@@ -530,3 +530,22 @@ def test_a_saved_tabular_model_on_other_tables_label_hint_and_stray_strings(tmp_
                                             r"only \(f2 reads as text\), but the model takes "
                                             r"them as numeric features"):
             call()
+
+
+def test_reading_a_wide_table_touches_its_schema_as_often_as_a_narrow_one(tmp_path, monkeypatch):
+    """``Dataset.features`` deep-copies the schema on every access (2.7 s at 3,000 columns):
+    the loader must not read it once per column, which made a 500-column table take a minute.
+    """
+    reads = []
+    original = datasets.Dataset.features.fget
+    monkeypatch.setattr(datasets.Dataset, "features",
+                        property(lambda self: reads.append(1) or original(self)))
+    counts = []
+    for width in (3, 60):
+        path = tmp_path / f"w{width}.csv"
+        path.write_text(",".join(f"f{i}" for i in range(width)) + ",label\n" + "".join(
+            ",".join(str(r + i) for i in range(width)) + f",{r % 2}\n" for r in range(20)))
+        reads.clear()
+        assert load(str(path)).train.x.shape[1] == width
+        counts.append(len(reads))
+    assert counts[0] == counts[1], counts
