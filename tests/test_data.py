@@ -533,8 +533,10 @@ def test_a_saved_tabular_model_on_other_tables_label_hint_and_stray_strings(tmp_
 
 
 def test_reading_a_wide_table_touches_its_schema_as_often_as_a_narrow_one(tmp_path, monkeypatch):
-    """``Dataset.features`` deep-copies the schema on every access (2.7 s at 3,000 columns):
-    the loader must not read it once per column, which made a 500-column table take a minute.
+    """The loader reads the schema a fixed number of times, not once per column.
+
+    ``Dataset.features`` deep-copies it on every access (2.7 s at 3,000 columns): once per
+    column made a 500-column table take a minute to load.
     """
     reads = []
     original = datasets.Dataset.features.fget
