@@ -86,7 +86,7 @@ class FedAvg(Strategy):
             if is_float(t.dtype):
                 if key not in self._acc:
                     self._acc[key] = t.to(torch.promote_types(t.dtype, torch.float32),
-                                          copy=True)
+                                          copy=True, memory_format=torch.contiguous_format)
                 else:
                     _update_mean(self._acc[key], t, share)
             else:

@@ -17,6 +17,21 @@ def test_weighted_average_hand_computed():
     assert torch.equal(merged["b"], torch.tensor(3.0))
 
 
+def test_a_transposed_tensor_is_merged_like_any_other():
+    """Tied or transposed weights are views with other strides: ((1 2 / 3 4) * 1 + 0 * 3) / 4."""
+    a = {"w": torch.tensor([[1.0, 3.0], [2.0, 4.0]]).t()}  # [[1, 2], [3, 4]], not contiguous
+    b = {"w": torch.zeros(2, 2)}
+    assert not a["w"].is_contiguous()
+    # sample-weighted (1 and 3 samples), and unweighted: (x + 0) / 2
+    for name, want in (("fedavg", [[0.25, 0.5], [0.75, 1.0]]),
+                       ("average", [[0.25, 0.5], [0.75, 1.0]]),
+                       ("uniform-soup", [[0.5, 1.0], [1.5, 2.0]]),
+                       ("fedmedian", [[0.5, 1.0], [1.5, 2.0]])):
+        merged = strategies.get(name).merge([a, b], weights=[1, 3]).state_dict
+        assert merged["w"].tolist() == want, name
+    assert a["w"].tolist() == [[1.0, 2.0], [3.0, 4.0]]  # the node model is left as it was
+
+
 def test_three_models_unequal_weights():
     sds = [{"x": torch.tensor([[1.0]])}, {"x": torch.tensor([[4.0]])},
            {"x": torch.tensor([[10.0]])}]
