@@ -418,15 +418,18 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
             groups = np.asarray([str(v) for v in ds[partition_by]])
         key = "train" if name == train_name else ("test" if name == test_name else name)
         splits[key] = Split(x, y, groups)
-    folded: dict[str, list[str]] = {}
-    for c in classes:
-        folded.setdefault(c.strip().lower(), []).append(c)
-    notes += [f"label values that differ only in case or spaces are separate classes: "
-              f"{', '.join(map(repr, same))}" for same in folded.values() if len(same) > 1][:1]
+    folded: dict[Any, list[str]] = {}
+    for c in classes:  # "Cat" and "cat ", "1" and "1.0"
+        folded.setdefault(numeric_name(c) if numeric_name(c) is not None else
+                          c.strip().lower(), []).append(c)
+    notes += [f"label values that differ only in case, spaces or how a number is written are "
+              f"separate classes: {', '.join(map(repr, same))}"
+              for same in folded.values() if len(same) > 1][:1]
     notes += [left_out] if left_out else []
     if tokenizer is not None:
         cols: dict[str, Any] = {"text": image[0], "label": label}
-        others = [c for c, f in train_ds.features.items() if is_text(f) and c != image[0]]
+        others = [c for c, f in train_ds.features.items()
+                  if is_text(f) and c not in (image[0], label, partition_by)]
         if others and text["column"] is None:
             notes.append(f"text column {image[0]!r}, the first of the string columns; "
                          f"--text-column to take another ({', '.join(others[:5])})")

@@ -77,7 +77,8 @@ def open_source(dataset: str, notes: list[str] | None = None):
         except UserError:
             raise
         except Exception as exc:  # datasets raises many types for unreadable data
-            raise UserError(f"cannot read dataset at {path}: {_reason(exc)}") from None
+            hint = "; save it as UTF-8" if "codec can't decode" in _reason(exc) else ""
+            raise UserError(f"cannot read dataset at {path}: {_reason(exc)}{hint}") from None
     if looks_like_path(dataset):
         raise UserError(f"no such file or folder: {dataset}")
     try:
@@ -185,6 +186,11 @@ def input_array(ds, columns: list[str], source: str, like: tuple[int, ...] | Non
         table = ds.select_columns(columns).with_format("numpy")[:]  # one batch, not rows
         x = np.stack([np.asarray(table[c], dtype=np.float32) for c in columns], axis=1)
         bad = ~np.isfinite(x).all(axis=0)
+        absent = [c for c, gone in zip(columns, np.isnan(x).all(axis=0)) if gone]
+        if absent and len(x):  # a split's file without the column reads as all missing
+            raise UserError(f"feature column(s) {absent[:5]} of {source} have no values at all "
+                            "(missing from its file?): add them, or give data with the "
+                            "model's columns")
         if bad.any():
             names = [c for c, b in zip(columns, bad) if b]
             raise UserError(f"feature column(s) {names[:5]} of {source} have empty, NaN or "

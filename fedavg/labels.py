@@ -86,6 +86,10 @@ def label_array(values, mapping: dict[Any, int] | None, classes: list[str], colu
         return np.asarray([mapping[v.item() if hasattr(v, "item") else v] for v in arr],
                           dtype=np.int64)
     except KeyError as exc:
+        empty = sum(v is None or (isinstance(v, float) and np.isnan(v)) for v in arr)
+        if empty:
+            raise UserError(f"label column {column!r} has {empty} empty value(s) in split "
+                            f"{split!r}: fill or drop those rows") from None
         raise UserError(
             f"split {split!r} has label {exc.args[0]!r} that train does not have"
         ) from None

@@ -505,9 +505,13 @@ def test_labels_that_differ_only_in_case_or_spaces_are_noted(tmp_path):
     (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
     data = load(str(tmp_path / "t.csv"))
     assert data.classes == ["neg", "neg ", "pos"]
-    assert "label values that differ only in case or spaces are separate classes: 'neg', " \
-        "'neg '" in data.notes
+    assert "label values that differ only in case, spaces or how a number is written are " \
+        "separate classes: 'neg', 'neg '" in data.notes
     assert not any("differ only" in n for n in load("digits").notes)
+    rows = ["a,label"] + [f"{i},{['1', '1.0', 'x'][i % 3]}" for i in range(30)]  # text labels
+    (tmp_path / "n.csv").write_text("\n".join(rows) + "\n")
+    assert "label values that differ only in case, spaces or how a number is written are " \
+        "separate classes: '1', '1.0'" in load(str(tmp_path / "n.csv")).notes
 
 
 def test_a_saved_tabular_model_on_other_tables_label_hint_and_stray_strings(tmp_path):

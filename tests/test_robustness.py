@@ -28,6 +28,31 @@ def test_empty_label_cells(tmp_path):
                      ["1,2,x", "3,4,", "5,6,y", "7,8,x", "1,1,y"])
     with pytest.raises(UserError, match="1 empty value"):
         load(path)
+    folder = tmp_path / "splits"  # an empty label in the test file
+    folder.mkdir()
+    write_csv(folder / "train.csv", "a,b,label", ["1,2,x", "3,4,y", "5,6,y", "7,8,x"])
+    write_csv(folder / "test.csv", "a,b,label", ["1,2,x", "3,4,", "5,6,y"])
+    with pytest.raises(UserError, match="label column 'label' has 1 empty value\\(s\\) in split "
+                                        "'test': fill or drop those rows"):
+        load(str(folder))
+
+
+def test_a_test_file_without_a_feature_column_is_named_as_such(tmp_path):
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    write_csv(folder / "train.csv", "a,c,label", ["1,2,x", "3,4,y", "5,6,y", "7,8,x"])
+    write_csv(folder / "test.csv", "a,label", ["1,x", "3,y"])
+    with pytest.raises(UserError, match=r"feature column\(s\) \['c'\] of \S+'s test split have "
+                                        r"no values at all \(missing from its file\?\)"):
+        load(str(folder))
+
+
+def test_a_table_that_is_not_utf8_says_to_save_it_as_utf8(tmp_path):
+    path = tmp_path / "latin.csv"
+    path.write_bytes("a,label\n1,caf\u00e9\n2,th\u00e9\n3,caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(UserError, match=r"cannot read dataset at \S+latin.csv: .*'utf-8' codec "
+                                        r"can't decode .*; save it as UTF-8$"):
+        load(str(path))
 
 
 def test_nan_in_feature_column_is_named(tmp_path):

@@ -137,6 +137,10 @@ def test_text_column_override_and_its_errors(tmp_path):
     assert data.columns["text"] == "title"  # the first string column, and said so
     assert "text column 'title', the first of the string columns; --text-column to take " \
         "another (body)" in data.notes
+    labelled = tmp_path / "s.csv"  # a string label is not another text column to offer
+    pd.DataFrame({"title": [f"a {'good' if i % 2 else 'bad'} day" for i in range(10)],
+                  "label": ["neg", "pos"] * 5}).to_csv(labelled, index=False)
+    assert not any("string columns" in n for n in load(str(labelled)).notes)
     chosen = load(str(csv), text_column="body")
     assert chosen.columns["text"] == "body" and not any("string columns" in n
                                                          for n in chosen.notes)
