@@ -110,12 +110,12 @@ def _open_local(path: Path, source: str, notes: list[str]):
         if isinstance(loaded, datasets.Dataset):
             loaded = datasets.DatasetDict({"train": loaded})
         return loaded
-    from fedavg.imagefolder import image_folder_notes
+    from fedavg.imagefolder import read_image_folder
 
-    skipped = image_folder_notes(path, source)
-    if skipped is not None:  # an image folder, even with more stray files than images
-        notes.extend(skipped)
-        return datasets.load_dataset("imagefolder", data_dir=str(path))
+    folder = read_image_folder(path, source)
+    if folder is not None:  # an image folder, even with more stray files than images
+        notes.extend(folder[1])
+        return folder[0]
     return datasets.load_dataset(str(path))
 
 

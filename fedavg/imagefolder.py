@@ -1,20 +1,28 @@
-"""Image folders (one subfolder per class): say what reading one leaves out.
+"""Image folders: ``root/<class>/<image>`` or ``root/<split>/<class>/<image>``, read by us.
 
-``datasets``' ``imagefolder`` builder reads ``root/<class>/<image>`` (or
-``root/<split>/<class>/<image>``) and silently passes over class folders without images and
-files that are not images or are hidden. :func:`image_folder_notes` names them, so that the
-run's notes (console and ``model.json``) say what was skipped. No Flower import.
+``datasets``' ``imagefolder`` builder guesses splits from file names (``test_3.png`` and
+``scan_val_1.png`` become splits, and every other image is dropped), labels an image by its
+innermost folder (``cat/session1/a.png`` becomes class ``session1``), and reads ``Test/`` as
+a class, not a split. :func:`read_image_folder` lists the images itself: a split is a
+top-level folder with a split name (any case), a class is a folder right under the root
+or under a split, and every image below a class folder (sub-folders and links to folders
+included) is of that class. Its notes name what it skips: class folders without images,
+images outside class folders, files that are not images or are hidden. No Flower import.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from fedavg.datasources import FILE_BUILDERS, IMAGE_SUFFIXES
+from fedavg.errors import UserError
 
-#: Folder names the ``imagefolder`` builder reads as splits (``root/train/<class>/...``).
-SPLIT_FOLDERS = {"train", "training", "test", "testing", "eval", "evaluation", "validation",
-                 "valid", "val", "dev"}
+#: Top-level folder names (any case) read as splits (``root/train/<class>/...``), and the
+#: split each one is.
+SPLIT_FOLDERS = {"train": "train", "training": "train", "test": "test", "testing": "test",
+                 "eval": "test", "evaluation": "test", "validation": "validation",
+                 "valid": "validation", "val": "validation", "dev": "validation"}
 
 
 def _image_extensions() -> set[str]:
@@ -27,48 +35,99 @@ def _image_extensions() -> set[str]:
         return set(IMAGE_SUFFIXES)
 
 
-def image_folder_notes(path: Path, source: str) -> list[str] | None:
-    """Say what reading ``path`` as an image folder (one subfolder per class) leaves out.
+def _hidden(rel: Path) -> bool:
+    """Whether a part of ``rel`` is hidden (``.git``, ``__MACOSX``): the reader skips it."""
+    return any(part.startswith((".", "__")) for part in rel.parts)
+
+
+def _files(root: Path) -> list[Path]:
+    """Every file below ``root`` (relative paths, sorted), following links to folders once."""
+    found, seen = [], set()
+    for top, dirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:  # a link back up the tree
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs.sort()
+        found += [Path(top, n).relative_to(root) for n in names if Path(top, n).is_file()]
+    return sorted(found)
+
+
+def read_image_folder(path: Path, source: str):
+    """Read ``path`` as an image folder, or return ``None`` when it is not one.
 
     Parameters
     ----------
     path : pathlib.Path
         A folder.
     source : str
-        How the user named it, for the notes.
+        How the user named it, for notes and messages.
 
     Returns
     -------
-    list of str or None
-        ``None`` when ``path`` is not an image folder (it holds data files such as
-        ``.csv`` or ``.parquet``, or no image at all). Otherwise at most two lines: the
-        class folders that hold no image (they are not classes), and the files that are
-        not images or are hidden (names starting with ``.`` or ``__``), which the reader
-        skips; an empty list when nothing is skipped.
+    tuple or None
+        ``(dataset_dict, notes)``: a ``datasets.DatasetDict`` of ``image`` (file paths,
+        decoded later) and ``label`` (a ``ClassLabel`` of every class folder's name, sorted)
+        per split, and at most three lines on what was skipped. ``None`` when ``path``
+        holds data files (``.csv``, ``.parquet`` ...) or no image at all.
+
+    Raises
+    ------
+    UserError
+        Images, but none inside a class folder.
     """
-    files = sorted(p.relative_to(path) for p in path.rglob("*") if p.is_file())
+    import datasets
+
+    files = _files(path)
     if any(f.suffix.lower() in FILE_BUILDERS for f in files):
         return None
     extensions = _image_extensions()
-
-    def hidden(rel: Path) -> bool:
-        return any(part.startswith((".", "__")) for part in rel.parts)
-
-    images = [f for f in files if f.suffix.lower() in extensions and not hidden(f)]
+    images = [f for f in files if f.suffix.lower() in extensions and not _hidden(f)]
     if not images:
         return None
+    tops = sorted({f.parts[0] for f in images if len(f.parts) > 1})
+    splits = {t: SPLIT_FOLDERS[t.lower()] for t in tops if t.lower() in SPLIT_FOLDERS}
+    depth = 1 if splits else 0  # parts before the class folder
+    per_split: dict[str, list[tuple[str, str]]] = {}
+    loose = []
+    for f in images:
+        if len(f.parts) < depth + 2 or (splits and f.parts[0] not in splits):
+            loose.append(f)
+            continue
+        name = splits[f.parts[0]] if splits else "train"
+        per_split.setdefault(name, []).append((str(path / f), f.parts[depth]))
+    if not per_split:
+        raise UserError(f"{source} holds images but no class folders: put each class's "
+                        f"images in a folder named after it ({_listing(loose)} ...)")
+    classes = sorted({c for items in per_split.values() for _, c in items})
+    index = {c: i for i, c in enumerate(classes)}
+    features = datasets.Features({"image": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=classes)})
+    dsdict = datasets.DatasetDict({
+        name: datasets.Dataset.from_dict({"image": [p for p, _ in items],
+                                          "label": [index[c] for _, c in items]},
+                                         features=features)
+        for name, items in sorted(per_split.items(), key=lambda kv: kv[0] != "train")})
+    return dsdict, _notes(path, source, files, images, loose, splits, depth)
+
+
+def _notes(path: Path, source: str, files, images, loose, splits, depth) -> list[str]:
+    """Return the lines on what :func:`read_image_folder` skipped."""
     chosen = set(images)
     skipped = [f for f in files if f not in chosen]
-    with_images = {parent for f in images for parent in f.parents}
-    tops = [d.relative_to(path) for d in sorted(path.iterdir()) if d.is_dir()]
-    splits = [d for d in tops if d.name.lower() in SPLIT_FOLDERS and d in with_images]
-    class_dirs = [c.relative_to(path) for d in splits for c in sorted((path / d).iterdir())
-                  if c.is_dir()] if splits else tops
-    empty = [d for d in class_dirs if d not in with_images and not hidden(d)]
+    outside = set(loose)
+    with_images = {f.parts[:depth + 1] for f in images if f not in outside}
+    roots = [path / s for s in splits] if splits else [path]
+    class_dirs = [c.relative_to(path) for r in roots for c in sorted(r.iterdir()) if c.is_dir()]
+    empty = [d for d in class_dirs if d.parts not in with_images and not _hidden(d)]
     notes = []
     if empty:
         notes.append(f"skipped {len(empty)} class folder(s) of {source} with no images: "
                      f"{_listing(empty)}")
+    if loose:
+        notes.append(f"skipped {len(loose)} image(s) of {source} outside class folders: "
+                     f"{_listing(loose)}")
     if skipped:
         notes.append(f"skipped {len(skipped)} file(s) of {source} that are not images or "
                      f"are hidden: {_listing(skipped)}")

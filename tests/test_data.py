@@ -230,6 +230,58 @@ def test_image_folder(tmp_path):
     assert seen == {40 + k: "cat" for k in range(4)} | {200 + k: "dog" for k in range(4)}
 
 
+def test_image_folder_labels_come_from_class_folders_and_splits_from_split_folders(tmp_path):
+    """File names never make splits, sub-folders stay in their class, split folders in any case.
+
+    (``datasets``' own builder read ``test_0.png`` / ``scan_val_1.png`` as splits and dropped
+    the other images, and labelled ``zero/session1/a.png`` as ``session1``.)
+    """
+    root = tmp_path / "imgs"
+    value = iter(range(1, 250))
+    expected = {}
+    for split in ("Train", "Test"):
+        for cls in ("zero", "one"):
+            for name in ("test_0.png", "scan_val_1.png", "img2.png", "session1/a.png",
+                         "session2/deep/b.png"):
+                f = root / split / cls / name
+                f.parent.mkdir(parents=True, exist_ok=True)
+                v = next(value)
+                f.write_bytes(png(v))
+                expected[v] = (split, cls)
+    data = load(str(root))
+    assert data.classes == ["one", "zero"]
+    assert len(data.train) == len(data.test) == 10  # Test/ is the test split, nothing dropped
+    assert pixel_to_label(data) == {v: cls for v, (_, cls) in expected.items()}
+    assert {int(x.flat[0]) for x in data.test.x} == {v for v, (s, _) in expected.items()
+                                                     if s == "Test"}
+    assert not any("held out" in n for n in data.notes)
+
+
+def test_image_folder_images_outside_class_folders_and_linked_class_folders(tmp_path):
+    root = tmp_path / "imgs"
+    for cls, v in (("a", 10), ("b", 20)):
+        (root / cls).mkdir(parents=True)
+        for k in range(3):
+            (root / cls / f"{k}.png").write_bytes(png(v + k))
+    elsewhere = tmp_path / "more_c"
+    elsewhere.mkdir()
+    for k in range(3):
+        (elsewhere / f"{k}.png").write_bytes(png(30 + k))
+    (root / "c").symlink_to(elsewhere, target_is_directory=True)
+    (root / "preview.png").write_bytes(png(99))  # not in a class folder
+    data = load(str(root))
+    assert data.classes == ["a", "b", "c"]
+    assert pixel_to_label(data) == {10 + k: "a" for k in range(3)} | {
+        20 + k: "b" for k in range(3)} | {30 + k: "c" for k in range(3)}
+    assert f"skipped 1 image(s) of {root} outside class folders: preview.png" in data.notes
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    (loose / "x.png").write_bytes(png(1))
+    with pytest.raises(UserError, match=r"holds images but no class folders: put each class's "
+                                        r"images in a folder named after it \(x.png"):
+        load(str(loose))
+
+
 # --- column overrides and detection errors ----------------------------------------------------
 
 
