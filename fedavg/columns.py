@@ -101,7 +101,7 @@ def _detect_inputs(features, source: str, label: str, partition_by: str | None) 
 
     columns = list(features)
     found = next(
-        (c for c, f in features.items() if isinstance(f, datasets.Image) and c != label),
+        (c for c, f in features.items() if is_image(f) and c != label),
         None,
     ) or next((c for c in columns if c.lower() in IMAGE_NAMES and c != label
                and not isinstance(features[c], datasets.Value)), None)  # arrays, not scalars
@@ -121,6 +121,19 @@ def _detect_inputs(features, source: str, label: str, partition_by: str | None) 
             f"{' or --partition-by' if partition_by else ''} (columns: {', '.join(columns)})"
         )
     return image
+
+
+def is_image(feature) -> bool:
+    """Tell whether a column holds encoded images.
+
+    An ``Image`` feature, ``{bytes, path}`` structs (images written without ``datasets``'
+    metadata) or raw bytes.
+    """
+    import datasets
+
+    return isinstance(feature, datasets.Image) or (
+        isinstance(feature, dict) and "bytes" in feature) or (
+        isinstance(feature, datasets.Value) and feature.dtype in ("binary", "large_binary"))
 
 
 def check_numeric(features, names: list[str], source: str) -> None:

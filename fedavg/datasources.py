@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedavg.columns import is_image
 from fedavg.errors import UserError, first_line
 
 BUILTIN = ("digits",)
@@ -203,7 +204,7 @@ def input_array(ds, columns: list[str], source: str, like: tuple[int, ...] | Non
     if isinstance(feature, datasets.Image):
         raw = ds.cast_column(col, datasets.Image(decode=False))[col]
         return decode_images(raw, source, notes=notes, **shape)
-    if isinstance(feature, dict) and "bytes" in feature:  # image structs without HF metadata
+    if is_image(feature):  # image structs without HF metadata, raw bytes
         return decode_images(ds[col], source, notes=notes, **shape)
     return _array_column(ds, col, feature, source)
 
@@ -251,6 +252,8 @@ def _open_image(item, i: int, source: str):
             img = item
         elif isinstance(item, dict):
             img = Image.open(io.BytesIO(item["bytes"]) if item.get("bytes") else item["path"])
+        elif isinstance(item, (bytes, bytearray)):
+            img = Image.open(io.BytesIO(item))
         else:
             img = Image.open(item)
         if img.mode.startswith("I;16") or img.mode == "I":

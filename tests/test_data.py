@@ -282,6 +282,23 @@ def test_image_folder_images_outside_class_folders_and_linked_class_folders(tmp_
         load(str(loose))
 
 
+def test_image_bytes_without_image_metadata_are_the_input_not_an_id_column(tmp_path):
+    """``{bytes, path}`` structs and raw bytes (pyarrow, no metadata) are images, by any name."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    values = [10, 20, 30, 40]
+    for name, cells in (("photo", [{"bytes": png(v), "path": None} for v in values]),
+                        ("blob", [png(v) for v in values])):
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"id": [0, 1, 2, 3], name: cells, "label": ["a", "b"] * 2}),
+                       str(path))
+        data = load(str(path), seed=0)
+        assert data.columns == {"image": name, "label": "label"}
+        assert data.train.x.shape[1:] == (1, 6, 6)
+        assert pixel_to_label(data) == {10: "a", 20: "b", 30: "a", 40: "b"}
+
+
 # --- column overrides and detection errors ----------------------------------------------------
 
 
