@@ -152,12 +152,14 @@ def check_numeric(features, names: list[str], source: str) -> None:
                         "features: fix or drop the values that are not numbers")
 
 
-def saved_load_args(meta: dict[str, Any], source: str) -> dict[str, Any]:
+def saved_load_args(meta: dict[str, Any], source: str, whole: bool = False) -> dict[str, Any]:
     """Return :func:`fedavg.data.load`'s column and hold-out arguments for a saved model.
 
     The run's seed and test fraction (the same hold-out); the columns its run recorded: all
     of them for its own dataset; for another, a tabular model's ``feature_columns`` and its
-    label as ``label_hint`` (a table's column names are its schema); else none (detected).
+    label as ``label_hint`` (a table's column names are its schema), else none (detected);
+    with ``whole``, no hold-out either: such a dataset without a test split is scored or
+    predicted whole (``hold_out=False``).
     """
     from fedavg.datasources import same_source
 
@@ -168,8 +170,10 @@ def saved_load_args(meta: dict[str, Any], source: str) -> dict[str, Any]:
     if same_source(source, ds_meta.get("source")):
         args.update(image_column=cols.get("image"), label_column=cols.get("label"),
                     text_column=cols.get("text"), feature_columns=cols.get("features"))
-    elif cols.get("features"):
-        args.update(feature_columns=cols["features"], label_hint=cols.get("label"))
+    else:
+        args["hold_out"] = not whole
+        if cols.get("features"):
+            args.update(feature_columns=cols["features"], label_hint=cols.get("label"))
     return args
 
 

@@ -29,7 +29,8 @@ from fedavg.datasources import (  # noqa: F401  (digits_arrays re-exported)
     open_source,
 )
 from fedavg.errors import UserError
-from fedavg.labels import label_array, label_classes, numeric_name
+from fedavg.labels import label_array, label_classes, numeric_name, similar_labels
+from fedavg.text import tokenized
 
 __all__ = [
     "BUILTIN",
@@ -218,6 +219,7 @@ def load(
     hash_buckets: int = 131072,
     feature_columns: list[str] | None = None,
     label_hint: str | None = None,
+    hold_out: bool = True,
 ) -> LoadedData:
     """Load ``dataset`` into arrays with ``train`` and ``test`` splits.
 
@@ -245,6 +247,10 @@ def load(
         Tokens per text; ids of the hashed tokenizer.
     feature_columns, label_hint : list of str, str, optional
         A saved tabular model's features, taken by name, and its label, where the data has it.
+    hold_out : bool
+        Without a test split, hold out ``test_fraction`` of train as test (a run's data);
+        ``False``: ``test`` is the whole train split, the same object (data a saved model
+        is scored on or predicts, which it never trained on).
 
     Returns
     -------
@@ -270,6 +276,18 @@ def load(
         data = _from_hf(dsdict, dataset, image_column, label_column, partition_by, text,
                         (feature_columns, label_hint))
         data.notes.extend(notes)
+    _test_split(data, dataset, hold_out, test_fraction, seed)
+    if len(data.classes) < 2:
+        raise UserError(f"{dataset} has a single class ({data.classes}): a classifier needs at "
+                        "least two; check --label-column")
+    return data
+
+
+def _test_split(data: LoadedData, dataset: str, hold_out: bool, test_fraction: float,
+                seed: int) -> None:
+    """Give ``data`` a test split if it has none: a seeded hold-out, or train itself."""
+    if "test" not in data.splits and not hold_out:
+        data.splits["test"] = data.splits["train"]
     if "test" not in data.splits:
         train = data.splits["train"]
         if len(train) < 2:
@@ -280,10 +298,6 @@ def load(
             f"no test split in {dataset}: held out {n_test} of {len(train)} train samples "
             f"({test_fraction:.0%}, seed {seed}) as test"
         )
-    if len(data.classes) < 2:
-        raise UserError(f"{dataset} has a single class ({data.classes}): a classifier needs at "
-                        "least two; check --label-column")
-    return data
 
 
 def conform(split: Split, source: str, shape: tuple[int, ...] | list[int],
@@ -407,7 +421,7 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
                 raise UserError(f"split {name!r} lacks column(s) {missing}")
             continue
         like = None if name == train_name else splits["train"].x.shape[1:]
-        x = _tokenized(tokenizer, ds, image[0], source) if tokenizer else \
+        x = tokenized(tokenizer, ds[image[0]], source) if tokenizer else \
             input_array(ds, image, source if like is None else f"{source}'s {name} split",
                         like, notes)
         feature = features[label]
@@ -418,13 +432,7 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
             groups = np.asarray([str(v) for v in ds[partition_by]])
         key = "train" if name == train_name else ("test" if name == test_name else name)
         splits[key] = Split(x, y, groups)
-    folded: dict[Any, list[str]] = {}
-    for c in classes:  # "Cat" and "cat ", "1" and "1.0"
-        folded.setdefault(numeric_name(c) if numeric_name(c) is not None else
-                          c.strip().lower(), []).append(c)
-    notes += [f"label values that differ only in case, spaces or how a number is written are "
-              f"separate classes: {', '.join(map(repr, same))}"
-              for same in folded.values() if len(same) > 1][:1]
+    notes += similar_labels(classes)
     notes += [left_out] if left_out else []
     if tokenizer is not None:
         cols: dict[str, Any] = {"text": image[0], "label": label}
@@ -438,12 +446,3 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
     else:
         cols = {"features": image, "label": label}
     return LoadedData(splits, classes, source, cols, notes=notes, tokenizer=tokenizer)
-
-
-def _tokenized(tokenizer, ds, column: str, source: str) -> np.ndarray:
-    """Tokenize a text column; text that is not UTF-8 is one line naming the data."""
-    try:
-        return tokenizer.encode(ds[column])
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{source} holds text that is not UTF-8 ({exc.reason} at byte "
-                        f"{exc.start}): save it as UTF-8") from None

@@ -207,7 +207,7 @@ def evaluation_data(meta: dict[str, Any], directory: str | Path, dataset: str | 
     source = dataset or ds_meta.get("source")
     if not source:
         raise UserError("pass --dataset: the model does not record its dataset")
-    args = saved_load_args(meta, source)
+    args = saved_load_args(meta, source, whole=True)
     if image_column:  # the user's choice over the run's
         args.update(image_column=image_column, feature_columns=None)
     if label_column:
@@ -233,8 +233,9 @@ def score(net: torch.nn.Module, held: tuple[str, Any, str, Any], device: str = "
     source, data, split, part = held
     res = _evaluate(net, part.x, part.y, net.fedavg_meta["input"], batch_size=batch_size,
                     device=resolve_device(device))
-    leak = None if split == "train" else overlap_note(data.splits[split].x, data.train.x,
-                                                      split, source)
+    whole = data.splits["test"] is data.splits["train"]  # one split, nothing held out
+    leak = None if split == "train" or whole else overlap_note(data.splits[split].x,
+                                                               data.train.x, split, source)
     if source not in BUILTIN and Path(source).expanduser().exists():
         source = str(Path(source).expanduser().resolve())  # one form in text and JSON
     return {**res, "split": split, "dataset": source, "notes": [leak] if leak else []}
@@ -382,7 +383,7 @@ def _dataset_batch(source: str, split: str, meta: dict[str, Any], tokenizer: Any
     A single table (one file, one split) given to a tabular model is predicted whole, row
     by row, and needs no label column.
     """
-    args = saved_load_args(meta, source)
+    args = saved_load_args(meta, source, whole=True)
     features = args.get("feature_columns")
     if features and (rows := _table_rows(source, features)) is not None:
         return rows
@@ -396,6 +397,8 @@ def _dataset_batch(source: str, split: str, meta: dict[str, Any], tokenizer: Any
         raise UserError(f"{source} has no split {split!r}; splits: {', '.join(data.splits)}")
     check_kind(meta["input"], data, source)
     part = conform(data.splits[split], source, meta["input"]["shape"])
+    if data.splits["test"] is data.splits["train"]:  # one split, used whole: rows in order
+        return part.x, [f"{source}#row{i}" for i in range(len(part))]
     return part.x, [f"{source}#{split}[{i}]" for i in range(len(part))]
 
 

@@ -102,3 +102,18 @@ def numeric_name(name: str) -> float | None:
     except (TypeError, ValueError):
         return None
     return value if np.isfinite(value) else None
+
+
+def similar_labels(classes: list[str]) -> list[str]:
+    """Return a note on classes that may be meant as one, else nothing.
+
+    Class names that differ only in case or surrounding spaces (``"Cat"``, ``"cat "``), or
+    spell one number two ways (``"1"``, ``"1.0"``): the first such group.
+    """
+    folded: dict[Any, list[str]] = {}
+    for c in classes:
+        folded.setdefault(numeric_name(c) if numeric_name(c) is not None else
+                          c.strip().lower(), []).append(c)
+    return [f"label values that differ only in case, spaces or how a number is written are "
+            f"separate classes: {', '.join(map(repr, same))}"
+            for same in folded.values() if len(same) > 1][:1]

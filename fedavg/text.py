@@ -364,3 +364,18 @@ def text_inputs(inputs: Sequence[str], literal: bool) -> list[tuple[str, str]]:
             raise UserError(f"no such file or folder: {raw} (to classify it as text, pass "
                             "--text)")
     return items
+
+
+def tokenized(tokenizer, texts, source: str) -> np.ndarray:
+    """Return ``tokenizer.encode(texts)``; text that is not UTF-8 is one line naming the data.
+
+    Raises
+    ------
+    UserError
+        ``texts`` holds bytes that are not UTF-8.
+    """
+    try:
+        return tokenizer.encode(texts)
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{source} holds text that is not UTF-8 ({exc.reason} at byte "
+                        f"{exc.start}): save it as UTF-8") from None

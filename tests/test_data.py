@@ -473,6 +473,24 @@ def _tabular_meta(data, source):
                         "test_fraction": 0.2}}
 
 
+def test_an_image_dataset_the_model_never_saw_is_scored_and_predicted_whole(tmp_path):
+    """One split of data other than the run's: every row, in order, not a 20 % hold-out."""
+    from fedavg.inference import _dataset_batch, evaluation_data
+
+    run_data = image_dataset([1, 2, 3, 4, 5], ["a", "b", "a", "b", "a"])
+    run_data.to_parquet(str(tmp_path / "run.parquet"))
+    meta = _tabular_meta(load(str(tmp_path / "run.parquet")), str(tmp_path / "run.parquet"))
+    image_dataset(list(range(10, 20)), ["a", "b"] * 5).to_parquet(str(tmp_path / "new.parquet"))
+    x, names = _dataset_batch(str(tmp_path / "new.parquet"), "test", meta)
+    assert names == [f"{tmp_path / 'new.parquet'}#row{i}" for i in range(10)]
+    assert [int(v.flat[0]) for v in x] == list(range(10, 20))
+    _, _, _, part = evaluation_data(meta, tmp_path, str(tmp_path / "new.parquet"))
+    assert len(part) == 10 and part.y.tolist() == [0, 1] * 5
+    # the run's own data keeps the run's hold-out: what was not trained on
+    _, own, _, part = evaluation_data(meta, tmp_path, str(tmp_path / "run.parquet"))
+    assert len(part) == 1 and own.test is not own.train
+
+
 def test_the_label_column_is_the_most_usual_name_and_scalars_are_features(tmp_path):
     """``x`` and ``y`` are usual input and label names, but ``label`` says more."""
     rows = ["x,y,z,label"] + [f"{i % 7},{i % 3},{i * 0.5},{'ab'[i % 2]}" for i in range(20)]
@@ -501,8 +519,14 @@ def test_a_saved_tabular_model_reads_its_own_columns_by_name(tmp_path, monkeypat
     table = [dict(zip(rows[0].split(","), line.split(","))) for line in rows[1:]]
     (tmp_path / "other.csv").write_text("\n".join(
         [",".join(header)] + [",".join(r[c] for c in header) for r in table]) + "\n")
-    _, _, _, part = evaluation_data(meta, tmp_path, "other.csv", split="train")
-    assert np.array_equal(part.x, data.train.x) and np.array_equal(part.y, data.train.y)
+    # data the model never trained on, without a test split: scored whole, rows in order
+    whole = load(str(tmp_path / "grade.csv"), label_column="grade", partition_by="site",
+                 hold_out=False)
+    assert whole.test is whole.train and len(whole.test) == 20
+    for split in ("test", "train"):
+        _, _, _, part = evaluation_data(meta, tmp_path, "other.csv", split=split)
+        assert np.array_equal(part.x, whole.test.x) and np.array_equal(part.y, whole.test.y)
+    assert part.x[:, 0].tolist() == list(range(20))
     (tmp_path / "less.csv").write_text("f1,grade\n1,lo\n2,hi\n3,lo\n")
     with pytest.raises(UserError, match="less.csv lacks the feature column.s. f2, class that "
                                         "the model takes .f1, f2, class."):
@@ -593,7 +617,7 @@ def test_a_saved_tabular_model_on_other_tables_label_hint_and_stray_strings(tmp_
     # another table whose label goes by another name: detected, as before
     (tmp_path / "t.csv").write_text("\n".join(r.replace("grade", "target") for r in rows) + "\n")
     _, _, _, part = evaluation_data(meta, tmp_path, str(tmp_path / "t.csv"))
-    assert np.array_equal(part.y, data.test.y)
+    assert part.y.tolist() == [1] * 10 + [0] * 10  # all 20 rows, in order ("hi" is class 0)
     # a "?" among a feature's numbers: one line, not a traceback, in evaluate and predict
     bad = rows[:5] + ["5,?,lo"] + rows[6:]
     (tmp_path / "bad.csv").write_text("\n".join(bad) + "\n")
