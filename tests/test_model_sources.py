@@ -785,6 +785,8 @@ def test_model_mistakes_on_the_command_line_are_one_line(invoke, args, words):
 @pytest.mark.parametrize("body, words", [
     ("return FrozenHead()", "has no trainable parameters: nodes would have nothing to train"),
     ("return IntLogits()", "gives torch.int64 logits; they must be floating point"),
+    ("with torch.device('meta'):\n        return IntLogits()",
+     "has its weights on the meta device (shapes, no values): build it on the CPU"),
 ])
 def test_builders_nodes_could_not_train_are_refused_before_the_run(invoke, tmp_path, body,
                                                                     words):
