@@ -648,3 +648,20 @@ def test_reading_a_wide_table_touches_its_schema_as_often_as_a_narrow_one(tmp_pa
         assert load(str(path)).train.x.shape[1] == width
         counts.append(len(reads))
     assert counts[0] == counts[1], counts
+
+
+def test_image_files_for_a_model_trained_on_float_arrays_take_its_range(tmp_path):
+    """Pixel arrays of 0..255 floats: images are given as 0..255, not divided by 255."""
+    from fedavg.inference import _image_batch
+
+    path = tmp_path / "a.png"
+    path.write_bytes(png(200))
+    for mean, std, want in ((33.0, 78.0, 200.0), (0.13, 0.3, 200 / 255)):
+        meta = {"input": {"kind": "image", "shape": [1, 6, 6], "dtype": "float32",
+                          "scale": 1.0, "mean": [mean], "std": [std]}}
+        notes = []
+        x, names = _image_batch([path], meta, notes.append)
+        assert x.dtype == np.float32 and np.allclose(x, want) and names == [str(path)]
+        span = "0..255" if want > 1 else "0..1"
+        assert notes == [f"the model was trained on arrays of floats, not image files; the "
+                         f"images are given as {span} values, the range of its training data"]
