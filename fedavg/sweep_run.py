@@ -133,12 +133,16 @@ def plan(sweep: Sweep, out: Path, retry_failed: bool = False) -> list[Planned]:
     Raises
     ------
     UserError
-        A point's folder holds a finished run with other settings (the config changed).
+        A point's folder holds a finished run with other settings (the config changed), or
+        is a file.
     """
     earlier = {r.get("name"): r for r in read_record(out).get("points", [])}
     planned = []
     for point in sweep.points:
         folder = out / point.name
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"{folder} is a file where point {point.name}'s run folder goes: "
+                            "move it away or sweep into another --output")
         summary = _read_json(folder / "summary.json")
         before = earlier.get(point.name, {})
         same = _plain(before.get("settings")) == _plain(point.settings)

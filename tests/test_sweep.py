@@ -420,6 +420,15 @@ def test_plan_refuses_a_finished_run_with_other_settings(tmp_path):
                             f"strategy={other.settings['strategy']}"]), tmp_path)
 
 
+def test_plan_refuses_a_file_where_a_point_folder_goes(tmp_path):
+    sweep = load_sweep(TINY)
+    (tmp_path / sweep.points[1].name).write_text("hi")
+    with pytest.raises(UserError, match=rf"{sweep.points[1].name} is a file where point "
+                                        rf"{sweep.points[1].name}'s run folder goes: move it "
+                                        "away or sweep into another --output"):
+        plan(sweep, tmp_path)
+
+
 def test_plan_trains_a_finished_run_on_when_the_config_raises_its_rounds(tmp_path):
     sweep = load_sweep(TINY)  # 2 rounds
     point = sweep.points[0]
