@@ -230,6 +230,7 @@ class ServerRun:
 
         where = self.output / resume.CHECKPOINT
         _check_same_tokenizer(self.output, self.prepared.meta["input"])
+        resume.check_same_model(self.output, self.prepared.meta.get("model"))
         problem = resume.model_mismatch(fresh, ckpt.model)
         if problem:
             raise UserError(f"{where} does not fit this run's model: {problem}")

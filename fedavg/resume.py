@@ -385,3 +385,42 @@ def resume_command(argv: list[str], output: Path, drop: Iterable[str] = ()) -> s
             continue
         args.append(arg)
     return shlex.join(["fedavg", *args, "--resume", str(output)])
+
+
+def check_same_model(output: Path, spec: dict[str, Any] | None) -> None:
+    """Refuse to resume a run whose model would now be built otherwise than before.
+
+    An ``hf:`` folder's ``config.json`` (stored whole in the model's arguments) or a
+    builder's arguments edited since the run started would change the model mid-run:
+    the weights may still fit, so nothing else would notice. ``spec`` is the model spec
+    built now (:meth:`fedavg.models.ModelSpec.as_dict`); the run's is its ``model.json``'s.
+
+    Raises
+    ------
+    fedavg.errors.UserError
+        Naming the first argument that differs.
+    """
+    import json
+
+    from fedavg.errors import UserError
+
+    try:
+        saved = json.loads((Path(output) / "model.json").read_text())["model"]
+        before = dict(saved["args"])
+        now = json.loads(json.dumps((spec or {})["args"]))  # tuples as lists, as saved
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no (readable) saved model yet: nothing to compare
+    if saved.get("name") != spec.get("name") or before == now:
+        return
+
+    def flat(args: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in args.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+        return out
+
+    b, n = flat(before), flat(now)
+    key = next(k for k in sorted(set(b) | set(n)) if b.get(k) != n.get(k))
+    raise UserError(f"{output} was trained with model {spec['name']} built with {key} = "
+                    f"{_shown(b.get(key))}, which is now {_shown(n.get(key))} (its files or "
+                    "--model-arg changed): restore them to resume, or start a new run")

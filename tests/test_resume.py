@@ -284,6 +284,24 @@ def test_a_run_resumed_to_train_longer_keeps_only_its_last_rounds_node_models(tm
         assert json.loads((tmp_path / "nodes/node-0/model.json").read_text())["rounds"] == 4
 
 
+def test_resume_refuses_a_model_now_built_from_other_files(tmp_path):
+    """An hf: folder's config.json edited since the run started: the weights may still fit."""
+    from fedavg import resume
+
+    spec = {"name": "hf:/m", "input_shape": [3, 8, 8], "num_classes": 2,
+            "args": {"hf_config": {"hidden_act": "relu", "sizes": (8, 16)}}}
+    resume.check_same_model(tmp_path, spec)  # no model.json yet: nothing to compare
+    (tmp_path / "model.json").write_text(json.dumps({"model": spec}))
+    resume.check_same_model(tmp_path, spec)  # the same (its tuple saved as a list)
+    edited = {**spec, "args": {"hf_config": {"hidden_act": "gelu", "sizes": (8, 16)}}}
+    with pytest.raises(UserError, match=rf"^{tmp_path} was trained with model hf:/m built with "
+                                        r"hf_config.hidden_act = relu, which is now gelu \(its "
+                                        r"files or --model-arg changed\): restore them to "
+                                        r"resume, or start a new run$"):
+        resume.check_same_model(tmp_path, edited)
+    resume.check_same_model(tmp_path, {**edited, "name": "mlp"})  # another model: not this
+
+
 def test_resume_command_replaces_output_and_keeps_the_rest():
     argv = ["simulate", "--num-nodes", "3", "--output", "runs/a b", "--overwrite", "--lr=0.1"]
     assert resume.resume_command(argv, Path("runs/a b")) == \
