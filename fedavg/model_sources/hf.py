@@ -245,11 +245,14 @@ def build_hf(name: str, input_shape: tuple[int, ...], num_classes: int,
             if weights is None:
                 net = auto.from_config(cfg, trust_remote_code=False)
             else:
-                net = auto.from_pretrained(
+                net, info = auto.from_pretrained(
                     str(weights.parent), config=cfg, ignore_mismatched_sizes=True,
-                    use_safetensors=True, local_files_only=True, trust_remote_code=False)
+                    use_safetensors=True, local_files_only=True, trust_remote_code=False,
+                    output_loading_info=True)
     except (ValueError, KeyError, OSError, TypeError, RuntimeError) as exc:
         raise UserError(f"{name}: {first_line(exc)}") from None
+    if weights is not None:
+        _check_loaded(name, weights, info)
     if text:
         if len(input_shape) != 1:
             raise UserError(f"{name} as a text model takes token ids (L,); the data are of "
@@ -265,6 +268,28 @@ def build_hf(name: str, input_shape: tuple[int, ...], num_classes: int,
                              channels=getattr(cfg, "num_channels", None),
                              size=getattr(cfg, "image_size", None))
     return model
+
+
+#: Top-level modules of a classification head, which may start anew (another class count).
+HEAD_MODULES = frozenset({"classifier", "score", "head", "heads"})
+
+
+def _check_loaded(name: str, weights, info: dict) -> None:
+    """Refuse weights that leave more than the classifier head to start random.
+
+    Raises
+    ------
+    UserError
+        Naming how many tensors the file does not give and the first few.
+    """
+    names = [k for k in info.get("missing_keys", [])] + [
+        m[0] if isinstance(m, (tuple, list)) else m for m in info.get("mismatched_keys", [])]
+    lost = sorted(k for k in names if str(k).split(".")[0] not in HEAD_MODULES)
+    if lost:
+        raise UserError(f"{name}: {weights.name} does not fit its config.json: {len(lost)} "
+                        f"tensor(s) besides the classifier head would start random "
+                        f"({', '.join(lost[:3])}); save the model and its config together "
+                        "with save_pretrained(), or remove the weights to start from random")
 
 
 def weights_note(name: str) -> str:
