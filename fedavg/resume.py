@@ -336,6 +336,11 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
     saved = _option_defaults(absolute_paths(ckpt.run_config().to_flat()))
     asked = _option_defaults(absolute_paths(config.to_flat()))
     allowed = set(may_change)
+    from fedavg.model_sources import names_same_code
+
+    if isinstance(asked.get("model"), str) and isinstance(saved.get("model"), str) and \
+            names_same_code(asked["model"], saved["model"]):
+        allowed.add("model")  # the run's own code file, moved: the same file name, function
     for key in sorted(set(saved) | set(asked), key=lambda k: (k != "strategy", k)):
         if key not in allowed and saved.get(key) != asked.get(key):
             missing = key in _PATHS and isinstance(saved.get(key), str) and \

@@ -302,6 +302,21 @@ def test_resume_refuses_a_model_now_built_from_other_files(tmp_path):
     resume.check_same_model(tmp_path, {**edited, "name": "mlp"})  # another model: not this
 
 
+def test_a_run_whose_model_file_moved_resumes_with_the_file_named_anew(tmp_path):
+    """The same file name and function elsewhere is the run's code; another file is not."""
+    for folder in ("old", "new"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "m.py").write_text("def build(input_shape, num_classes): pass\n")
+    (tmp_path / "new" / "n.py").write_text("def build(input_shape, num_classes): pass\n")
+    saved = RunConfig().replace(model=f"{tmp_path}/old/m.py:build", rounds=2)
+    ckpt = resume.Checkpoint(round=1, model={}, config=saved.to_flat())
+    moved = resume.resumed_config(ckpt, saved.replace(model=f"{tmp_path}/new/m.py:build"),
+                                  "runs/x")
+    assert moved.train.model == f"{tmp_path}/new/m.py:build"
+    with pytest.raises(UserError, match=r"--model \S+/new/n.py:build differs from the run's"):
+        resume.resumed_config(ckpt, saved.replace(model=f"{tmp_path}/new/n.py:build"), "runs/x")
+
+
 def test_resume_command_replaces_output_and_keeps_the_rest():
     argv = ["simulate", "--num-nodes", "3", "--output", "runs/a b", "--overwrite", "--lr=0.1"]
     assert resume.resume_command(argv, Path("runs/a b")) == \

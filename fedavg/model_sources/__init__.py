@@ -44,7 +44,7 @@ __all__ = [
     "DATA_ARGS", "FORMS", "ImageAdapter", "Takes", "absolute_name", "adapt_images", "build",
     "build_torchvision", "build_user", "canonical", "check_output", "first_line",
     "node_model", "node_model_name", "parse_model_args", "saved_model_name", "source_kind",
-    "source_notes", "stored_args", "trial", "user_builder",
+    "names_same_code", "source_notes", "stored_args", "trial", "user_builder",
 ]
 
 #: ``fedavg models``: the forms beside the registered names, with an example each.
@@ -217,7 +217,7 @@ def node_model_name(run_model: str, allowed: str | None) -> str:
     """
     if source_kind(run_model) != "code":
         return run_model
-    if _names_code(allowed, run_model):
+    if names_same_code(allowed, run_model):
         return str(allowed)
     where, func, is_file = code_ref(run_model)
     shown = f"{Path(where).name}:{func}" if is_file else run_model
@@ -245,7 +245,7 @@ def saved_model_name(saved: str, allowed: str | None, where: str) -> str:
             raise UserError(f"--model names the code that builds a model, but the model in "
                             f"{where} is {saved}: leave --model out")
         return saved
-    if _names_code(allowed, saved):
+    if names_same_code(allowed, saved):
         return str(allowed)
     given = f" (--model {allowed} is other code)" if allowed else ""
     raise UserError(f"the model in {where} is built by code, {saved}{given}: pass --model "
@@ -253,7 +253,7 @@ def saved_model_name(saved: str, allowed: str | None, where: str) -> str:
                     "model's own description never makes fedavg import code)")
 
 
-def _names_code(allowed: str | None, name: str) -> bool:
+def names_same_code(allowed: str | None, name: str) -> bool:
     """Whether ``allowed`` names the code of the code model ``name``.
 
     That is the same module and function, or a file of the same name with the same function.
