@@ -353,8 +353,12 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
             had = (f"the run's {_shown(saved[key])}" if saved.get(key) is not None
                    else f"the run, which had no --{key}")
             raise UserError(f"--resume {where}: {given} differs from {had}{hint}")
-    # every round done but no summary.json (stopped while finishing): the resume finishes it
-    finished = (Path(where) / "summary.json").exists()
+    # every round done but no summary.json (stopped while finishing), or one that does not
+    # read (cut short): the resume finishes it
+    try:
+        finished = isinstance(json.loads((Path(where) / "summary.json").read_text()), dict)
+    except (OSError, ValueError):
+        finished = False
     if config.merge.rounds < ckpt.round or (config.merge.rounds == ckpt.round and finished):
         least = (f"> {ckpt.round} to train longer" if finished else
                  f">= {ckpt.round} ({ckpt.round} finishes it there, more trains longer)")

@@ -252,6 +252,8 @@ def test_only_the_rounds_may_change(tmp_path):
         resume.resumed_config(ckpt, None, str(tmp_path))
     with pytest.raises(UserError, match=r"has finished 4 round\(s\)"):
         resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=3), str(tmp_path))
+    (tmp_path / "summary.json").write_text('{"acc')  # cut short: not finished, as a sweep says
+    assert resume.resumed_config(ckpt, None, str(tmp_path)).merge.rounds == 4
 
 
 def test_a_run_resumed_to_train_longer_keeps_only_its_last_rounds_node_models(tmp_path):
