@@ -238,9 +238,12 @@ GREY_MODES = ("L", "1", "I", "I;16", "I;16B", "I;16L", "F", "LA", "P")
 
 
 def _own_mode(img) -> str:
-    """``"L"`` for a grey image, ``"RGB"`` for a colour one."""
-    grey = img.mode in GREY_MODES and not (img.mode == "P" and "RGB" in img.palette.mode)
-    return "L" if grey else "RGB"
+    """``"L"`` for a grey image, ``"RGB"`` for a colour one (a palette of greys is grey)."""
+    if img.mode == "P" and "RGB" in img.palette.mode:
+        rgb = np.asarray(img.convert("RGB"))
+        return "L" if (rgb[..., 0] == rgb[..., 1]).all() and (rgb[..., 1] == rgb[..., 2]).all() \
+            else "RGB"
+    return "L" if img.mode in GREY_MODES else "RGB"
 
 
 def _open_image(item, i: int, source: str):
@@ -256,10 +259,15 @@ def _open_image(item, i: int, source: str):
             img = Image.open(io.BytesIO(item))
         else:
             img = Image.open(item)
-        if img.mode.startswith("I;16") or img.mode == "I":
-            # 16/32-bit grey: scale to 8 bits (PIL's convert would clip at 255)
+        if img.mode.startswith("I;16") or img.mode in ("I", "F"):
+            # 16/32-bit or float grey: scale to 8 bits by the type's range, as one would
+            # read it (PIL's convert would clip at 255): floats up to 1 as 0..1, 32-bit
+            # integers up to 65535 as 16-bit, wider ones by the image's own maximum
             wide = np.asarray(img, dtype=np.float64)
-            top = 65535.0 if img.mode.startswith("I;16") else max(float(wide.max()), 1.0)
+            peak = float(wide.max()) if wide.size else 0.0
+            top = 65535.0 if img.mode.startswith("I;16") else (
+                (1.0 if peak <= 1.0 else 255.0) if img.mode == "F" else
+                255.0 if peak <= 255 else 65535.0 if peak <= 65535 else peak)
             img = Image.fromarray(np.clip(wide * (255.0 / top), 0, 255).astype(np.uint8))
         img.load()
         return img

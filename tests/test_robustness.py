@@ -86,6 +86,29 @@ def test_16_bit_grey_images_are_scaled_not_clipped(tmp_path):
     assert x[0, 0].tolist() == [[0, 128], [255, 1]]
 
 
+def test_float_and_32_bit_grey_images_are_scaled_by_their_type_not_each_image(tmp_path):
+    floats = tmp_path / "f.tif"  # mode F, 0..1
+    Image.fromarray(np.array([[0.0, 0.5], [1.0, 0.25]], dtype=np.float32)).save(floats)
+    assert decode_images([str(floats)])[0, 0].tolist() == [[0, 127], [255, 63]]
+    paths = []  # mode I: the same pixel values read the same in every image
+    for i, peak in enumerate((200, 100)):
+        paths.append(tmp_path / f"i{i}.tif")
+        Image.fromarray(np.array([[0, peak]], dtype=np.int32)).save(paths[-1])
+    assert Image.open(paths[0]).mode == "I"
+    x = decode_images([str(p) for p in paths])
+    assert x[0, 0].tolist() == [[0, 200]] and x[1, 0].tolist() == [[0, 100]]
+
+
+def test_a_palette_image_of_greys_is_grey(tmp_path):
+    path = tmp_path / "p.gif"
+    Image.fromarray(np.array([[0, 90], [180, 255]], dtype=np.uint8)).convert("P").save(path)
+    assert Image.open(path).mode == "P"
+    notes = []
+    x = decode_images([str(path)], "gif", notes=notes)
+    assert x.shape == (1, 1, 2, 2) and x[0, 0].tolist() == [[0, 90], [180, 255]]
+    assert notes == []
+
+
 def test_a_grey_first_image_does_not_grey_the_colour_ones(tmp_path):
     grey = tmp_path / "a.png"
     Image.fromarray(np.full((4, 4), 100, dtype=np.uint8)).save(grey)
