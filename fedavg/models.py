@@ -141,6 +141,7 @@ def make_model(name: str, input_shape: tuple[int, ...], num_classes: int,
     fn = _MODELS[name][0]
     what = f"model {name!r}"
     kwargs = model_sources.Takes.of(fn, what).kwargs(what, args)
+    _check_sizes(fn, what, kwargs)
     try:
         return fn(shape, int(num_classes), **kwargs)
     except (ValueError, RuntimeError) as exc:
@@ -151,6 +152,25 @@ def make_model(name: str, input_shape: tuple[int, ...], num_classes: int,
         raise UserError(f"model {name!r} cannot be built with {kwargs}: "
                         f"{type(exc).__name__}: {first_line(exc)}") from None
 
+
+
+def _check_sizes(fn, what: str, kwargs: dict[str, Any]) -> None:
+    """Refuse a size argument (an ``int`` defaulting to >= 1: ``hidden``, ``width``) below 1.
+
+    Raises
+    ------
+    UserError
+        Naming the argument; a layer of 0 units trains a constant model.
+    """
+    import inspect
+
+    for key, value in kwargs.items():
+        param = inspect.signature(fn).parameters.get(key)
+        default = None if param is None else param.default
+        if type(default) is int and default >= 1 and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UserError(f"{what}: --model-arg {key}={value!r} must be a whole number "
+                            f">= 1 (default {default})")
 
 
 def _kind(name: str, args: dict) -> str | None:

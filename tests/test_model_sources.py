@@ -779,6 +779,8 @@ def test_models_lists_every_form_with_an_example(invoke):
     (["--model", "mlp", "--model-arg", "hiden=3"], "model 'mlp' does not take argument "
      "'hiden' (--model-arg hiden=...); it takes: hidden"),
     (["--model-arg", "hidden"], "--model-arg takes KEY=VALUE"),
+    (["--model", "mlp", "--model-arg", "hidden=0"], "model 'mlp': --model-arg hidden=0 must be "
+     "a whole number >= 1 (default 200)"),  # a layer of no units: a constant model
     (["--model", "torchvision:resnet19"], "unknown torchvision model 'resnet19'"),
     (["--model", "missing_models.py:build"], "missing_models.py does not exist here"),
     (["--model", "hf:no-such-folder"], "no such folder"),

@@ -101,9 +101,11 @@ def user_builder(name: str) -> Callable[..., nn.Module]:
     fn = getattr(module, func, None)
     if fn is None:
         defined = sorted(k for k, v in vars(module).items()
-                         if callable(v) and not k.startswith("_"))[:8]
+                         if callable(v) and not k.startswith("_"))
+        listed = ", ".join(defined[:8]) + (f" and {len(defined) - 8} more"
+                                            if len(defined) > 8 else "")
         raise UserError(f"{where} has no function {func!r} (model {name}); it defines: "
-                        f"{', '.join(defined) or 'nothing callable'}")
+                        f"{listed or 'nothing callable'}")
     if not callable(fn):
         raise UserError(f"model {name}: {func} is a {type(fn).__name__}, not a function")
     return fn
