@@ -356,8 +356,8 @@ def test_tampered_text_descriptions_say_the_artifact_is_damaged():
 def test_bad_builder_arguments_of_built_in_models_are_one_line():
     from fedavg.models import build_model
 
-    for args, words in (({"hidden": "abc"}, "cannot be built with {'hidden': 'abc'}"),
-                        ({"dim": 0}, "cannot be built with")):
+    for args, words in (({"hidden": "abc"}, "--model-arg hidden='abc' must be a whole number"),
+                        ({"dim": 0}, "--model-arg dim=0 must be a whole number >= 1")):
         name, shape = ("mlp", (1, 8, 8)) if "hidden" in args else ("fasttext", (8,))
         extra = {} if name == "mlp" else {"vocab_size": 10, "pad_id": 0}
         with pytest.raises(UserError, match=words.replace("{", r"\{").replace("}", r"\}")):
