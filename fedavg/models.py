@@ -297,12 +297,22 @@ class ModelSpec:
         Raises
         ------
         UserError
-            The forward pass fails or gives another shape.
+            The forward pass fails or gives another shape; your own builder gives another
+            architecture on a second call.
         """
-        from fedavg.model_sources import DATA_ARGS, check_output, source_notes
+        from fedavg.model_sources import DATA_ARGS, check_output, source_kind, source_notes
 
         check_output(model, self.input_shape, self.num_classes, self.name,
                      text=DATA_ARGS[0] in self.args, vocab_size=self.args.get(DATA_ARGS[0]))
+        if source_kind(self.name) == "code":  # every node builds its own copy
+            again = {k: tuple(t.shape) for k, t in self.build().state_dict().items()}
+            first = {k: tuple(t.shape) for k, t in model.state_dict().items()}
+            if again != first:
+                key = next(k for k in sorted(set(first) | set(again))
+                           if first.get(k) != again.get(k))
+                raise UserError(f"model {self.name} builds another model on each call "
+                                f"({key}: {first.get(key)}, then {again.get(key)}): nodes "
+                                "must all build the same one; make the builder deterministic")
         return [*getattr(model, "fedavg_notes", []), *source_notes(self.name, self.pretrained)]
 
     def build_ensemble(self, members: list[dict[str, torch.Tensor]],

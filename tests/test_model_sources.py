@@ -797,6 +797,11 @@ def test_model_mistakes_on_the_command_line_are_one_line(invoke, args, words):
     ("return IntLogits()", "gives torch.int64 logits; they must be floating point"),
     ("with torch.device('meta'):\n        return IntLogits()",
      "has its weights on the meta device (shapes, no values): build it on the CPU"),
+    ("global _calls\n    _calls = globals().get('_calls', 0) + 1\n"
+     "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 8 * _calls), "
+     "torch.nn.Linear(8 * _calls, 10))",
+     "builds another model on each call (1.bias: (8,), then (16,)): nodes must all build "
+     "the same one; make the builder deterministic"),
 ])
 def test_builders_nodes_could_not_train_are_refused_before_the_run(invoke, tmp_path, body,
                                                                     words):
