@@ -186,6 +186,7 @@ class ServerRun:
         self.adapter: FlowerAdapter | None = None
         self.swa = WeightAverage() if config.merge.swa_start is not None else None
         self.stale_summary = False
+        self.stale_metrics = False  # metrics.jsonl to rewrite from the checkpoint's rounds
         self.stale_nodes = resume_from is not None  # a resumed run's earlier last round saved
 
     def __call__(self, grid: Grid) -> None:
@@ -241,7 +242,10 @@ class ServerRun:
         self._resume_swa(ckpt, fresh)
         self.state.rounds[:] = [RoundRecord(**r) for r in ckpt.rounds]
         self.state.failures[:] = ckpt.failures
-        resume.write_metrics(self.metrics_path, [r.as_dict() for r in self.state.rounds])
+        if self.config.merge.rounds > ckpt.round:  # rewritten as the first new round ends
+            self.stale_metrics = True  # (interrupted before: the file stays as it was)
+        else:
+            resume.write_metrics(self.metrics_path, [r.as_dict() for r in self.state.rounds])
         return ckpt.model
 
     def _resume_swa(self, ckpt: resume.Checkpoint, fresh: dict[str, torch.Tensor]) -> None:
@@ -346,8 +350,12 @@ class ServerRun:
             server_round, state_dict, self.config, self.prepared.strategy,
             [r.as_dict() for r in self.state.rounds], self.state.failures, self._node_states(),
             swa=self.swa))
-        with open(self.metrics_path, "a") as fh:  # after the checkpoint: a round listed is
-            fh.write(json.dumps(record.as_dict()) + "\n")  # one a resume can go on from
+        if self.stale_metrics:  # a resume's first round: its rounds, then this one
+            resume.write_metrics(self.metrics_path, [r.as_dict() for r in self.state.rounds])
+            self.stale_metrics = False
+        else:
+            with open(self.metrics_path, "a") as fh:  # after the checkpoint: a round listed
+                fh.write(json.dumps(record.as_dict()) + "\n")  # is one a resume goes on from
         self.progress.on_round(record)
         return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
 

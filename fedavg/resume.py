@@ -407,7 +407,8 @@ def check_same_model(output: Path, spec: dict[str, Any] | None) -> None:
     Raises
     ------
     fedavg.errors.UserError
-        Naming the first argument that differs.
+        Naming the first argument that differs; or ``model.json`` is of another model than
+        the checkpoint (a checkpoint copied in from another run).
     """
     import json
 
@@ -419,7 +420,15 @@ def check_same_model(output: Path, spec: dict[str, Any] | None) -> None:
         now = json.loads(json.dumps((spec or {})["args"]))  # tuples as lists, as saved
     except (OSError, ValueError, KeyError, TypeError):
         return  # no (readable) saved model yet: nothing to compare
-    if saved.get("name") != spec.get("name") or before == now:
+    from fedavg.model_sources import names_same_code
+
+    if saved.get("name") != spec.get("name"):
+        if isinstance(saved.get("name"), str) and names_same_code(spec["name"], saved["name"]):
+            return  # the run's own code file, moved
+        raise UserError(f"{output}/model.json is a model {saved.get('name')}, its checkpoint "
+                        f"of model {spec['name']}: the folder mixes two runs; resume a folder "
+                        "of one run")
+    if before == now:
         return
 
     def flat(args: dict, prefix: str = "") -> dict:

@@ -301,7 +301,9 @@ def test_resume_refuses_a_model_now_built_from_other_files(tmp_path):
                                         r"files or --model-arg changed\): restore them to "
                                         r"resume, or start a new run$"):
         resume.check_same_model(tmp_path, edited)
-    resume.check_same_model(tmp_path, {**edited, "name": "mlp"})  # another model: not this
+    with pytest.raises(UserError, match=r"model.json is a model hf:/m, its checkpoint of model "
+                                        r"mlp: the folder mixes two runs"):
+        resume.check_same_model(tmp_path, {**edited, "name": "mlp"})
 
 
 def test_a_run_whose_model_file_moved_resumes_with_the_file_named_anew(tmp_path):
