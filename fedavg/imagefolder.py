@@ -70,7 +70,7 @@ def read_image_folder(path: Path, source: str):
         ``(dataset_dict, notes)``: a ``datasets.DatasetDict`` of ``image`` (file paths,
         decoded later) and ``label`` (a ``ClassLabel`` of every class folder's name, sorted)
         per split, and at most three lines on what was skipped. ``None`` when ``path``
-        holds data files (``.csv``, ``.parquet`` ...) or no image at all.
+        holds no more images than data files (``.csv``, ``.parquet`` ...).
 
     Raises
     ------
@@ -80,11 +80,10 @@ def read_image_folder(path: Path, source: str):
     import datasets
 
     files = _files(path)
-    if any(f.suffix.lower() in FILE_BUILDERS for f in files):
-        return None
     extensions = _image_extensions()
     images = [f for f in files if f.suffix.lower() in extensions and not _hidden(f)]
-    if not images:
+    tables = [f for f in files if f.suffix.lower() in FILE_BUILDERS and not _hidden(f)]
+    if len(images) <= len(tables):  # data files (with a few images, perhaps): not ours
         return None
     tops = sorted({f.parts[0] for f in images if len(f.parts) > 1})
     splits = {t: SPLIT_FOLDERS[t.lower()] for t in tops if t.lower() in SPLIT_FOLDERS}

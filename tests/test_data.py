@@ -269,11 +269,14 @@ def test_image_folder_images_outside_class_folders_and_linked_class_folders(tmp_
         (elsewhere / f"{k}.png").write_bytes(png(30 + k))
     (root / "c").symlink_to(elsewhere, target_is_directory=True)
     (root / "preview.png").write_bytes(png(99))  # not in a class folder
+    (root / "a" / "info.csv").write_text("k,v\n1,2\n")  # a stray table: still an image folder
     data = load(str(root))
     assert data.classes == ["a", "b", "c"]
     assert pixel_to_label(data) == {10 + k: "a" for k in range(3)} | {
         20 + k: "b" for k in range(3)} | {30 + k: "c" for k in range(3)}
     assert f"skipped 1 image(s) of {root} outside class folders: preview.png" in data.notes
+    assert f"skipped 1 file(s) of {root} that are not images or are hidden: a/info.csv" \
+        in data.notes
     loose = tmp_path / "loose"
     loose.mkdir()
     (loose / "x.png").write_bytes(png(1))
