@@ -6,11 +6,10 @@ so that nothing of Ray or Flower carries from one point to the next. ``DIR/sweep
 records every point (name, settings, status, exit code, last error line, wall seconds) and is
 rewritten whenever a point starts or ends.
 
-A point whose folder holds a ``summary.json`` for the same settings is skipped; one whose
-folder holds a run without ``summary.json`` (stopped half-way) goes on from its last finished
-round (``--resume``) when its checkpoint is readable and holds the same settings, else runs
-again from scratch (``--overwrite``); one that failed in an earlier sweep stays failed unless
-``retry_failed``.
+A point whose folder holds a ``summary.json`` for the same settings is skipped; a run without
+one (stopped half-way) goes on from its last round (``--resume``) when its checkpoint reads
+and holds the same settings, else runs again from scratch (``--overwrite``); one that failed
+in an earlier sweep stays failed unless ``retry_failed``.
 """
 
 from __future__ import annotations
@@ -133,16 +132,15 @@ def plan(sweep: Sweep, out: Path, retry_failed: bool = False) -> list[Planned]:
     Raises
     ------
     UserError
-        A point's folder holds a finished run with other settings (the config changed), or
-        is a file.
+        A point's folder is a file or holds a finished run with other settings.
     """
     earlier = {r.get("name"): r for r in read_record(out).get("points", [])}
     planned = []
     for point in sweep.points:
         folder = out / point.name
         if folder.exists() and not folder.is_dir():
-            raise UserError(f"{folder} is a file where point {point.name}'s run folder goes: "
-                            "move it away or sweep into another --output")
+            raise UserError(f"{folder} is a file where point {point.name}'s run folder "
+                            "goes: move it away or sweep into another --output")
         summary = _read_json(folder / "summary.json")
         before = earlier.get(point.name, {})
         same = _plain(before.get("settings")) == _plain(point.settings)
