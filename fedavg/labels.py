@@ -40,6 +40,9 @@ def label_classes(train_ds, label: str, split: str) -> tuple[list[str], dict[Any
         raise UserError(f"label column {label!r} has {empty} empty value(s) in split "
                         f"{split!r}: fill or drop those rows")
     values = np.asarray(list(values))
+    if values.dtype.kind == "f" and not np.isfinite(values).all():
+        raise UserError(f"label column {label!r} holds infinite values in split {split!r}: "
+                        "fix or drop those rows")
     if values.dtype.kind == "f" and not np.all(values == np.round(values)):
         raise UserError(
             f"label column {label!r} holds non-integer numbers: fedavg trains classifiers; "

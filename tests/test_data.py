@@ -190,6 +190,9 @@ def test_whole_float_labels_are_the_classes_integer_labels_name(tmp_path):
     part = conform(Split(np.zeros((2, 1), np.float32), np.array([0, 0])), "t.csv", (1,),
                    ["2"], ["1.0", "2.0"])
     assert part.y.tolist() == [1, 1]
+    path.write_text("a,label\n1,1.0\n2,inf\n3,0.0\n")
+    with pytest.raises(UserError, match="label column 'label' holds infinite values"):
+        load(str(path))
     with pytest.raises(UserError, match=r"labels the model does not know: \['3'\]"):
         conform(Split(np.zeros((1, 1), np.float32), np.array([0])), "t.csv", (1,),
                 ["3"], ["1.0", "2.0"])
