@@ -103,8 +103,9 @@ def _detect_inputs(features, source: str, label: str, partition_by: str | None) 
     found = next(
         (c for c, f in features.items() if is_image(f) and c != label),
         None,
-    ) or next((c for c in columns if c.lower() in IMAGE_NAMES and c != label
-               and not isinstance(features[c], datasets.Value)), None)  # arrays, not scalars
+    ) or next((c for c in columns if c.lower() in IMAGE_NAMES and c != label and (
+        is_bytes(features[c]) or not isinstance(features[c], datasets.Value))),
+        None)  # arrays or image bytes, not scalars
     if found is not None:
         return [found]
     text = next((c for c, f in features.items() if c not in (label, partition_by)
@@ -126,14 +127,20 @@ def _detect_inputs(features, source: str, label: str, partition_by: str | None) 
 def is_image(feature) -> bool:
     """Tell whether a column holds encoded images.
 
-    An ``Image`` feature, ``{bytes, path}`` structs (images written without ``datasets``'
-    metadata) or raw bytes.
+    An ``Image`` feature or ``{bytes, path}`` structs (images written without
+    ``datasets``' metadata); raw bytes (:func:`is_bytes`) only by name or when named.
     """
     import datasets
 
     return isinstance(feature, datasets.Image) or (
-        isinstance(feature, dict) and "bytes" in feature) or (
-        isinstance(feature, datasets.Value) and feature.dtype in ("binary", "large_binary"))
+        isinstance(feature, dict) and "bytes" in feature)
+
+
+def is_bytes(feature) -> bool:
+    """Tell whether a column holds raw bytes (images if it is the input, else a digest)."""
+    import datasets
+
+    return isinstance(feature, datasets.Value) and feature.dtype in ("binary", "large_binary")
 
 
 def check_numeric(features, names: list[str], source: str) -> None:

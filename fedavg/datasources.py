@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedavg.columns import is_image
+from fedavg.columns import is_bytes, is_image
 from fedavg.errors import UserError, first_line
 
 BUILTIN = ("digits",)
@@ -204,7 +204,7 @@ def input_array(ds, columns: list[str], source: str, like: tuple[int, ...] | Non
     if isinstance(feature, datasets.Image):
         raw = ds.cast_column(col, datasets.Image(decode=False))[col]
         return decode_images(raw, source, notes=notes, **shape)
-    if is_image(feature):  # image structs without HF metadata, raw bytes
+    if is_image(feature) or is_bytes(feature):  # image structs without HF metadata, bytes
         return decode_images(ds[col], source, notes=notes, **shape)
     return _array_column(ds, col, feature, source)
 
@@ -247,7 +247,11 @@ def _own_mode(img) -> str:
 
 
 def _open_image(item, i: int, source: str):
-    """Open and decode one item of :func:`decode_images` as an 8-bit PIL image."""
+    """Open and decode one item of :func:`decode_images`.
+
+    Returns ``(image, None)`` for an 8-bit PIL image, ``(values, mode)`` for a 16/32-bit or
+    float grey one (``I;16``, ``I``, ``F``), which :func:`_scale_wide` scales.
+    """
     from PIL import Image
 
     try:
@@ -259,22 +263,32 @@ def _open_image(item, i: int, source: str):
             img = Image.open(io.BytesIO(item))
         else:
             img = Image.open(item)
-        if img.mode.startswith("I;16") or img.mode in ("I", "F"):
-            # 16/32-bit or float grey: scale to 8 bits by the type's range, as one would
-            # read it (PIL's convert would clip at 255): floats up to 1 as 0..1, 32-bit
-            # integers up to 65535 as 16-bit, wider ones by the image's own maximum
-            wide = np.asarray(img, dtype=np.float64)
-            peak = float(wide.max()) if wide.size else 0.0
-            top = 65535.0 if img.mode.startswith("I;16") else (
-                (1.0 if peak <= 1.0 else 255.0) if img.mode == "F" else
-                255.0 if peak <= 255 else 65535.0 if peak <= 65535 else peak)
-            img = Image.fromarray(np.clip(wide * (255.0 / top), 0, 255).astype(np.uint8))
+        if img.mode.startswith("I;16") or img.mode in ("I", "F"):  # scaled by the caller
+            return np.asarray(img, dtype=np.float64), img.mode[:4]
         img.load()
-        return img
+        return img, None
     except Exception as exc:
         path = item.get("path") if isinstance(item, dict) else None
         where = item if isinstance(item, (str, Path)) else path or f"row {i}"
         raise UserError(f"cannot decode image {where} of {source}: {_one_line(exc)}") from None
+
+
+def _scale_wide(out: list, wide: dict) -> None:
+    """Scale 16/32-bit and float grey images to 8 bits, each type over all its images.
+
+    ``I;16`` by 65535; ``F`` as 0..1 if no value passes 1, else 0..255; ``I`` as 8-bit
+    values if none passes 255, 16-bit ones if none passes 65535, else by the largest value
+    (PIL's own conversion would clip at 255). One range per type: the same value reads the
+    same in every image.
+    """
+    peaks: dict[str, float] = {}
+    for values, kind in wide.values():
+        peaks[kind] = max(peaks.get(kind, 0.0), float(values.max()) if values.size else 0.0)
+    for i, (values, kind) in wide.items():
+        peak = peaks[kind]
+        top = 65535.0 if kind == "I;16" else (1.0 if peak <= 1.0 else 255.0) if kind == "F" \
+            else 255.0 if peak <= 255 else 65535.0 if peak <= 65535 else peak
+        out[i] = np.clip(values * (255.0 / top), 0, 255).astype(np.uint8)
 
 
 def decode_images(raw, source: str = "", size: tuple[int, int] | None = None,
@@ -306,9 +320,14 @@ def decode_images(raw, source: str = "", size: tuple[int, int] | None = None,
 
     from PIL import Image
 
-    out, own = [], []
+    out, own, wide = [], [], {}
     for i, item in enumerate(raw):
-        img = _open_image(item, i, source)
+        img, kind = _open_image(item, i, source)
+        if kind is not None:  # 16/32-bit or float grey: scaled below, over all the images
+            wide[i] = img, kind
+            own.append(("L", *img.shape[:2]))
+            out.append(img)
+            continue
         own.append((_own_mode(img), img.height, img.width))
         img = img.convert(mode or own[-1][0])
         if size is not None and (img.height, img.width) != tuple(size):
@@ -316,6 +335,7 @@ def decode_images(raw, source: str = "", size: tuple[int, int] | None = None,
         out.append(np.asarray(img, dtype=np.uint8))
     if not out:
         raise UserError(f"no images in {source}")
+    _scale_wide(out, wide)
     to_mode = mode or ("RGB" if any(m == "RGB" for m, _, _ in own) else "L")
     to_size = tuple(size) if size is not None else \
         Counter((h, w) for _, h, w in own).most_common(1)[0][0]

@@ -70,23 +70,26 @@ def read_image_folder(path: Path, source: str):
         ``(dataset_dict, notes)``: a ``datasets.DatasetDict`` of ``image`` (file paths,
         decoded later) and ``label`` (a ``ClassLabel`` of every class folder's name, sorted)
         per split, and at most three lines on what was skipped. ``None`` when ``path``
-        holds no more images than data files (``.csv``, ``.parquet`` ...).
+        holds data files (``.csv``, ``.parquet``, a ``metadata.csv`` ...) or no image.
 
     Raises
     ------
     UserError
-        Images, but none inside a class folder.
+        Images, but none inside a class folder; split folders beside class folders.
     """
     import datasets
 
     files = _files(path)
     extensions = _image_extensions()
     images = [f for f in files if f.suffix.lower() in extensions and not _hidden(f)]
-    tables = [f for f in files if f.suffix.lower() in FILE_BUILDERS and not _hidden(f)]
-    if len(images) <= len(tables):  # data files (with a few images, perhaps): not ours
-        return None
+    if not images or any(f.suffix.lower() in FILE_BUILDERS for f in files):
+        return None  # data files (a metadata.csv labelling the images, tables): datasets'
     tops = sorted({f.parts[0] for f in images if len(f.parts) > 1})
     splits = {t: SPLIT_FOLDERS[t.lower()] for t in tops if t.lower() in SPLIT_FOLDERS}
+    if splits and (classes := [t for t in tops if t not in splits and not _hidden(Path(t))]):
+        raise UserError(f"{source} holds split folders ({', '.join(splits)}) beside class "
+                        f"folders ({_listing([Path(c) for c in classes])}): move the class "
+                        "folders into a train/ folder")
     depth = 1 if splits else 0  # parts before the class folder
     per_split: dict[str, list[tuple[str, str]]] = {}
     loose = []

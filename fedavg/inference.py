@@ -356,10 +356,8 @@ def _image_batch(images: list[Path], meta: dict[str, Any], on_note: Callable[[st
     mode = "L" if shape[0] == 1 else "RGB"
     x = decode_images([str(p) for p in images], "the inputs", size=shape[1:], mode=mode)
     if meta["input"].get("dtype") != "uint8":  # trained on float arrays: match their range
-        spec = meta["input"]
-        top = max(float(m) + 3 * float(sd) for m, sd in zip(spec["mean"], spec["std"])) \
-            / float(spec.get("scale", 1.0))
-        wide = top > 2.0  # pixel values such as 0..255, not 0..1
+        spec = meta["input"]  # a channel mean above 1.5: pixel values such as 0..255
+        wide = max(float(m) for m in spec["mean"]) / float(spec.get("scale", 1.0)) > 1.5
         on_note(f"the model was trained on arrays of floats, not image files; the images are "
                 f"given as {'0..255' if wide else '0..1'} values, the range of its training "
                 "data")

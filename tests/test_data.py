@@ -272,14 +272,16 @@ def test_image_folder_images_outside_class_folders_and_linked_class_folders(tmp_
         (elsewhere / f"{k}.png").write_bytes(png(30 + k))
     (root / "c").symlink_to(elsewhere, target_is_directory=True)
     (root / "preview.png").write_bytes(png(99))  # not in a class folder
-    (root / "a" / "info.csv").write_text("k,v\n1,2\n")  # a stray table: still an image folder
     data = load(str(root))
     assert data.classes == ["a", "b", "c"]
     assert pixel_to_label(data) == {10 + k: "a" for k in range(3)} | {
         20 + k: "b" for k in range(3)} | {30 + k: "c" for k in range(3)}
     assert f"skipped 1 image(s) of {root} outside class folders: preview.png" in data.notes
-    assert f"skipped 1 file(s) of {root} that are not images or are hidden: a/info.csv" \
-        in data.notes
+    (root / "test" / "a").mkdir(parents=True)  # a split folder beside the class folders
+    (root / "test" / "a" / "t.png").write_bytes(png(5))
+    with pytest.raises(UserError, match=r"holds split folders \(test\) beside class folders "
+                                        r"\(a, b, c\): move the class folders into a train/"):
+        load(str(root))
     loose = tmp_path / "loose"
     loose.mkdir()
     (loose / "x.png").write_bytes(png(1))
@@ -295,7 +297,7 @@ def test_image_bytes_without_image_metadata_are_the_input_not_an_id_column(tmp_p
 
     values = [10, 20, 30, 40]
     for name, cells in (("photo", [{"bytes": png(v), "path": None} for v in values]),
-                        ("blob", [png(v) for v in values])):
+                        ("image", [png(v) for v in values])):
         path = tmp_path / f"{name}.parquet"
         pq.write_table(pa.table({"id": [0, 1, 2, 3], name: cells, "label": ["a", "b"] * 2}),
                        str(path))
@@ -303,6 +305,14 @@ def test_image_bytes_without_image_metadata_are_the_input_not_an_id_column(tmp_p
         assert data.columns == {"image": name, "label": "label"}
         assert data.train.x.shape[1:] == (1, 6, 6)
         assert pixel_to_label(data) == {10: "a", 20: "b", 30: "a", 40: "b"}
+    # raw bytes by another name (a digest) beside numbers: a table; named, images
+    pq.write_table(pa.table({"digest": [png(v) for v in values], "f1": [1.0, 2.0, 3.0, 4.0],
+                             "f2": [0.0] * 4, "label": ["a", "b"] * 2}),
+                   str(tmp_path / "t.parquet"))
+    assert load(str(tmp_path / "t.parquet")).columns == {"features": ["f1", "f2"],
+                                                         "label": "label"}
+    named = load(str(tmp_path / "t.parquet"), image_column="digest", seed=0)
+    assert named.train.x.shape[1:] == (1, 6, 6)
 
 
 # --- column overrides and detection errors ----------------------------------------------------
@@ -662,7 +672,8 @@ def test_image_files_for_a_model_trained_on_float_arrays_take_its_range(tmp_path
 
     path = tmp_path / "a.png"
     path.write_bytes(png(200))
-    for mean, std, want in ((33.0, 78.0, 200.0), (0.13, 0.3, 200 / 255)):
+    # 0..255 digits; 0..1 ones; 0/1 pixels, mostly 1 (std 0.46: mean + 3 std over 2)
+    for mean, std, want in ((33.0, 78.0, 200.0), (0.13, 0.3, 200 / 255), (0.7, 0.46, 200 / 255)):
         meta = {"input": {"kind": "image", "shape": [1, 6, 6], "dtype": "float32",
                           "scale": 1.0, "mean": [mean], "std": [std]}}
         notes = []

@@ -97,6 +97,15 @@ def test_float_and_32_bit_grey_images_are_scaled_by_their_type_not_each_image(tm
     assert Image.open(paths[0]).mode == "I"
     x = decode_images([str(p) for p in paths])
     assert x[0, 0].tolist() == [[0, 200]] and x[1, 0].tolist() == [[0, 100]]
+    # one bright pixel in one image sets the range of all: 300 > 255 -> 16-bit range
+    Image.fromarray(np.array([[200, 300]], dtype=np.int32)).save(paths[1])
+    x = decode_images([str(p) for p in paths])  # 200 * 255 / 65535 = 0.78 -> 0; 300 -> 1
+    assert x[0, 0].tolist() == [[0, 0]] and x[1, 0].tolist() == [[0, 1]]
+    bright = tmp_path / "g.tif"  # floats over 1 in one image: 0..255 for both
+    Image.fromarray(np.array([[0.8, 1.2]], dtype=np.float32)).save(bright)
+    dim = tmp_path / "h.tif"
+    Image.fromarray(np.array([[0.8, 0.8]], dtype=np.float32)).save(dim)
+    assert decode_images([str(bright), str(dim)])[:, 0].tolist() == [[[0, 1]], [[0, 0]]]
 
 
 def test_a_palette_image_of_greys_is_grey(tmp_path):

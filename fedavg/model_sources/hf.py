@@ -252,7 +252,7 @@ def build_hf(name: str, input_shape: tuple[int, ...], num_classes: int,
     except (ValueError, KeyError, OSError, TypeError, RuntimeError) as exc:
         raise UserError(f"{name}: {first_line(exc)}") from None
     if weights is not None:
-        _check_loaded(name, weights, info)
+        _check_loaded(name, weights, net, info)
     if text:
         if len(input_shape) != 1:
             raise UserError(f"{name} as a text model takes token ids (L,); the data are of "
@@ -270,24 +270,25 @@ def build_hf(name: str, input_shape: tuple[int, ...], num_classes: int,
     return model
 
 
-#: Top-level modules of a classification head, which may start anew (another class count).
-HEAD_MODULES = frozenset({"classifier", "score", "head", "heads"})
+def _check_loaded(name: str, weights, net, info: dict) -> None:
+    """Refuse weights of which most of the model finds nothing: another architecture's.
 
-
-def _check_loaded(name: str, weights, info: dict) -> None:
-    """Refuse weights that leave more than the classifier head to start random.
+    A task head beyond the last layer (DistilBERT's ``pre_classifier``, BERT's ``pooler``)
+    may start random from a base model's file, as ``transformers`` allows; a file that
+    leaves more than half of the model's tensors to start random is not its weights.
 
     Raises
     ------
     UserError
         Naming how many tensors the file does not give and the first few.
     """
-    names = [k for k in info.get("missing_keys", [])] + [
-        m[0] if isinstance(m, (tuple, list)) else m for m in info.get("mismatched_keys", [])]
-    lost = sorted(k for k in names if str(k).split(".")[0] not in HEAD_MODULES)
-    if lost:
-        raise UserError(f"{name}: {weights.name} does not fit its config.json: {len(lost)} "
-                        f"tensor(s) besides the classifier head would start random "
+    lost = sorted({str(k) for k in info.get("missing_keys", [])} | {
+        str(m[0] if isinstance(m, (tuple, list)) else m)
+        for m in info.get("mismatched_keys", [])})
+    total = len(net.state_dict())
+    if total and len(lost) > total / 2:
+        raise UserError(f"{name}: {weights.name} does not fit its config.json: {len(lost)} of "
+                        f"the model's {total} tensors would start random "
                         f"({', '.join(lost[:3])}); save the model and its config together "
                         "with save_pretrained(), or remove the weights to start from random")
 
