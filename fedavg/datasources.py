@@ -264,7 +264,7 @@ def _open_image(item, i: int, source: str):
         else:
             img = Image.open(item)
         if img.mode.startswith("I;16") or img.mode in ("I", "F"):  # scaled by the caller
-            return np.asarray(img, dtype=np.float64), img.mode[:4]
+            return np.asarray(img), img.mode[:4]  # its own dtype: 2-4 bytes a pixel
         img.load()
         return img, None
     except Exception as exc:
