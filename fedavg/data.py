@@ -321,8 +321,8 @@ def conform(split: Split, source: str, shape: tuple[int, ...] | list[int],
     index = {c: i for i, c in enumerate(classes)}
     by_value = {numeric_name(c): i for i, c in enumerate(classes)}  # "1" and "1.0" alike
     by_value.pop(None, None)
-    index.update({c: by_value[numeric_name(c)] for c in split_classes
-                  if c not in index and numeric_name(c) in by_value})
+    index.update({c: by_value[v] for c in split_classes
+                  if c not in index and (v := numeric_name(c)) in by_value})
     unknown = [c for c in split_classes if c not in index]
     if unknown:
         raise UserError(f"{source} has labels the model does not know: {unknown[:5]} "

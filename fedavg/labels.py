@@ -115,8 +115,8 @@ def similar_labels(classes: list[str]) -> list[str]:
     """
     folded: dict[Any, list[str]] = {}
     for c in classes:
-        folded.setdefault(numeric_name(c) if numeric_name(c) is not None else
-                          c.strip().lower(), []).append(c)
+        number = numeric_name(c)
+        folded.setdefault(c.strip().lower() if number is None else number, []).append(c)
     return [f"label values that differ only in case, spaces or how a number is written are "
             f"separate classes: {', '.join(map(repr, same))}"
             for same in folded.values() if len(same) > 1][:1]

@@ -164,9 +164,9 @@ def _check_sizes(fn, what: str, kwargs: dict[str, Any]) -> None:
     """
     import inspect
 
+    params = inspect.signature(fn).parameters
     for key, value in kwargs.items():
-        param = inspect.signature(fn).parameters.get(key)
-        default = None if param is None else param.default
+        default = params[key].default if key in params else None
         if type(default) is int and default >= 1 and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise UserError(f"{what}: --model-arg {key}={value!r} must be a whole number "
