@@ -171,7 +171,7 @@ def predict(
 ) -> None:
     """Predict classes with a saved model."""
     from fedavg.inference import predict as run
-    from fedavg.output import check_predictions_output, write_predictions
+    from fedavg.output import check_predictions_output, print_predictions_csv, write_predictions
 
     with guard("interrupted: no predictions were written"):
         if output is not None:
@@ -184,6 +184,9 @@ def predict(
             console.print(f"{len(rows)} prediction(s) written to {escape(str(output))}",
                           highlight=False)
             return
+    if not console.is_terminal:  # piped or redirected: every prediction, as CSV
+        print_predictions_csv(rows)
+        return
     from rich.table import Table
 
     table = Table()
@@ -195,7 +198,8 @@ def predict(
                       f"{row['confidence']:.3f}")
     console.print(table)
     if len(rows) > 50:
-        console.print(f"... and {len(rows) - 50} more (use --output FILE.csv for all)")
+        console.print(f"... and {len(rows) - 50} more (use --output FILE.csv, or pipe the "
+                      "output, for all)")
 
 
 def list_strategies() -> None:

@@ -13,9 +13,10 @@ import datetime as _dt
 import fcntl
 import json
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from fedavg.errors import UserError
 
@@ -200,6 +201,30 @@ def check_predictions_output(path: str | Path, model_dir: str | Path,
     check_folder(path.parent, f"--output {path}: its folder")
 
 
+PREDICTION_COLUMNS = ("input", "prediction", "class_index", "confidence")
+
+
+def write_predictions_csv(rows: list[dict[str, Any]], stream: TextIO) -> None:
+    """Write rows as CSV (a header, then one line per input) to an open text stream."""
+    writer = csv.DictWriter(stream, fieldnames=list(PREDICTION_COLUMNS), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def print_predictions_csv(rows: list[dict[str, Any]]) -> None:
+    """Write rows as CSV to standard output; a reader that stops early (``| head``) is no error.
+
+    Python's own handling of a closed pipe is exit code 1 and a message at exit; here the
+    rest of the output is dropped and the command ends as it would have.
+    """
+    try:
+        write_predictions_csv(rows, sys.stdout)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at nothing so that flush is quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def write_predictions(rows: list[dict[str, Any]], path: str | Path) -> Path:
     """Write rows as CSV (``.csv``) or JSON (``.json``), atomically.
 
@@ -221,10 +246,7 @@ def write_predictions(rows: list[dict[str, Any]], path: str | Path) -> Path:
             Path(tmp).write_text(json.dumps(rows, indent=2) + "\n")
             return
         with open(tmp, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=["input", "prediction", "class_index",
-                                                    "confidence"])
-            writer.writeheader()
-            writer.writerows(rows)
+            write_predictions_csv(rows, fh)
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

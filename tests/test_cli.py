@@ -114,16 +114,33 @@ def test_predict_prints_the_note_once(tmp_path):
     model = checkpoint.save(tmp_path / "model", build_model("mlp", (1, 8, 8), 10).state_dict(),
                             META)
     images = [_image(tmp_path / f"big{i}.png", 28) for i in range(3)]
+    terminal = {"TTY_COMPATIBLE": "1"}  # rich's own switch: print as to a terminal
     narrow = runner.invoke(app, ["predict", str(model), *map(str, images)],
-                           env={"COLUMNS": "60"})
-    assert narrow.exit_code == 0 and "…" not in narrow.stdout  # long paths fold, not cut
+                           env={"COLUMNS": "60", **terminal})
+    assert narrow.exit_code == 0 and "┃ input" in narrow.stdout
+    assert "…" not in narrow.stdout  # long paths fold, not cut
     res = runner.invoke(app, ["predict", str(model), *map(str, images)],
-                        env={"COLUMNS": "400"})
+                        env={"COLUMNS": "400", **terminal})
     assert res.exit_code == 0, res.output
     assert res.stderr.count("note:") == 1
     assert "3 of 3 image(s) resized" in res.stderr
     for path in images:
         assert path.name in res.stdout
+
+
+def test_predict_piped_writes_every_prediction_as_csv(tmp_path):
+    import csv
+
+    model = checkpoint.save(tmp_path / "model", build_model("mlp", (1, 8, 8), 10).state_dict(),
+                            META)
+    images = [_image(tmp_path / f"img{i:02d}.png", 8) for i in range(60)]  # more than a table
+    res = runner.invoke(app, ["predict", str(model), *map(str, images)],
+                        env={"TTY_COMPATIBLE": "0"})
+    assert res.exit_code == 0, res.output
+    rows = list(csv.DictReader(res.stdout.splitlines()))
+    assert [row["input"] for row in rows] == [str(p) for p in images]
+    assert set(rows[0]) == {"input", "prediction", "class_index", "confidence"}
+    assert all(row["prediction"] == META["classes"][int(row["class_index"])] for row in rows)
 
 
 def test_an_image_given_and_in_a_given_folder_is_predicted_once(tmp_path):

@@ -181,6 +181,22 @@ def test_subprocess_missing_image_in_subfolder(tmp_path, model_dir):
     assert "no such file or folder: pics/missing.png" in line
 
 
+def test_subprocess_predict_into_a_closed_pipe_is_quiet(tmp_path, model_dir):
+    """``fedavg predict ... | head -1``: the reader leaves early; no traceback, exit code 0."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", "predict", str(model_dir),
+                             "digits"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the first prediction is written: every write fails
+    try:
+        err = proc.stderr.read().decode()
+        code = proc.wait(timeout=TIMEOUT)
+    finally:
+        proc.kill()
+    assert code == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception" not in err
+
+
 # --- in-process cases ---------------------------------------------------------------------------
 
 
