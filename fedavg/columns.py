@@ -6,6 +6,7 @@ numeric column); the label a ``ClassLabel`` or the most usual label name.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fedavg.errors import NoLabelColumn, UserError
@@ -122,6 +123,40 @@ def _detect_inputs(features, source: str, label: str, partition_by: str | None) 
             f"{' or --partition-by' if partition_by else ''} (columns: {', '.join(columns)})"
         )
     return image
+
+
+#: The name pandas (and so ``datasets``) gives a first column whose header cell is empty: the
+#: row index ``DataFrame.to_csv(path)`` writes unless told ``index=False``. A table read back
+#: with it and saved again gets another, ``Unnamed: 0.1``, before it.
+SAVED_INDEX = re.compile(r"Unnamed: 0(\.\d+)?")
+
+
+def without_saved_index(features, inputs: list[str],
+                        named: list[str] | None) -> tuple[list[str], str | None]:
+    """Leave row indexes saved by pandas out of a table's detected feature columns.
+
+    As a feature, a row number teaches a model the file's order (often its sort by label).
+    The table's leading integer columns named as :data:`SAVED_INDEX` are left out, while
+    another feature remains; ``named`` (a saved model's own feature columns) are kept as
+    they are.
+
+    Returns
+    -------
+    tuple of (list of str, str or None)
+        The feature columns, and a note when any was left out.
+    """
+    index = []
+    for column in features:
+        if not SAVED_INDEX.fullmatch(column) or column not in inputs or not str(
+                getattr(features[column], "dtype", "")).startswith(("int", "uint")):
+            break
+        index.append(column)
+    kept = [c for c in inputs if c not in index]
+    if named or not index or not kept:
+        return inputs, None
+    return kept, (f"left out {', '.join(map(repr, index))}: row numbers pandas saved as a "
+                  "first column with an empty header (DataFrame.to_csv without index=False), "
+                  "not features; give such a column a header to use it as one")
 
 
 def is_image(feature) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from fedavg import columns
 from fedavg.columns import IMAGE_NAMES, LABEL_NAMES, detect_columns, is_text, text_or_table
 from fedavg.datasources import (  # noqa: F401  (digits_arrays re-exported)
     BUILTIN,
@@ -403,6 +404,7 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
     tokenizer, left_out = None, None
     if len(image) == 1 and is_text(train_ds.features[image[0]]) and text["column"] is None:
         image, left_out = text_or_table(train_ds, image[0], label, partition_by, source)
+    image, index_note = columns.without_saved_index(train_ds.features, image, saved[0])
     if len(image) == 1 and is_text(train_ds.features[image[0]]):
         tokenizer = text["tokenizer"]
         if isinstance(tokenizer, str):
@@ -433,7 +435,7 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
         key = "train" if name == train_name else ("test" if name == test_name else name)
         splits[key] = Split(x, y, groups)
     notes += similar_labels(classes)
-    notes += [left_out] if left_out else []
+    notes += [note for note in (left_out, index_note) if note]
     if tokenizer is not None:
         cols: dict[str, Any] = {"text": image[0], "label": label}
         others = [c for c, f in train_ds.features.items()

@@ -217,6 +217,38 @@ def test_csv_tabular(tmp_path):
             assert data.classes[y] == names[i % 3]
 
 
+def test_csv_with_a_pandas_row_index_leaves_it_out(tmp_path):
+    """Row numbers from ``df.to_csv(path)`` (index kept) are no features.
+
+    Read back and saved again, both indexes are left out; a named id column and a saved
+    model's features stay as given.
+    """
+    import pandas as pd
+
+    frame = pd.DataFrame({"f1": [0.5 * i for i in range(10)], "f2": [-i for i in range(10)],
+                          "label": ["ab"[i % 2] for i in range(10)]})
+    frame.index = frame.index * 3 + 1  # row numbers that are no feature
+    frame.to_csv(tmp_path / "once.csv")
+    pd.read_csv(tmp_path / "once.csv").to_csv(tmp_path / "twice.csv")
+    frame.rename_axis("row_id").to_csv(tmp_path / "named.csv")
+    for name, index in (("once", ["Unnamed: 0"]), ("twice", ["Unnamed: 0.1", "Unnamed: 0"])):
+        data = load(str(tmp_path / f"{name}.csv"), seed=0)
+        assert data.columns["features"] == ["f1", "f2"], name
+        assert data.input_shape == (2,)
+        assert any(f"left out {', '.join(map(repr, index))}: row numbers" in n
+                   for n in data.notes), data.notes
+        x = np.concatenate([data.train.x, data.test.x])[:, 0]
+        assert sorted(x.tolist()) == [0.5 * i for i in range(10)]
+    named = load(str(tmp_path / "named.csv"), seed=0)
+    assert named.columns["features"] == ["row_id", "f1", "f2"]  # the user named it: a feature
+    saved = load(str(tmp_path / "once.csv"), feature_columns=["Unnamed: 0", "f1"],
+                 label_hint="label")
+    assert saved.columns["features"] == ["Unnamed: 0", "f1"]  # a model trained on it keeps it
+    only = tmp_path / "only.csv"
+    only.write_text(",label\n0,a\n1,b\n2,a\n3,b\n4,a\n")
+    assert load(str(only), seed=0).columns["image"] == "Unnamed: 0"  # nothing else: kept
+
+
 def test_image_folder(tmp_path):
     """An image folder gives one class per subfolder."""
     root = tmp_path / "imgs"
