@@ -246,6 +246,15 @@ def _own_mode(img) -> str:
     return "L" if img.mode in GREY_MODES else "RGB"
 
 
+def _transparent(img) -> bool:
+    """Whether an 8-bit image has a pixel that is not fully opaque (alpha or transparent colour)."""
+    if img.mode in ("RGBA", "LA", "PA"):
+        return img.getchannel("A").getextrema()[0] < 255
+    if "transparency" in img.info and img.mode in ("P", "L", "RGB"):
+        return img.convert("RGBA").getchannel("A").getextrema()[0] < 255
+    return False
+
+
 def _open_image(item, i: int, source: str):
     """Open and decode one item of :func:`decode_images`.
 
@@ -320,7 +329,7 @@ def decode_images(raw, source: str = "", size: tuple[int, int] | None = None,
 
     from PIL import Image
 
-    out, own, wide = [], [], {}
+    out, own, wide, transparent = [], [], {}, 0
     for i, item in enumerate(raw):
         img, kind = _open_image(item, i, source)
         if kind is not None:  # 16/32-bit or float grey: scaled below, over all the images
@@ -329,6 +338,7 @@ def decode_images(raw, source: str = "", size: tuple[int, int] | None = None,
             out.append(img)
             continue
         own.append((_own_mode(img), img.height, img.width))
+        transparent += notes is not None and _transparent(img)
         img = img.convert(mode or own[-1][0])
         if size is not None and (img.height, img.width) != tuple(size):
             img = img.resize((size[1], size[0]), Image.BILINEAR)
@@ -351,6 +361,10 @@ def decode_images(raw, source: str = "", size: tuple[int, int] | None = None,
     if notes is not None and converted:
         notes.append(f"{converted} of {len(out)} images of {source} converted to "
                      f"{'grey' if to_mode == 'L' else 'RGB'}")
+    if notes is not None and transparent:
+        notes.append(f"{transparent} of {len(out)} images of {source} have transparent pixels: "
+                     "read as the colour stored under them (the alpha channel is dropped); to "
+                     "choose the background, flatten them onto it first")
     if notes is not None and resized:
         notes.append(f"{resized} of {len(out)} images of {source} resized to "
                      f"{to_size[1]}x{to_size[0]}" + (", the most common size" if size is None

@@ -108,6 +108,32 @@ def test_float_and_32_bit_grey_images_are_scaled_by_their_type_not_each_image(tm
     assert decode_images([str(bright), str(dim)])[:, 0].tolist() == [[[0, 1]], [[0, 0]]]
 
 
+def test_images_with_transparent_pixels_are_counted_in_a_note(tmp_path):
+    rgba = np.zeros((2, 2, 4), np.uint8)
+    rgba[..., 3] = 255
+    Image.fromarray(rgba).save(tmp_path / "opaque.png")  # an alpha channel, all opaque
+    rgba[0, 0, 3] = 0
+    Image.fromarray(rgba).save(tmp_path / "clear.png")
+    grey_alpha = np.array([[[10, 255], [20, 128]]] * 2, np.uint8)  # LA, half transparent
+    Image.fromarray(grey_alpha, mode="LA").save(tmp_path / "la.png")
+    palette = Image.fromarray(np.array([[0, 1], [1, 0]], np.uint8), mode="P")
+    palette.putpalette([255, 0, 0, 0, 0, 255])
+    palette.save(tmp_path / "p.png", transparency=1)  # blue is transparent
+    Image.fromarray(np.zeros((2, 2, 3), np.uint8)).save(tmp_path / "rgb.png")
+    names = ["opaque", "clear", "la", "p", "rgb"]
+    notes = []
+    x = decode_images([str(tmp_path / f"{n}.png") for n in names], "pics", notes=notes)
+    assert x.shape == (5, 3, 2, 2)
+    found = [n for n in notes if "transparent" in n]
+    assert found == ["3 of 5 images of pics have transparent pixels: read as the colour stored "
+                     "under them (the alpha channel is dropped); to choose the background, "
+                     "flatten them onto it first"]
+    assert x[1, :, 0, 0].tolist() == [0, 0, 0]  # the colour under the transparent pixel
+    notes = []
+    decode_images([str(tmp_path / f"{n}.png") for n in ("opaque", "rgb")], "pics", notes=notes)
+    assert not any("transparent" in n for n in notes)
+
+
 def test_a_palette_image_of_greys_is_grey(tmp_path):
     path = tmp_path / "p.gif"
     Image.fromarray(np.array([[0, 90], [180, 255]], dtype=np.uint8)).convert("P").save(path)
