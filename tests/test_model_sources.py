@@ -805,6 +805,9 @@ def test_model_mistakes_on_the_command_line_are_one_line(invoke, args, words):
      "torch.nn.Linear(8 * _calls, 10))",
      "builds another model on each call (1.bias: (8,), then (16,)): nodes must all build "
      "the same one; make the builder deterministic"),
+    ("net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))\n"
+     "    torch.nn.init.constant_(net[1].bias, float('nan'))\n    return net",
+     "starts with NaN or infinite weights (1.bias): fix how its builder initialises them"),
 ])
 def test_builders_nodes_could_not_train_are_refused_before_the_run(invoke, tmp_path, body,
                                                                     words):

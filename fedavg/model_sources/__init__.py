@@ -277,13 +277,19 @@ def check_output(model: nn.Module, input_shape: tuple[int, ...], num_classes: in
     ------
     UserError
         The forward pass fails, or gives another shape or integer logits; the model has no
-        trainable parameters, or its weights are on the meta device (outside a meta build).
+        trainable parameters, NaN or infinite weights, or its weights are on the meta device
+        (outside a meta build).
     """
     if next((p.is_meta for p in model.parameters()), False):
         if torch.get_default_device().type == "meta":  # built for its shapes only, on purpose
             return
         raise UserError(f"model {what} has its weights on the meta device (shapes, no values): "
                         "build it on the CPU, outside `with torch.device('meta')`")
+    odd = next((k for k, t in model.state_dict().items()
+                if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    if odd is not None:
+        raise UserError(f"model {what} starts with NaN or infinite weights ({odd}): fix how its "
+                        "builder initialises them")
     dtype = torch.int64 if text else torch.float32
     batch = torch.zeros(2, *input_shape, dtype=dtype)
     if text and vocab_size:
