@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 
 from fedavg.cli_options import path_argument, path_option
 from fedavg.cli_support import console, err_console, guard
@@ -61,9 +62,10 @@ def sweep(
             raise typer.Exit(130) from None
         _show_plan(spec, planned, out, problems)
         raise typer.Exit(1 if problems else 0)
-    note = cpu_note([p.point for p in planned if p.action in STARTS], parallel)
-    if note:
-        err_console.print(f"[yellow]note:[/] {note}", highlight=False)
+    for note in (cpu_note([p.point for p in planned if p.action in STARTS], parallel),
+                 _repeats_note(planned)):
+        if note:
+            err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     with guard(), locked(out):
         planned = plan(spec, out, retry_failed)  # again, now that no other sweep can write
         chosen = {p.point.name for p in planned}
@@ -74,8 +76,23 @@ def sweep(
     raise typer.Exit(code)
 
 
+def _repeats_note(planned) -> str | None:
+    """Say which points that would start train exactly as another point of the sweep."""
+    from fedavg.setting_use import repeated_runs
+    from fedavg.sweep_run import STARTS
+
+    same = repeated_runs([p.point for p in planned])
+    starting = [name for p in planned if (name := p.point.name) in same and p.action in STARTS]
+    if not starting:
+        return None
+    shown = "; ".join(f"{name} repeats {same[name]}" for name in starting[:3])
+    more = f" and {len(starting) - 3} more" if len(starting) > 3 else ""
+    return (f"{len(starting)} point(s) train exactly as another, differing only in partition "
+            f"settings their partitioner ignores: {shown}{more}; list the points as [[points]] "
+            "to train each once")
+
+
 def _show_plan(spec, planned, out: Path, problems: dict[str, str]) -> None:
-    from rich.markup import escape
     from rich.table import Table
 
     from fedavg.sweep import format_value
@@ -104,10 +121,12 @@ def _show_plan(spec, planned, out: Path, problems: dict[str, str]) -> None:
     todo = sum(p.action in STARTS for p in planned)
     failing = f", {len(problems)} of them would fail at the start" if problems else ""
     console.print(f"dry run: {todo} of {len(planned)} points would run{failing}; nothing was run")
+    repeats = _repeats_note(planned)
+    if repeats:
+        console.print(f"note: {escape(repeats)}", highlight=False)
 
 
 def _run_with_progress(runner, total: int) -> int:
-    from rich.markup import escape
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -148,7 +167,6 @@ def _run_with_progress(runner, total: int) -> int:
 
 
 def _say_end(runner, out: Path, code: int) -> None:
-    from rich.markup import escape
 
     counts = runner.counts()
     took = time.time() - runner.started
@@ -188,7 +206,6 @@ def report(
 ) -> None:
     """Tables (Markdown, CSV) and plots of the runs under a folder, grouped over seeds."""
     from rich.markdown import Markdown
-    from rich.markup import escape
 
     from fedavg.report import write_report
 

@@ -164,7 +164,7 @@ def load_sweep(path: str | Path) -> Sweep:
     if not settings:
         raise UserError(f"{path}: no points: add a [grid] table of lists or [[points]] tables")
     configs = [_run_config(s) for s in settings]
-    effective = [_effective(s, c) for s, c in zip(settings, configs)]
+    effective = [effective_settings(s, c) for s, c in zip(settings, configs)]
     varying = _varying(settings, effective)
     names = point_names(effective, [k for k in varying if k not in SIMULATE_OPTIONS])
     _validate(path, names, configs)
@@ -305,7 +305,7 @@ def _run_config(settings: dict[str, Any]) -> RunConfig:
     return RunConfig.from_flat({k: v for k, v in settings.items() if k not in SIMULATE_OPTIONS})
 
 
-def _effective(settings: dict[str, Any], config: RunConfig) -> dict[str, Any]:
+def effective_settings(settings: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     """Return every setting's value for a point: given, or its default (None: unset)."""
     out = {k: v for k, v in config.to_flat().items()}
     if out.get(MODEL_ARGS) is not None:  # JSON text in the flat config
@@ -422,7 +422,7 @@ def select(spec: Sweep, only: list[str]) -> Sweep:
 
 
 def _point_value(point: Point, key: str) -> Any:
-    return _effective(point.settings, point.config).get(key)
+    return effective_settings(point.settings, point.config).get(key)
 
 
 def _matches(value: Any, wanted: str) -> bool:

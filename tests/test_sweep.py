@@ -468,6 +468,33 @@ def test_dry_run_lists_points_and_runs_nothing(tmp_path):
     assert not out.exists()
 
 
+def test_points_that_train_exactly_as_another_are_named(tmp_path):
+    from fedavg.setting_use import repeated_runs
+
+    config = toml(tmp_path, '[base]\nrounds = 1\n[grid]\npartitioner = ["iid", "dirichlet", '
+                            '"pathological"]\nalpha = [0.1, 1.0]\nclasses-per-node = [2, 3]\n')
+    sweep = load_sweep(config)
+    names = [p.name for p in sweep.points]
+    assert len(names) == 12
+    iid = [n for n in names if "partitioner=iid" in n]
+    patho = [n for n in names if "pathological" in n]
+    # iid takes neither alpha nor classes-per-node: 4 points, 1 training; pathological
+    # takes classes-per-node only: 2 trainings of 4 points; dirichlet takes alpha only
+    assert repeated_runs(sweep.points) == {
+        **{n: iid[0] for n in iid[1:]},
+        patho[2]: patho[0], patho[3]: patho[1],
+        "partitioner=dirichlet_alpha=0.1_classes-per-node=3":
+            "partitioner=dirichlet_alpha=0.1_classes-per-node=2",
+        "partitioner=dirichlet_alpha=1.0_classes-per-node=3":
+            "partitioner=dirichlet_alpha=1.0_classes-per-node=2"}
+    assert repeated_runs(load_sweep(TINY).points) == {}
+    res = CliRunner().invoke(_app(), ["sweep", str(config), "--output", str(tmp_path / "out"),
+                                      "--dry-run", "--only", "partitioner=iid"],
+                             env={"COLUMNS": "250"})
+    assert f"3 point(s) train exactly as another, differing only in partition settings " \
+           f"their partitioner ignores: {iid[1]} repeats {iid[0]}" in " ".join(res.output.split())
+
+
 def test_dry_run_finds_the_points_that_would_fail_at_their_start(tmp_path, monkeypatch):
     from fedavg import data
     from fedavg.sweep_run import check_points
