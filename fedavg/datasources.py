@@ -300,6 +300,43 @@ def _scale_wide(out: list, wide: dict) -> None:
         out[i] = np.clip(values * (255.0 / top), 0, 255).astype(np.uint8)
 
 
+def fit_images(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Convert decoded images to a model's grey or colour ``shape`` and resize them (bilinear).
+
+    ``x`` is ``(N, C, H, W)`` uint8 with C 1 or 3, ``shape`` ``(C', H', W')``; anything else,
+    or images already of ``shape``, comes back as it is.
+    """
+    shape = tuple(shape)
+    if x.dtype != np.uint8 or x.ndim != 4 or len(shape) != 3 or x.shape[1] not in (1, 3) \
+            or shape[0] not in (1, 3) or tuple(x.shape[1:]) == shape:
+        return x
+    from PIL import Image
+
+    out = np.empty((len(x), *shape), np.uint8)
+    for i, image in enumerate(x):
+        img = Image.fromarray(image[0] if len(image) == 1 else image.transpose(1, 2, 0))
+        img = img.convert("L" if shape[0] == 1 else "RGB")
+        if img.size != (shape[2], shape[1]):
+            img = img.resize((shape[2], shape[1]), Image.BILINEAR)
+        arr = np.asarray(img, dtype=np.uint8)
+        out[i] = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+    return out
+
+
+def fitted_note(before: tuple[int, ...], after: tuple[int, ...], what: str) -> str | None:
+    """Say that images of ``(C, H, W)`` ``before`` were made ``after`` for the model, if so."""
+    if tuple(before) == tuple(after):
+        return None
+
+    def kind(s):
+        return f"{s[2]}x{s[1]} {'grey' if s[0] == 1 else 'colour'}"
+
+    done = " and ".join(w for w, changed in (("converted", before[0] != after[0]),
+                                             ("resized", before[1:] != after[1:])) if changed)
+    return (f"{what} are {kind(before)} images, the model takes {kind(after)} ones: they were "
+            f"{done}; results may be unreliable: use images like the training data")
+
+
 def decode_images(raw, source: str = "", size: tuple[int, int] | None = None,
                   mode: str | None = None, notes: list[str] | None = None) -> np.ndarray:
     """Decode images (bytes, paths or PIL images) into one ``(N, C, H, W)`` uint8 array.

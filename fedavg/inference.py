@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -18,6 +19,7 @@ from fedavg.data import (
     decode_images,
     load,
 )
+from fedavg.datasources import fit_images, fitted_note
 from fedavg.errors import NoLabelColumn, UserError
 from fedavg.inputs import check_inputs, collect, input_notes
 from fedavg.models import build_model
@@ -216,9 +218,16 @@ def evaluation_data(meta: dict[str, Any], directory: str | Path, dataset: str | 
     if split not in data.splits:
         raise UserError(f"{source} has no split {split!r}; splits: {', '.join(data.splits)}")
     check_kind(meta["input"], data, source)
-    part = conform(data.splits[split], source, meta["input"]["shape"], data.classes,
-                   meta["classes"])
+    part = conform(_model_images(data.splits[split], meta), source, meta["input"]["shape"],
+                   data.classes, meta["classes"])
     return source, data, split, part
+
+
+def _model_images(split, meta: dict[str, Any]):
+    """``split`` with its images made the grey or colour size the model takes (if images)."""
+    if meta["input"].get("dtype") != "uint8":  # float arrays: as they are, or refused
+        return split
+    return dataclasses.replace(split, x=fit_images(split.x, tuple(meta["input"]["shape"])))
 
 
 def score(net: torch.nn.Module, held: tuple[str, Any, str, Any], device: str = "auto",
@@ -238,7 +247,10 @@ def score(net: torch.nn.Module, held: tuple[str, Any, str, Any], device: str = "
                                                                data.train.x, split, source)
     if source not in BUILTIN and Path(source).expanduser().exists():
         source = str(Path(source).expanduser().resolve())  # one form in text and JSON
-    return {**res, "split": split, "dataset": source, "notes": [leak] if leak else []}
+    fitted = fitted_note(data.splits[split].x.shape[1:], part.x.shape[1:],
+                         f"the {split} split's inputs")
+    notes = [n for n in (fitted, leak) if n]
+    return {**res, "split": split, "dataset": source, "notes": notes}
 
 
 def model_tokenizer(meta: dict[str, Any], directory: str | Path):
@@ -330,7 +342,7 @@ def predict(
     else:
         items = collect(inputs)
         batches = [_image_batch([p for kind, p in items if kind == "image"], meta, note)]
-        batches += [_dataset_batch(source, split, meta) for kind, source in items
+        batches += [_dataset_batch(source, split, meta, note) for kind, source in items
                     if kind == "dataset"]
     rows = []
     classes = meta["classes"]
@@ -378,11 +390,12 @@ def _text_batches(inputs: Sequence[str], literal: bool, split: str, meta: dict[s
     items = text_inputs(inputs, literal)
     texts = [t for kind, t in items if kind == "text"]
     batches = [(tokenizer.encode(texts), texts)] if texts else []
-    return batches + [_dataset_batch(source, split, meta, tokenizer)
+    return batches + [_dataset_batch(source, split, meta, on_note, tokenizer)
                       for kind, source in items if kind == "dataset"]
 
 
-def _dataset_batch(source: str, split: str, meta: dict[str, Any], tokenizer: Any = "hashed"):
+def _dataset_batch(source: str, split: str, meta: dict[str, Any],
+                   on_note: Callable[[str], None], tokenizer: Any = "hashed"):
     """Load the ``split`` of a dataset, checked against the model's inputs: ``(x, names)``.
 
     A single table (one file, one split) given to a tabular model is predicted whole, row
@@ -401,7 +414,10 @@ def _dataset_batch(source: str, split: str, meta: dict[str, Any], tokenizer: Any
     if split not in data.splits:
         raise UserError(f"{source} has no split {split!r}; splits: {', '.join(data.splits)}")
     check_kind(meta["input"], data, source)
-    part = conform(data.splits[split], source, meta["input"]["shape"])
+    part = conform(_model_images(data.splits[split], meta), source, meta["input"]["shape"])
+    if note := fitted_note(data.splits[split].x.shape[1:], part.x.shape[1:],
+                           f"{source}'s {split} inputs"):
+        on_note(note)
     if data.splits["test"] is data.splits["train"]:  # one split, used whole: rows in order
         return part.x, [f"{source}#row{i}" for i in range(len(part))]
     return part.x, [f"{source}#{split}[{i}]" for i in range(len(part))]

@@ -318,3 +318,41 @@ def test_interrupts_during_imports_are_held_until_the_block_ends():
     thread.start()
     thread.join()
     assert outside == [True]
+
+
+def test_evaluate_and_predict_fit_a_dataset_of_other_images_to_the_model(tmp_path):
+    """A 12x12 colour image folder or table for an 8x8 grey model: converted, with a note."""
+    import datasets
+
+    from fedavg.inference import evaluate_model, evaluation_data, predict
+
+    model = checkpoint.save(tmp_path / "model", build_model("mlp", (1, 8, 8), 10).state_dict(),
+                            META)
+    values = {"3": 30, "7": 200}
+    for label, value in values.items():
+        (tmp_path / "imgs" / label).mkdir(parents=True)
+        for k in range(3):
+            Image.fromarray(np.full((12, 12, 3), value + k, np.uint8)).save(
+                tmp_path / "imgs" / label / f"{k}.png")
+    folder = str(tmp_path / "imgs")
+    _, data, _, part = evaluation_data(META, model, folder)
+    assert data.splits["test"].x.shape[1:] == (3, 12, 12)
+    assert part.x.shape == (6, 1, 8, 8) and part.x.dtype == np.uint8
+    for x, y in zip(part.x, part.y):  # grey of (v, v, v) is v, and a flat image stays flat
+        value = values[META["classes"][y]]
+        assert value <= x.min() == x.max() < value + 3
+    res = evaluate_model(model, folder)
+    assert res["num_examples"] == 6
+    assert res["notes"] == ["the test split's inputs are 12x12 colour images, the model takes "
+                            "8x8 grey ones: they were converted and resized; results may be "
+                            "unreliable: use images like the training data"]
+    table = tmp_path / "imgs.parquet"
+    datasets.Dataset.from_dict({
+        "image": [Image.fromarray(np.full((8, 8, 3), 9, np.uint8)) for _ in range(4)],
+        "label": ["3", "7", "3", "7"]}).cast_column("image", datasets.Image()).to_parquet(table)
+    notes = []
+    rows = predict(model, [str(table)], on_note=notes.append)
+    assert [r["input"] for r in rows] == [f"{table}#row{i}" for i in range(4)]
+    assert notes == [f"{table}'s test inputs are 8x8 colour images, the model takes 8x8 grey "
+                     "ones: they were converted; results may be unreliable: use images like "
+                     "the training data"]
