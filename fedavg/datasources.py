@@ -117,7 +117,14 @@ def _open_local(path: Path, source: str, notes: list[str]):
     if folder is not None:  # an image folder, even with more stray files than images
         notes.extend(folder[1])
         return folder[0]
-    return datasets.load_dataset(str(path))
+    loaded = datasets.load_dataset(str(path))
+    tables = sorted(f.name for f in path.iterdir() if f.suffix.lower() in FILE_BUILDERS)
+    if tables and all(ds.column_names == ["image"] for ds in loaded.values()):
+        raise UserError(f"{source} holds images and tables ({', '.join(tables[:3])}) but no "
+                        "labels of the images: to label them by a table, name it metadata.csv "
+                        "with a file_name column (each image's path relative to it); or give "
+                        "the table itself as --dataset")
+    return loaded
 
 
 def _quiet_hub_logs() -> None:

@@ -69,21 +69,26 @@ def read_image_folder(path: Path, source: str):
     tuple or None
         ``(dataset_dict, notes)``: a ``datasets.DatasetDict`` of ``image`` (file paths,
         decoded later) and ``label`` (a ``ClassLabel`` of every class folder's name, sorted)
-        per split, and at most three lines on what was skipped. ``None`` when ``path``
-        holds data files (``.csv``, ``.parquet``, a ``metadata.csv`` ...) or no image.
+        per split, and at most three lines on what was skipped; for a folder whose
+        ``metadata.csv`` / ``.jsonl`` / ``.parquet`` tables label its images, ``image`` and
+        the tables' columns. ``None`` when ``path`` holds other data files (``.csv``,
+        ``.parquet`` ...) or no image.
 
     Raises
     ------
     UserError
-        Images, but none inside a class folder; split folders beside class folders.
+        Images, but none inside a class folder; split folders beside class folders; a
+        metadata table that cannot label the images.
     """
     import datasets
 
     files = _files(path)
     extensions = _image_extensions()
     images = [f for f in files if f.suffix.lower() in extensions and not _hidden(f)]
+    if images and any(f.name.lower() in METADATA_FILES and not _hidden(f) for f in files):
+        return _labelled_by_metadata(path, source, files, images)
     if not images or any(f.suffix.lower() in FILE_BUILDERS for f in files):
-        return None  # data files (a metadata.csv labelling the images, tables): datasets'
+        return None  # data files (tables, README figures beside them): datasets'
     tops = sorted({f.parts[0] for f in images if len(f.parts) > 1})
     splits = {t: SPLIT_FOLDERS[t.lower()] for t in tops if t.lower() in SPLIT_FOLDERS}
     if splits and (classes := [t for t in tops if t not in splits and not _hidden(Path(t))]):
@@ -112,6 +117,68 @@ def read_image_folder(path: Path, source: str):
                                          features=features)
         for name, items in sorted(per_split.items(), key=lambda kv: kv[0] != "train")})
     return dsdict, _notes(path, source, files, images, loose, splits, depth)
+
+
+#: Tables that label the images of a folder (``datasets``' names): a ``file_name`` column
+#: gives each image's path relative to the table, the other columns are the images' own.
+METADATA_FILES = {"metadata.csv": "csv", "metadata.jsonl": "json", "metadata.parquet": "parquet"}
+
+
+def _split_of(rel: Path) -> str | None:
+    """Return the split of a path under a split folder (``test/a.png``: ``test``), or None."""
+    return SPLIT_FOLDERS.get(rel.parts[0].lower()) if len(rel.parts) > 1 else None
+
+
+def _labelled_by_metadata(path: Path, source: str, files: list[Path], images: list[Path]):
+    """Read an image folder labelled by ``metadata.*`` tables: ``(dataset_dict, notes)``.
+
+    See :func:`read_image_folder`. A table in a split folder (``test/metadata.csv``) makes
+    that split; a table at the root makes ``train``, but for images under a split folder.
+    Images no table lists are skipped with a note.
+
+    Raises
+    ------
+    UserError
+        A table without ``file_name``, one naming an image that is not there, tables of one
+        split with other columns.
+    """
+    import datasets
+
+    per_split: dict[str, list] = {}
+    listed: set[Path] = set()
+    for meta in (f for f in files if f.name.lower() in METADATA_FILES and not _hidden(f)):
+        where = f"{source}: {meta.as_posix()}"
+        try:
+            table = getattr(datasets.Dataset, f"from_{METADATA_FILES[meta.name.lower()]}")(
+                str(path / meta))
+        except Exception as exc:  # noqa: BLE001 - pyarrow's and pandas' parse errors
+            raise UserError(f"cannot read {where}: {str(exc).splitlines()[0]}") from None
+        if "file_name" not in table.column_names:
+            raise UserError(f"{where} has no file_name column (each image's path relative to "
+                            f"it; columns: {', '.join(table.column_names)})")
+        rel = [(meta.parent / str(name)) for name in table["file_name"]]
+        missing = [r for r in rel if not (path / r).is_file()]
+        if missing:
+            raise UserError(f"{where} names {len(missing)} image(s) that are not there: "
+                            f"{_listing(missing)}; fix its file_name column")
+        listed.update(Path(os.path.normpath(r)) for r in rel)
+        split_of = [_split_of(meta) or _split_of(r) or "train" for r in rel]
+        table = table.remove_columns("file_name").add_column(
+            "image", [str(path / r) for r in rel]).cast_column("image", datasets.Image())
+        for name in sorted(set(split_of)):
+            rows = [i for i, s in enumerate(split_of) if s == name]
+            per_split.setdefault(name, []).append(table.select(rows))
+    try:
+        dsdict = datasets.DatasetDict({
+            name: datasets.concatenate_datasets(parts)
+            for name, parts in sorted(per_split.items(), key=lambda kv: kv[0] != "train")})
+    except ValueError as exc:
+        raise UserError(f"the metadata tables of {source} have other columns or types: "
+                        f"{str(exc).splitlines()[0]}") from None
+    unlisted = [f for f in images if f not in listed]
+    notes = [f"skipped {len(unlisted)} image(s) of {source} that no metadata table lists: "
+             f"{_listing(unlisted)}"] if unlisted else []
+    return dsdict, notes
 
 
 def _notes(path: Path, source: str, files, images, loose, splits, depth) -> list[str]:

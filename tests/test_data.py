@@ -2,6 +2,7 @@
 
 import io
 import math
+import re
 
 import datasets
 import numpy as np
@@ -292,6 +293,78 @@ def test_image_folder_labels_come_from_class_folders_and_splits_from_split_folde
     assert not any("held out" in n for n in data.notes)
 
 
+def test_image_folder_labelled_by_metadata_tables(tmp_path):
+    """``metadata.csv`` / ``.jsonl`` label the images; file names never make splits.
+
+    (``datasets``' own builder took ``test_*.png`` as a test split, and then neither split
+    had a label column.)
+    """
+    import json
+
+    root = tmp_path / "imgs"
+    root.mkdir()
+    expected, lines = {}, ["file_name,label,note"]
+    for v in range(1, 21):
+        name = f"{'test_' if v % 4 == 0 else 'img'}{v}.png"
+        (root / name).write_bytes(png(v))
+        expected[v] = "even" if v % 2 == 0 else "odd"
+        lines.append(f"{name},{expected[v]},n{v}")
+    (root / "metadata.csv").write_text("\n".join(lines) + "\n")
+    (root / "figure.png").write_bytes(png(250))  # listed nowhere: skipped with a note
+    data = load(str(root))
+    assert data.classes == ["even", "odd"] and data.columns["label"] == "label"
+    assert len(data.train) + len(data.test) == 20  # every listed image, a 20 % hold-out
+    assert pixel_to_label(data) == expected
+    assert f"skipped 1 image(s) of {root} that no metadata table lists: figure.png" in data.notes
+
+    split = tmp_path / "split"  # a table per split folder, and one naming test/ images
+    for name, values in (("train", range(1, 9)), ("test", range(9, 13))):
+        (split / name / "pics").mkdir(parents=True)
+        rows = []
+        for v in values:
+            (split / name / "pics" / f"{v}.png").write_bytes(png(v))
+            rows.append({"file_name": f"pics/{v}.png", "label": v % 3})
+        if name == "train":
+            (split / name / "metadata.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in rows))
+        else:  # at the root, its paths under test/
+            (split / "metadata.jsonl").write_text("".join(
+                json.dumps({**r, "file_name": f"test/{r['file_name']}"}) + "\n" for r in rows))
+    data = load(str(split))
+    assert len(data.train) == 8 and len(data.test) == 4
+    assert {int(x.flat[0]) for x in data.test.x} == set(range(9, 13))
+    assert pixel_to_label(data) == {v: str(v % 3) for v in range(1, 13)}
+
+
+@pytest.mark.parametrize("text, words", [
+    ("name,label\na.png,x\n", "has no file_name column (each image's path relative to it; "
+                              "columns: name, label)"),
+    ("file_name,label\na.png,x\nb.png,y\nsub/c.png,y\n",
+     "names 2 image(s) that are not there: b.png, sub/c.png; fix its file_name column"),
+])
+def test_image_folder_metadata_mistakes_are_one_line(tmp_path, text, words):
+    root = tmp_path / "imgs"
+    root.mkdir()
+    (root / "a.png").write_bytes(png(1))
+    (root / "metadata.csv").write_text(text)
+    with pytest.raises(UserError, match=re.escape(f"{root}: metadata.csv {words}")):
+        load(str(root))
+
+
+def test_images_beside_a_table_that_is_no_metadata_table_say_how_to_label_them(tmp_path):
+    root = tmp_path / "kaggle"
+    (root / "images").mkdir(parents=True)
+    rows = ["id,label"]
+    for i in range(6):
+        (root / "images" / f"{i}.png").write_bytes(png(i))
+        rows.append(f"{i},{i % 2}")
+    (root / "labels.csv").write_text("\n".join(rows) + "\n")
+    with pytest.raises(UserError, match=re.escape(
+            f"{root} holds images and tables (labels.csv) but no labels of the images: to "
+            "label them by a table, name it metadata.csv with a file_name column")):
+        load(str(root))
+
+
 def test_image_folder_images_outside_class_folders_and_linked_class_folders(tmp_path):
     root = tmp_path / "imgs"
     for cls, v in (("a", 10), ("b", 20)):
@@ -529,7 +602,7 @@ def test_an_image_dataset_the_model_never_saw_is_scored_and_predicted_whole(tmp_
     run_data.to_parquet(str(tmp_path / "run.parquet"))
     meta = _tabular_meta(load(str(tmp_path / "run.parquet")), str(tmp_path / "run.parquet"))
     image_dataset(list(range(10, 20)), ["a", "b"] * 5).to_parquet(str(tmp_path / "new.parquet"))
-    x, names = _dataset_batch(str(tmp_path / "new.parquet"), "test", meta)
+    x, names = _dataset_batch(str(tmp_path / "new.parquet"), "test", meta, print)
     assert names == [f"{tmp_path / 'new.parquet'}#row{i}" for i in range(10)]
     assert [int(v.flat[0]) for v in x] == list(range(10, 20))
     _, _, _, part = evaluation_data(meta, tmp_path, str(tmp_path / "new.parquet"))
