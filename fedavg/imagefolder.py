@@ -156,6 +156,9 @@ def _labelled_by_metadata(path: Path, source: str, files: list[Path], images: li
         if "file_name" not in table.column_names:
             raise UserError(f"{where} has no file_name column (each image's path relative to "
                             f"it; columns: {', '.join(table.column_names)})")
+        if "image" in table.column_names:
+            raise UserError(f"{where} has an image column beside file_name: the images go "
+                            "there; rename that column")
         rel = [(meta.parent / str(name)) for name in table["file_name"]]
         missing = [r for r in rel if not (path / r).is_file()]
         if missing:

@@ -341,6 +341,8 @@ def test_image_folder_labelled_by_metadata_tables(tmp_path):
                               "columns: name, label)"),
     ("file_name,label\na.png,x\nb.png,y\nsub/c.png,y\n",
      "names 2 image(s) that are not there: b.png, sub/c.png; fix its file_name column"),
+    ("file_name,image,label\na.png,7,x\n", "has an image column beside file_name: the images "
+                                           "go there; rename that column"),
 ])
 def test_image_folder_metadata_mistakes_are_one_line(tmp_path, text, words):
     root = tmp_path / "imgs"
