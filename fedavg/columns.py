@@ -131,20 +131,23 @@ def _detect_inputs(features, source: str, label: str, partition_by: str | None) 
 SAVED_INDEX = re.compile(r"Unnamed: 0(\.\d+)?")
 
 
-def without_saved_index(features, inputs: list[str],
-                        named: list[str] | None) -> tuple[list[str], str | None]:
-    """Leave row indexes saved by pandas out of a table's detected feature columns.
+def table_inputs(features, inputs: list[str], named: list[str] | None,
+                        label: str, partition_by: str | None) -> tuple[list[str], str | None]:
+    """Return a table's detected feature columns, pandas' saved row indexes left out.
 
     As a feature, a row number teaches a model the file's order (often its sort by label).
     The table's leading integer columns named as :data:`SAVED_INDEX` are left out, while
     another feature remains; ``named`` (a saved model's own feature columns) are kept as
-    they are.
+    they are. Columns a table's features cannot hold (dates, lists) are named too.
 
     Returns
     -------
     tuple of (list of str, str or None)
-        The feature columns, and a note when any was left out.
+        The feature columns, and a note when any column was left out.
     """
+    numeric = numeric_columns(features, label, partition_by)
+    if named or not inputs or not set(inputs) <= set(numeric):
+        return inputs, None  # not a table's detected features
     index = []
     for column in features:
         if not SAVED_INDEX.fullmatch(column) or column not in inputs or not str(
@@ -152,11 +155,17 @@ def without_saved_index(features, inputs: list[str],
             break
         index.append(column)
     kept = [c for c in inputs if c not in index]
-    if named or not index or not kept:
-        return inputs, None
-    return kept, (f"left out {', '.join(map(repr, index))}: row numbers pandas saved as a "
-                  "first column with an empty header (DataFrame.to_csv without index=False), "
-                  "not features; give such a column a header to use it as one")
+    kept = kept if index and kept else inputs
+    notes = [] if kept is inputs else [
+        f"left out {', '.join(map(repr, index))}: row numbers pandas saved as a first column "
+        "with an empty header (DataFrame.to_csv without index=False), not features; give such "
+        "a column a header to use it as one"]
+    other = [f"{c} ({getattr(f, 'dtype', type(f).__name__)})" for c, f in features.items()
+             if c not in (label, partition_by) and c not in numeric and not is_text(f)]
+    if other:
+        notes.append(f"column(s) {', '.join(other[:5])} left out: a table's features are "
+                     "numbers (convert dates to numbers to use them)")
+    return kept, "; ".join(notes) or None
 
 
 def is_image(feature) -> bool:
@@ -230,35 +239,50 @@ def numeric_columns(features, label: str, partition_by: str | None) -> list[str]
 
 #: A detected string column beside numeric ones is a table's categories (a city, a colour),
 #: not the run's text, when its values average fewer words than this and repeat (at most
-#: half of them distinct).
+#: half of them distinct) ...
 TEXT_WORDS = 3.0
+#: ... or, distinct or not, when they average at most this many words: ids, dates, codes.
+ONE_WORD = 1.5
 
 
 def text_or_table(ds, column: str, label: str, partition_by: str | None, source: str,
                   sample: int = 1000) -> tuple[list[str], str | None]:
-    """Decide whether a detected string ``column`` is the run's text or a table's categories.
+    """Decide whether a table's string columns hold the run's text, or categories and ids.
+
+    ``column`` is the first string column. Without numeric columns, the text is the first
+    string column of text (see below), else the one of most words per value. Beside numeric
+    columns, a string column is text unless its values are short and repeat
+    (:data:`TEXT_WORDS`) or are one word each (:data:`ONE_WORD`); with no such column the
+    numeric columns are the features.
 
     Returns
     -------
     tuple
-        ``(inputs, note)``: ``[column]`` and ``None`` for text; else the numeric columns and
-        a note naming the string columns left out.
+        ``(inputs, note)``: ``[text column]`` for text, and a note naming the numeric
+        columns left out, if any; else the numeric columns and a note naming the string
+        columns left out.
 
     Raises
     ------
     UserError
-        The column holds numbers but for a few values (:func:`numbers_as_text`).
+        A string column holds numbers but for a few values (:func:`numbers_as_text`).
     """
-    values = _sample(ds, column, sample)
-    numbers_as_text(values, column, source)
-    numeric = numeric_columns(ds.features, label, partition_by)
-    if not numeric or not values or len(set(values)) > 0.5 * len(values) or \
-            sum(len(v.split()) for v in values) / len(values) >= TEXT_WORDS:
-        return [column], None
     strings = [c for c, f in ds.features.items() if c not in (label, partition_by) and is_text(f)]
-    return numeric, (f"string column(s) {', '.join(strings)} left out: short values are "
-                     "categories, which a table's features do not encode (--text-column to "
-                     "train on one as text)")
+    values = {c: _sample(ds, c, sample) for c in strings}
+    for name in strings:
+        numbers_as_text(values[name], name, source)
+    words = {c: sum(len(v.split()) for v in vals) / len(vals) if vals else 0.0
+             for c, vals in values.items()}
+    text = [c for c in strings if words[c] >= TEXT_WORDS or (
+        words[c] > ONE_WORD and len(set(values[c])) > 0.5 * len(values[c]))]
+    numeric = numeric_columns(ds.features, label, partition_by)
+    if text or not numeric:
+        chosen = text[0] if text else max(strings, key=lambda c: words[c])
+        return [chosen], (f"numeric column(s) {', '.join(numeric[:5])} left out: a text model "
+                          f"reads its text ({chosen!r}) only" if numeric else None)
+    return numeric, (f"string column(s) {', '.join(strings)} left out: short values "
+                     "(categories, ids, dates) are not features a table encodes (--text-column "
+                     "to train on one as text)")
 
 
 def _sample(ds, column: str, sample: int) -> list[str]:

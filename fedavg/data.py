@@ -404,7 +404,7 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
     tokenizer, left_out = None, None
     if len(image) == 1 and is_text(train_ds.features[image[0]]) and text["column"] is None:
         image, left_out = text_or_table(train_ds, image[0], label, partition_by, source)
-    image, index_note = columns.without_saved_index(train_ds.features, image, saved[0])
+    image, noted = columns.table_inputs(train_ds.features, image, saved[0], label, partition_by)
     if len(image) == 1 and is_text(train_ds.features[image[0]]):
         tokenizer = text["tokenizer"]
         if isinstance(tokenizer, str):
@@ -435,13 +435,13 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
         key = "train" if name == train_name else ("test" if name == test_name else name)
         splits[key] = Split(x, y, groups)
     notes += similar_labels(classes)
-    notes += [note for note in (left_out, index_note) if note]
+    notes += [note for note in (left_out, noted) if note]
     if tokenizer is not None:
         cols: dict[str, Any] = {"text": image[0], "label": label}
         others = [c for c, f in train_ds.features.items()
                   if is_text(f) and c not in (image[0], label, partition_by)]
         if others and text["column"] is None:
-            notes.append(f"text column {image[0]!r}, the first of the string columns; "
+            notes.append(f"text column {image[0]!r}, chosen among the string columns; "
                          f"--text-column to take another ({', '.join(others[:5])})")
     elif len(image) == 1:
         cols = {"image": image[0], "label": label}

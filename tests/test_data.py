@@ -242,6 +242,7 @@ def test_csv_with_a_pandas_row_index_leaves_it_out(tmp_path):
         assert sorted(x.tolist()) == [0.5 * i for i in range(10)]
     named = load(str(tmp_path / "named.csv"), seed=0)
     assert named.columns["features"] == ["row_id", "f1", "f2"]  # the user named it: a feature
+    assert not any("left out" in n for n in named.notes), named.notes
     saved = load(str(tmp_path / "once.csv"), feature_columns=["Unnamed: 0", "f1"],
                  label_hint="label")
     assert saved.columns["features"] == ["Unnamed: 0", "f1"]  # a model trained on it keeps it
@@ -711,9 +712,41 @@ def test_a_stray_string_in_a_column_of_numbers_is_refused_not_read_as_text(tmp_p
     (tmp_path / "c.csv").write_text("\n".join(rows) + "\n")
     data = load(str(tmp_path / "c.csv"))
     assert data.kind == "tabular" and data.columns == {"features": ["a", "b"], "label": "label"}
-    assert "string column(s) city left out: short values are categories, which a table's " \
-        "features do not encode (--text-column to train on one as text)" in data.notes
+    assert "string column(s) city left out: short values (categories, ids, dates) are not " \
+        "features a table encodes (--text-column to train on one as text)" in data.notes
     assert load(str(tmp_path / "c.csv"), text_column="city").kind == "text"
+
+
+def test_ids_and_dates_beside_numbers_are_left_out_not_taken_as_text(tmp_path):
+    """One-word strings (ids, dates) are no text: the numbers are the features, and said so.
+
+    (A unique id column made a text model of the table, its numbers ignored.)
+    """
+    import pandas as pd
+
+    n = 40
+    frame = pd.DataFrame({"customer_id": [f"C{i:05d}" for i in range(n)],
+                          "f1": [float(i) for i in range(n)], "f2": [i % 7 for i in range(n)],
+                          "when": pd.date_range("2020-01-01", periods=n),
+                          "label": ["ab"[i % 2] for i in range(n)]})
+    frame.assign(when=frame["when"].dt.strftime("%Y-%m-%d")).to_csv(tmp_path / "t.csv",
+                                                                      index=False)
+    data = load(str(tmp_path / "t.csv"), seed=0)
+    assert data.kind == "tabular" and data.columns["features"] == ["f1", "f2"]
+    assert "string column(s) customer_id, when left out: short values (categories, ids, " \
+        "dates) are not features a table encodes (--text-column to train on one as text)" \
+        in data.notes
+    frame.to_parquet(tmp_path / "t.parquet")  # a real timestamp column: named, left out
+    data = load(str(tmp_path / "t.parquet"), seed=0)
+    assert data.columns["features"] == ["f1", "f2"]
+    assert any(n.startswith("column(s) when (timestamp") and "left out: a table's features are "
+               "numbers" in n for n in data.notes), data.notes
+    frame.assign(review=[f"the {i}th was {'good' if i % 2 else 'bad'} today" for i in
+                         range(n)]).to_csv(tmp_path / "r.csv", index=False)
+    data = load(str(tmp_path / "r.csv"), seed=0)  # an id column first, then real text
+    assert data.kind == "text" and data.columns["text"] == "review"
+    assert "numeric column(s) f1, f2 left out: a text model reads its text ('review') only" \
+        in data.notes
 
 
 def test_labels_that_differ_only_in_case_or_spaces_are_noted(tmp_path):

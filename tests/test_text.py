@@ -134,8 +134,8 @@ def test_text_column_override_and_its_errors(tmp_path):
                   "body": [f"text {i}" for i in range(10)],
                   "n": list(range(10)), "label": [0, 1] * 5}).to_csv(csv, index=False)
     data = load(str(csv))
-    assert data.columns["text"] == "title"  # the first string column, and said so
-    assert "text column 'title', the first of the string columns; --text-column to take " \
+    assert data.columns["text"] == "title"  # the first string column of text, and said so
+    assert "text column 'title', chosen among the string columns; --text-column to take " \
         "another (body)" in data.notes
     labelled = tmp_path / "s.csv"  # a string label is not another text column to offer
     pd.DataFrame({"title": [f"a {'good' if i % 2 else 'bad'} day" for i in range(10)],
