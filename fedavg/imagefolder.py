@@ -35,12 +35,12 @@ def _image_extensions() -> set[str]:
         return set(IMAGE_SUFFIXES)
 
 
-def _hidden(rel: Path) -> bool:
+def is_hidden(rel: Path) -> bool:
     """Whether a part of ``rel`` is hidden (``.git``, ``__MACOSX``): the reader skips it."""
     return any(part.startswith((".", "__")) for part in rel.parts)
 
 
-def _files(root: Path) -> list[Path]:
+def files_below(root: Path) -> list[Path]:
     """Every file below ``root`` (relative paths, sorted), following links to folders once."""
     found, seen = [], set()
     for top, dirs, names in os.walk(root, followlinks=True):
@@ -82,16 +82,16 @@ def read_image_folder(path: Path, source: str):
     """
     import datasets
 
-    files = _files(path)
+    files = files_below(path)
     extensions = _image_extensions()
-    images = [f for f in files if f.suffix.lower() in extensions and not _hidden(f)]
-    if images and any(f.name.lower() in METADATA_FILES and not _hidden(f) for f in files):
+    images = [f for f in files if f.suffix.lower() in extensions and not is_hidden(f)]
+    if images and any(f.name.lower() in METADATA_FILES and not is_hidden(f) for f in files):
         return _labelled_by_metadata(path, source, files, images)
     if not images or any(f.suffix.lower() in FILE_BUILDERS for f in files):
         return None  # data files (tables, README figures beside them): datasets'
     tops = sorted({f.parts[0] for f in images if len(f.parts) > 1})
     splits = {t: SPLIT_FOLDERS[t.lower()] for t in tops if t.lower() in SPLIT_FOLDERS}
-    if splits and (classes := [t for t in tops if t not in splits and not _hidden(Path(t))]):
+    if splits and (classes := [t for t in tops if t not in splits and not is_hidden(Path(t))]):
         raise UserError(f"{source} holds split folders ({', '.join(splits)}) beside class "
                         f"folders ({_listing([Path(c) for c in classes])}): move the class "
                         "folders into a train/ folder")
@@ -146,7 +146,7 @@ def _labelled_by_metadata(path: Path, source: str, files: list[Path], images: li
 
     per_split: dict[str, list] = {}
     listed: set[Path] = set()
-    for meta in (f for f in files if f.name.lower() in METADATA_FILES and not _hidden(f)):
+    for meta in (f for f in files if f.name.lower() in METADATA_FILES and not is_hidden(f)):
         where = f"{source}: {meta.as_posix()}"
         try:
             table = getattr(datasets.Dataset, f"from_{METADATA_FILES[meta.name.lower()]}")(
@@ -192,7 +192,7 @@ def _notes(path: Path, source: str, files, images, loose, splits, depth) -> list
     with_images = {f.parts[:depth + 1] for f in images if f not in outside}
     roots = [path / s for s in splits] if splits else [path]
     class_dirs = [c.relative_to(path) for r in roots for c in sorted(r.iterdir()) if c.is_dir()]
-    empty = [d for d in class_dirs if d.parts not in with_images and not _hidden(d)]
+    empty = [d for d in class_dirs if d.parts not in with_images and not is_hidden(d)]
     notes = []
     if empty:
         notes.append(f"skipped {len(empty)} class folder(s) of {source} with no images: "

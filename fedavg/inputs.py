@@ -7,13 +7,15 @@ from typing import Any, Sequence
 
 from fedavg.data import BUILTIN, FILE_BUILDERS, IMAGE_SUFFIXES, looks_like_path
 from fedavg.errors import UserError
+from fedavg.imagefolder import files_below, is_hidden
 
 
 def collect(inputs: Sequence[str]) -> list[tuple[str, Any]]:
     """Turn inputs into ``("image", path)`` and ``("dataset", source)`` items, each image once.
 
-    A folder holding images is searched for them recursively (other files in it are left
-    aside); a saved dataset, or a folder of data files alone, is one dataset input.
+    A folder holding images is searched for them recursively (other files in it, and hidden
+    ones such as ``._x.png`` or ``.git/``, are left aside); a saved dataset, or a folder of
+    data files alone, is one dataset input.
 
     Raises
     ------
@@ -43,7 +45,7 @@ def collect(inputs: Sequence[str]) -> list[tuple[str, Any]]:
                 raise UserError(f"{raw} is neither an image ({', '.join(sorted(IMAGE_SUFFIXES))}) "
                                 "nor a dataset file")
             continue
-        files = [p for p in path.rglob("*") if p.is_file()]
+        files = [path / f for f in files_below(path) if not is_hidden(f)]  # ._x.png, .git/
         images = sorted(p for p in files if p.suffix.lower() in IMAGE_SUFFIXES)
         # a folder of images is predicted image by image, whatever else it holds (a
         # labels.json, an info.csv); a saved dataset, or data files alone, is a dataset

@@ -159,6 +159,11 @@ def test_an_image_given_and_in_a_given_folder_is_predicted_once(tmp_path):
     (tmp_path / "imgs" / "info.csv").write_text("name,label\na.png,3\n")
     rows = predict(model, [str(tmp_path / "imgs")])  # was read as a dataset, and refused
     assert sorted(Path(r["input"]).name for r in rows) == ["a.png", "b.png"]
+    (tmp_path / "imgs" / "._a.png").write_bytes(b"\x00\x05\x16\x07 resource fork")  # macOS
+    (tmp_path / "imgs" / ".git").mkdir()
+    _image(tmp_path / "imgs" / ".git" / "c.png", 8)
+    rows = predict(model, [str(tmp_path / "imgs")])  # hidden files and folders: left aside
+    assert sorted(Path(r["input"]).name for r in rows) == ["a.png", "b.png"]
 
 
 def test_evaluate_names_the_dataset_alike_in_text_and_json(tmp_path, monkeypatch):
