@@ -30,8 +30,25 @@ STARTED = time.time()
 
 if os.environ.get("COLUMNS", "").strip() == "0":  # rich would print nothing at all
     del os.environ["COLUMNS"]
-console = Console(soft_wrap=True)
-err_console = Console(stderr=True, soft_wrap=True)
+
+
+class _Console(Console):
+    """A console whose reader may leave (``fedavg simulate | head``): the command goes on.
+
+    Rich ends the program (exit code 1) at the first write into a closed pipe; a run would
+    stop with its model unsaved. Here the rest of the output is dropped instead.
+    """
+
+    def on_broken_pipe(self) -> None:
+        """Send what follows to ``os.devnull`` and go on (no ``SystemExit``)."""
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.file.fileno())
+        os.close(devnull)
+
+
+console = _Console(soft_wrap=True)
+err_console = _Console(stderr=True, soft_wrap=True)
 
 
 #: Characters that ``str.splitlines`` breaks at: shown escaped, so an error stays one line.
@@ -132,8 +149,23 @@ def _terminated(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader has gone (``poll`` says ``POLLERR``)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.__stdout__.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no stdout, or no poll on this system
+        return False
+
+
 def run_app(app: typer.Typer) -> None:
     """Run ``app`` as the console script: a usage mistake is one line and exit code 2.
+
+    Output into a pipe whose reader stopped early (``fedavg evaluate DIR --json | head -c1``)
+    ends the command quietly with exit code 0.
 
     SIGTERM stops a command as Ctrl-C does (:func:`guard` says so, exit 130) unless the
     command installs a handler of its own (:func:`on_signal`).
@@ -146,6 +178,10 @@ def run_app(app: typer.Typer) -> None:
     command = typer.main.get_command(app)
     try:
         code = command.main(prog_name="fedavg", standalone_mode=False)
+    except SystemExit as exc:  # click ends a command whose output pipe closed with code 1
+        if exc.code != 1 or not _stdout_closed():
+            raise
+        code = 0  # the reader stopped early (`| head`): nothing failed here
     except click.exceptions.NoArgsIsHelpError as exc:
         exc.show()  # the help text
         code = exc.exit_code

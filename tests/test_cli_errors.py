@@ -181,12 +181,17 @@ def test_subprocess_missing_image_in_subfolder(tmp_path, model_dir):
     assert "no such file or folder: pics/missing.png" in line
 
 
-def test_subprocess_predict_into_a_closed_pipe_is_quiet(tmp_path, model_dir):
-    """``fedavg predict ... | head -1``: the reader leaves early; no traceback, exit code 0."""
+@pytest.mark.parametrize("args", [["predict", "{model}", "digits"],  # CSV, print()
+                                  ["predict", "{model}", "digits", "--output", "p.csv"],
+                                  ["evaluate", "{model}", "--dataset", "digits", "--json"],
+                                  ["evaluate", "{model}", "--dataset", "digits"],  # rich
+                                  ["strategies"]])
+def test_subprocess_output_into_a_closed_pipe_is_quiet(tmp_path, model_dir, args):
+    """``fedavg ... | head -1``: the reader leaves early; no traceback, exit code 0."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", "predict", str(model_dir),
-                             "digits"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    args = [a.format(model=model_dir) for a in args]
+    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", *args], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # before the first prediction is written: every write fails
     try:
         err = proc.stderr.read().decode()
@@ -195,6 +200,8 @@ def test_subprocess_predict_into_a_closed_pipe_is_quiet(tmp_path, model_dir):
         proc.kill()
     assert code == 0, err
     assert "Traceback" not in err and "BrokenPipe" not in err and "Exception" not in err
+    if "--output" in args:  # the file is whole, whatever became of the console line
+        assert len((tmp_path / "p.csv").read_text().splitlines()) == 1 + 1797  # all of digits
 
 
 # --- in-process cases ---------------------------------------------------------------------------

@@ -21,6 +21,25 @@ def _read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def test_a_run_whose_output_pipe_closes_trains_on_and_saves(tmp_path, no_leaks):
+    """``fedavg simulate | head -2``: the reader leaves; the run finishes, exit code 0."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", "simulate", "--rounds", "2",
+                             "--output", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.readline()  # the first line, then the reader is gone
+    proc.stdout.close()
+    try:
+        err = proc.stderr.read().decode()
+        code = proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    assert code == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 2
+    assert (out / "model.safetensors").exists()
+
+
 def test_default_simulate_on_digits_then_evaluate_and_predict(tmp_path, no_leaks):
     out = tmp_path / "run"
     proc = run_cli("simulate", "--output", out)
