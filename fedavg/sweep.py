@@ -196,6 +196,7 @@ def _table(path: Path, raw: dict[str, Any], name: str) -> dict[str, Any]:
 
 def _grid(path: Path, grid: dict[str, Any], base: dict[str, Any]) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {}
+    _one_spelling(path, "[grid]", grid)
     for raw_key, values in grid.items():
         key = raw_key.replace("_", "-")
         if not isinstance(values, list):
@@ -216,8 +217,20 @@ def _grid(path: Path, grid: dict[str, Any], base: dict[str, Any]) -> dict[str, l
 
 def _settings(path: Path, where: str, table: dict[str, Any]) -> dict[str, Any]:
     """Return a table's settings, kebab-case and converted; each key checked on its own."""
+    _one_spelling(path, where, table)
     return {raw_key.replace("_", "-"): _value(path, where, raw_key.replace("_", "-"), value)
             for raw_key, value in table.items()}
+
+
+def _one_spelling(path: Path, where: str, table: dict[str, Any]) -> None:
+    """Refuse a setting written twice in one table (``num-nodes`` and ``num_nodes``)."""
+    seen: dict[str, str] = {}
+    for raw_key in table:
+        key = raw_key.replace("_", "-")
+        if key in seen:
+            raise UserError(f"{path}: {where} sets {key} twice ({seen[key]} and {raw_key}); "
+                            "keep one")
+        seen[key] = raw_key
 
 
 def _value(path: Path, where: str, key: str, value: Any) -> Any:
