@@ -333,6 +333,13 @@ def test_bad_keys_certificates_and_ports_are_one_line(tmp_path):
     shutil.copytree(good, bad_cert)
     (bad_cert / "coordinator.crt").write_text("not a certificate\n")
     cases.append((["coordinator", "--certs", bad_cert], "coordinator.crt is not a PEM certificate"))
+    for name, body in (("junk", b"junk\n"), ("key", (good / "ca.key").read_bytes()),
+                       ("cut", (good / "ca.crt").read_bytes()[:300])):
+        bad_ca = tmp_path / f"bad_ca_{name}"  # a SuperNode hung, silent, on each of these
+        bad_ca.mkdir()
+        (bad_ca / "ca.crt").write_bytes(body)
+        cases.append((["node", "--certs", bad_ca, "--once", "--max-wait-time", "5"],
+                      f"{bad_ca / 'ca.crt'} is not a PEM certificate: copy the ca.crt"))
     other = tmp_path / "other"
     make_certs(other)
     mismatch = tmp_path / "mismatch"

@@ -31,7 +31,7 @@ def resolve_certs(certs: Path | None, insecure: bool, role: str) -> Path | None:
     Raises
     ------
     UserError
-        Neither given, both given, or files missing.
+        Neither given, both given, files missing, or a CA certificate that is not one.
     """
     if insecure:
         if certs is not None:
@@ -45,6 +45,13 @@ def resolve_certs(certs: Path | None, insecure: bool, role: str) -> Path | None:
     if missing:
         raise UserError(f"--certs {certs} lacks {', '.join(missing)}; make them with "
                         f"`fedavg certs {certs}`")
+    from cryptography import x509
+
+    try:  # a SuperNode given anything else hangs, silent, in its own TLS set-up
+        x509.load_pem_x509_certificates((certs / CA_CERT).read_bytes())
+    except ValueError:
+        raise UserError(f"{certs / CA_CERT} is not a PEM certificate: copy the ca.crt that "
+                        "`fedavg certs` wrote") from None
     return certs
 
 
