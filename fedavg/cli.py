@@ -23,6 +23,7 @@ from rich.markup import escape
 os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
 from fedavg.cli_options import (
+    MinNodesOption,
     ModelArgOption,
     SavedModelCodeOption,
     given,
@@ -198,8 +199,7 @@ def predict(
                       f"{row['confidence']:.3f}")
     console.print(table)
     if len(rows) > 50:
-        console.print(f"... and {len(rows) - 50} more (use --output FILE.csv, or pipe the "
-                      "output, for all)")
+        console.print(f"... and {len(rows) - 50} more (pipe them, or --output FILE.csv)")
 
 
 def list_strategies() -> None:
@@ -252,7 +252,7 @@ def coordinator(
         "--insecure", help="No TLS (traffic unencrypted)")] = False,
     auth_keys: Annotated[Optional[Path], path_option(
         help="Node public keys allowed in (file, one per line, or folder of *.pub)")] = None,
-    min_nodes: Annotated[int, typer.Option(help="Nodes to wait for before round 1")] = 2,
+    min_nodes: MinNodesOption = None,
     min_nodes_per_round: Annotated[Optional[int], typer.Option(
         help="Usable replies a round needs (default: half the nodes it samples, "
              "rounded up)")] = None,
@@ -265,7 +265,7 @@ def coordinator(
     verbose: Annotated[bool, typer.Option("--verbose",
         help="Show Flower's logs and every SuperLink line")] = False,
     resume: Annotated[Optional[Path], path_option(
-        help="Go on with the interrupted run in this folder (only --rounds, "
+        help="Go on with the interrupted run in this folder (only --rounds, --min-nodes, "
              "--round-timeout, --device, --max-update-norm may change)")] = None,
     model_arg: ModelArgOption = None,
     **settings: Any,

@@ -109,6 +109,10 @@ def with_settings(command: Callable[..., None], *, skip: tuple[str, ...] = (),
 
 
 #: ``--model-arg KEY=VALUE`` (repeatable), an own option of ``simulate`` and ``coordinator``.
+#: ``fedavg coordinator --min-nodes``: unset, 2 for a new run and the run's own on resume.
+MinNodesOption = Annotated[Optional[int], typer.Option(
+    help="Nodes to wait for before round 1 [default: 2; with --resume, the run's own]")]
+
 ModelArgOption = Annotated[Optional[list[str]], typer.Option(
     "--model-arg", help="Argument of the model's builder, KEY=VALUE (VALUE read as JSON when "
     "it is a number, true, false or null); repeatable")]

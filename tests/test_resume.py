@@ -545,3 +545,21 @@ def test_a_finished_run_stopped_while_training_longer_is_a_stopped_run(runs, tmp
     assert summary["rounds"] == done and summary["accuracy"] == rounds_of(out)[-1]["accuracy"]
     # the first round of each resumed leg is marked: it waited for the start-up
     assert [r["round"] for r in rounds_of(out) if r.get("resumed")] == [2]
+
+
+def test_a_resumed_coordinator_waits_for_the_runs_own_number_of_nodes(tmp_path):
+    """``--min-nodes`` left out on resume: the run's own 3, not the default 2."""
+    from fedavg.deployment import coordinator as deploy
+
+    config = RunConfig().replace(num_nodes=3, rounds=4)
+    w = {"a": torch.zeros(3)}
+    resume.save(tmp_path, resume.capture(2, w, config, strategies.get("fedavg"),
+                                         [rec(1), rec(2)], []))
+    options = {"address": "127.0.0.1:9092", "certs": None, "insecure": True, "auth_keys": None,
+               "min_nodes_per_round": None, "wait_timeout": 10.0, "output": None,
+               "overwrite": False, "resume": tmp_path}
+    opts = deploy._check_options(RunConfig(), min_nodes=None, **options)
+    assert opts.min_nodes == 3 and opts.config.merge.num_nodes == 3
+    assert deploy._check_options(RunConfig(), min_nodes=4, **options).min_nodes == 4
+    fresh = {**options, "resume": None, "output": tmp_path / "new"}
+    assert deploy._check_options(RunConfig(), min_nodes=None, **fresh).min_nodes == 2

@@ -90,7 +90,7 @@ def coordinate(
     certs: Path | None = None,
     insecure: bool = False,
     auth_keys: Path | None = None,
-    min_nodes: int = 2,
+    min_nodes: int | None = None,
     min_nodes_per_round: int | None = None,
     wait_timeout: float = 300.0,
     overwrite: bool = False,
@@ -116,8 +116,8 @@ def coordinate(
         No TLS (only when asked for; warns).
     auth_keys : path, optional
         Node public keys allowed to connect (Flower's SuperNode authentication).
-    min_nodes : int
-        Nodes to wait for before round 1.
+    min_nodes : int, optional
+        Nodes to wait for before round 1 (default 2; with ``resume``, the run's own).
     min_nodes_per_round : int, optional
         Usable replies each round needs (default: half the nodes a round samples,
         ``fraction x min_nodes``, rounded up).
@@ -226,7 +226,8 @@ def _run(opts: _Options, prepared, state, console, trackers) -> tuple[Path, int]
 
 
 def _check_options(config: RunConfig, *, address: str, certs: Path | None, insecure: bool,
-                   auth_keys: Path | None, min_nodes: int, min_nodes_per_round: int | None,
+                   auth_keys: Path | None, min_nodes: int | None,
+                   min_nodes_per_round: int | None,
                    wait_timeout: float, output: Path | None, overwrite: bool,
                    verbose: bool = False, resume: Path | None = None) -> _Options:
     """Check every option before anything starts (see :func:`coordinate`)."""
@@ -238,6 +239,8 @@ def _check_options(config: RunConfig, *, address: str, certs: Path | None, insec
                                             may_change=MAY_CHANGE | {"num-nodes"},
                                             overwrite=overwrite)
 
+    if min_nodes is None:  # a resumed run waits for as many nodes as it did
+        min_nodes = ckpt.run_config().merge.num_nodes if ckpt is not None else 2
     if min_nodes < 1:
         raise UserError(f"--min-nodes must be at least 1, got {min_nodes}")
     if not wait_timeout > 0:  # nan too
