@@ -604,6 +604,21 @@ def test_a_tls_mismatch_is_told_apart_from_an_absent_coordinator(tmp_path):
     assert tls_mismatch("127.0.0.1", free_port(), insecure=True) is None
 
 
+@pytest.mark.parametrize("tls, insecure, words", [
+    (True, True, "uses TLS: pass --certs DIR (holding its ca.crt) instead of --insecure"),
+    (False, False, "does not use TLS: pass --insecure on the node, or start the coordinator "
+                   "with --certs")])
+def test_a_tls_mismatch_also_says_the_address_may_be_wrong(monkeypatch, tls, insecure, words):
+    """Another server at that address (an HTTPS or HTTP one) looks like a TLS mismatch."""
+    from fedavg.deployment import tls as module
+
+    monkeypatch.setattr(module, "speaks_tls", lambda host, port: tls)
+    assert module.tls_mismatch("10.0.0.9", 9092, insecure=insecure) == (
+        f"the coordinator at 10.0.0.9:9092 {words}; if no fedavg coordinator listens there, "
+        "fix --coordinator")
+    assert module.tls_mismatch("10.0.0.9", 9092, insecure=not insecure) is None
+
+
 class _SlowNodesGrid:
     """A Grid whose nodes never acknowledge: records when each pull happens."""
 

@@ -180,10 +180,11 @@ def tls_mismatch(host: str, port: int, insecure: bool) -> str | None:
     """Say what to change when the node's TLS choice differs from the coordinator's."""
     tls = speaks_tls(host, port)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    other = "; if no fedavg coordinator listens there, fix --coordinator"
     if insecure and tls is True:
         return (f"the coordinator at {address} uses TLS: pass --certs DIR (holding its "
-                "ca.crt) instead of --insecure")
+                f"ca.crt) instead of --insecure{other}")
     if not insecure and tls is False:
         return (f"the coordinator at {address} does not use TLS: pass --insecure on the "
-                "node, or start the coordinator with --certs")
+                f"node, or start the coordinator with --certs{other}")
     return None
