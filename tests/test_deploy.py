@@ -215,7 +215,7 @@ def test_node_training_error_reported_within_seconds(cluster, tmp_path):
     coord = cluster.coordinator("--rounds", "2", "--min-nodes", "2", "--min-nodes-per-round",
                                 "1", "--insecure", "--output", out)
     good = cluster.node("good", "--insecure", "--once")
-    cluster.node("bad", "--insecure", "--dataset", bad)
+    misfit = cluster.node("bad", "--insecure", "--dataset", bad, "--once")
     deadline = time.monotonic() + 120
     while "round   1/2" not in (text := cluster.log("coordinator")) \
             and "failed:" not in text:
@@ -231,6 +231,10 @@ def test_node_training_error_reported_within_seconds(cluster, tmp_path):
     assert cluster.wait(coord) == 0, text
     assert cluster.wait(good, 60) == 0
     assert "task failed, reported to the coordinator" in cluster.log("bad")
+    assert cluster.wait(misfit, 60) == 1, cluster.log("bad")  # its work is missing: not 0
+    assert re.search(r"run failed: run \d+ finished, but 2 of this node's \d+ task\(s\) "
+                     r"failed \(the last: .*takes image inputs", cluster.log("bad")), \
+        cluster.log("bad")
 
 
 #: A user builder that leaves a mark beside the file it was loaded from.

@@ -163,6 +163,7 @@ class _Node:
         self.source: flower_compat.TaskSource | None = None
         self.runs: set[int] = set()
         self.tasks, self.key_retries = 0, 0
+        self.task_failures: list[str] = []  # of the run being served
         self.key_in_use_since: float | None = None  # refused as in use since (monotonic s)
         self.key_wait_said = False
         self.quiet = self.hinted = False
@@ -363,7 +364,7 @@ class _Node:
         Raises
         ------
         RunError
-            A ``--once`` node's run failed (the coordinator's reason).
+            A ``--once`` node's run failed (the coordinator's reason), or one of its tasks did.
         """
         failed = {run: self.failed_runs[run] for run in self.runs if run in self.failed_runs}
         done = (self.runs & self.finished_runs) | set(failed)
@@ -371,11 +372,16 @@ class _Node:
             return False
         self.runs -= done
         self.key_retries, self.key_in_use_since = 0, None
+        failures, self.task_failures = self.task_failures, []
         if self.once:
             self.quiet = True
             time.sleep(1.0)  # let the SuperNode deliver the last acknowledgement
             if failed:
                 raise RunError(next(iter(failed.values())))
+            if failures:  # the run went on without this node's work
+                raise RunError(f"run {', '.join(map(str, done))} finished, but "
+                               f"{len(failures)} of this node's {self.tasks} task(s) failed "
+                               f"(the last: {failures[-1]})")
             self.say(f"run {', '.join(map(str, done))} finished; exiting (--once)")
             return True
         self.waiting = True
@@ -407,6 +413,7 @@ class _Node:
         failure = result[0] if result else "the task stopped"
         self.tasks += 1
         if failure is not None:
+            self.task_failures.append(failure)
             self.say(f"[red]run {task.run_id}: task failed, reported to the coordinator:[/] "
                      f"{escape(failure)}")
 
