@@ -602,6 +602,10 @@ def test_nodes_run_only_code_their_operator_named(user_file, tmp_path, monkeypat
     assert node_model_name("pkg.mod:build", "pkg.mod:build") == "pkg.mod:build"
     with pytest.raises(UserError, match="does not exist here"):
         node_model(str(tmp_path / "missing.py") + ":build")
+    for name in ("mlp", "torchvision:resnet18", "hf:/models/tiny"):  # no opt-in needed
+        with pytest.raises(UserError, match=re.escape(
+                f"--model {name}: a node's --model names model code of yours")):
+            node_model(name)  # it was ignored: the node trained the coordinator's model
 
 
 def test_a_node_refuses_a_user_code_model_it_was_not_started_with(user_file):

@@ -193,13 +193,17 @@ def node_model(spec: str | None) -> str | None:
     Raises
     ------
     UserError
-        User code that does not import or has no such function.
+        Not user code (a built-in or library model needs no opt-in), or user code that does
+        not import or has no such function.
     """
     if spec is None or not spec.strip():
         return None
     spec = canonical(spec.strip())
-    if source_kind(spec) == "code":
-        user_builder(spec)
+    if source_kind(spec) != "code":  # built-in, torchvision and hf: models need no opt-in
+        raise UserError(f"--model {spec}: a node's --model names model code of yours "
+                        "(FILE.py:FUNCTION or MODULE:FUNCTION) that it may run; the run's "
+                        "model is the coordinator's --model: leave it out here")
+    user_builder(spec)
     return spec
 
 
