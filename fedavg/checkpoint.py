@@ -298,6 +298,9 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     from safetensors.torch import load_file
 
     directory = Path(directory)
+    if directory.is_file():
+        raise UserError(f"{directory} is a file, not a model folder: pass its folder, "
+                        f"{directory.parent} (a run's --output folder)")
     if not directory.is_dir():
         raise UserError(f"no such model folder: {directory} (pass a run's --output folder)")
     weights, meta_path = directory / WEIGHTS, directory / META

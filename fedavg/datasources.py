@@ -197,8 +197,8 @@ def input_array(ds, columns: list[str], source: str, like: tuple[int, ...] | Non
         absent = [c for c, gone in zip(columns, np.isnan(x).all(axis=0)) if gone]
         if absent and len(x):  # a split's file without the column reads as all missing
             raise UserError(f"feature column(s) {absent[:5]} of {source} have no values at all "
-                            "(missing from its file?): add them, or give data with the "
-                            "model's columns")
+                            "(missing from its file?): drop them from the table, or, for a "
+                            "saved model's columns, give data that has them")
         if bad.any():
             names = [c for c, b in zip(columns, bad) if b]
             raise UserError(f"feature column(s) {names[:5]} of {source} have empty, NaN or "

@@ -337,8 +337,9 @@ def predict(
     if meta["input"].get("kind") == "text":
         batches = _text_batches(inputs, text, split, meta, directory, note)
     elif text:
-        raise UserError(f"this model takes {meta['input'].get('kind', 'image')} inputs, not "
-                        "text: pass image files, folders or a dataset")
+        kind = meta["input"].get("kind", "image")
+        raise UserError(f"this model takes {kind} inputs, not text: pass " + (
+            "image files, folders or a dataset" if kind == "image" else "a dataset (a table)"))
     else:
         items = collect(inputs)
         batches = [_image_batch([p for kind, p in items if kind == "image"], meta, note)]

@@ -34,7 +34,8 @@ def model_dirs(paths: Sequence[str | Path]) -> list[Path]:
     for raw in paths:
         path = Path(raw).expanduser()
         if not path.is_dir():
-            raise UserError(f"no such model folder: {raw}")
+            raise UserError(f"{raw} is a file, not a model folder: pass its folder"
+                            if path.is_file() else f"no such model folder: {raw}")
         if (path / checkpoint.WEIGHTS).exists():
             found.append(path)
             continue

@@ -119,6 +119,9 @@ def read_run(folder: Path, notes: list[str] | None = None) -> Run:
         An unreadable ``summary.json`` or one without finite figures.
     """
     summary = json.loads((folder / "summary.json").read_text())
+    if not isinstance(summary, dict):
+        raise ValueError(f"its summary.json holds a {type(summary).__name__}, not a run's "
+                         "summary (an object)")
     by_round, bad = {}, []
     for number, line in enumerate((folder / "metrics.jsonl").read_text().splitlines(), 1):
         if not line.strip():

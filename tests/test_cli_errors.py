@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from fedavg import checkpoint
 from fedavg.cli import app
+from fedavg.errors import UserError
 from fedavg.models import build_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -263,6 +264,28 @@ def test_evaluate_missing_folder(invoke):
     code, stderr = invoke("evaluate", "no-such-run")
     assert code == 2
     assert "no such model folder: no-such-run" in assert_one_error_line(stderr)
+
+
+def test_a_model_file_given_for_its_folder_says_to_pass_the_folder(invoke, model_dir):
+    for args in (("evaluate", model_dir / "model.json"), ("merge", model_dir / "model.json",
+                                                          model_dir, "--output", "m")):
+        code, stderr = invoke(*args)
+        assert code == 2
+        assert f"{model_dir / 'model.json'} is a file, not a model folder: pass its folder" \
+            in assert_one_error_line(stderr)
+
+
+def test_a_tabular_model_given_text_is_told_to_take_a_table(tmp_path):
+    from fedavg.inference import predict
+
+    meta = {**MODEL_META, "model": {**MODEL_META["model"], "input_shape": [3]},
+            "input": {"kind": "tabular", "shape": [3], "dtype": "float32", "scale": 1.0,
+                      "mean": [0.0] * 3, "std": [1.0] * 3}}
+    net = build_model("mlp", (3,), 10)
+    model = checkpoint.save(tmp_path / "t", net.state_dict(), meta)
+    with pytest.raises(UserError, match="takes tabular inputs, not text: pass a dataset "
+                                        r"\(a table\)$"):
+        predict(model, ["1,2,3"], text=True)
 
 
 def test_evaluate_folder_without_artifacts(invoke, tmp_path):

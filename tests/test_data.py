@@ -822,3 +822,19 @@ def test_image_files_for_a_model_trained_on_float_arrays_take_its_range(tmp_path
         span = "0..255" if want > 1 else "0..1"
         assert notes == [f"the model was trained on arrays of floats, not image files; the "
                          f"images are given as {span} values, the range of its training data"]
+
+
+def test_table_features_with_missing_values_are_one_line(tmp_path):
+    rows = ["a,empty,b,label"] + [f"{i},,{'' if i == 3 else i * 2},{'xy'[i % 2]}"
+                                  for i in range(10)]
+    (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
+    with pytest.raises(UserError, match=re.escape(
+            "feature column(s) ['empty'] of ") + ".*" + re.escape(
+            "have no values at all (missing from its file?): drop them from the table, or, "
+            "for a saved model's columns, give data that has them")):
+        load(str(tmp_path / "t.csv"))
+    rows = ["a,b,label"] + [f"{i},{'' if i == 3 else i * 2},{'xy'[i % 2]}" for i in range(10)]
+    (tmp_path / "u.csv").write_text("\n".join(rows) + "\n")
+    with pytest.raises(UserError, match=re.escape("feature column(s) ['b'] of ") + ".*" +
+                       re.escape("have empty, NaN or infinite values: fill or drop them")):
+        load(str(tmp_path / "u.csv"))

@@ -893,6 +893,10 @@ def test_resolved_model_name_and_bad_inputs(tmp_path, runs):
     with pytest.raises(UserError, match=r"no readable run under .*broken: .*/d left out: "
                                         r"cannot read it"):
         write_report(tmp_path / "broken")
+    (broken / "summary.json").write_text("[1, 2]")  # JSON, but no run's summary
+    with pytest.raises(UserError, match=r"d left out: cannot read it \(its summary.json holds "
+                                        r"a list, not a run's summary \(an object\)\)"):
+        write_report(tmp_path / "broken")
     with pytest.raises(UserError, match="--target must be an accuracy"):
         write_report(runs, target=1.5)
     proc = run_cli("report", tmp_path / "empty", check=False, timeout=120)
