@@ -19,8 +19,8 @@ from fedavg.data import (
     decode_images,
     load,
 )
-from fedavg.datasources import fit_images, fitted_note
 from fedavg.errors import NoLabelColumn, UserError
+from fedavg.images import fit_images, fitted_note
 from fedavg.inputs import check_inputs, collect, input_notes
 from fedavg.models import build_model
 from fedavg.overlap import overlap_note

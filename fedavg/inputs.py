@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from fedavg.data import BUILTIN, FILE_BUILDERS, IMAGE_SUFFIXES, looks_like_path
 from fedavg.errors import UserError
 from fedavg.imagefolder import files_below, is_hidden
+from fedavg.images import large_images_quiet
 
 
 def collect(inputs: Sequence[str]) -> list[tuple[str, Any]]:
@@ -104,7 +105,7 @@ def input_notes(images: Sequence[str | Path], shape: tuple[int, ...]) -> list[st
     resized, to_grey, to_colour = [], [], []
     for path in images:
         try:
-            with Image.open(path) as img:
+            with large_images_quiet(), Image.open(path) as img:
                 w, h, img_mode = img.width, img.height, img.mode
         except Exception:  # noqa: BLE001 - decode_images reports unreadable files
             continue

@@ -289,3 +289,18 @@ def test_local_dataset_path_is_stored_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     prepared = prepare(RunConfig().replace(dataset="d.csv", num_nodes=2))
     assert prepared.meta["dataset"]["source"] == str((tmp_path / "d.csv").resolve())
+
+
+def test_very_large_images_warn_nothing_and_oversized_ones_are_one_line(tmp_path, monkeypatch):
+    """Pillow's decompression-bomb warning (its source path) stays off stderr; its limit holds."""
+    import warnings
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10)  # 16 pixels warn, over 20 are refused
+    Image.fromarray(np.zeros((4, 4), np.uint8)).save(tmp_path / "large.png")
+    Image.fromarray(np.zeros((5, 5), np.uint8)).save(tmp_path / "huge.png")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert decode_images([str(tmp_path / "large.png")]).shape == (1, 1, 4, 4)
+    assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
+    with pytest.raises(UserError, match="cannot decode image .*huge.png of .*exceeds limit"):
+        decode_images([str(tmp_path / "huge.png")], "pics")
