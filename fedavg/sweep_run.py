@@ -1,8 +1,8 @@
 """Run a sweep's points, each as its own ``fedavg simulate`` process; resumable.
 
-Every point runs as ``python -m fedavg.cli simulate ... --output DIR/<name>`` with its log in
-``DIR/<name>/sweep.log``: the same code path as ``fedavg simulate``, and a process of its own,
-so that nothing of Ray or Flower carries from one point to the next. ``DIR/sweep.json``
+Every point runs as ``python -m fedavg.cli simulate ... --output DIR/<name>``, its log (every
+attempt) in ``DIR/<name>/sweep.log``: the code path of ``fedavg simulate``, in a process of its
+own, so nothing of Ray or Flower carries from one point to the next. ``DIR/sweep.json``
 records every point (name, settings, status, exit code, last error line, wall seconds) and is
 rewritten whenever a point starts or ends.
 
@@ -248,12 +248,13 @@ def cpu_note(points: list[Point], parallel: int, cores: int | None = None) -> st
 
 
 def last_error(log: Path) -> str | None:
-    """Return the last ``error:`` / ``run failed:`` line of a point's log, else its last line."""
+    """Return the last ``error:`` / ``run failed:`` line of a point's last attempt, or its last."""
     try:
         lines = [_ANSI.sub("", line).strip() for line in log.read_text(errors="replace")
                  .splitlines()]
     except OSError:
         return None
+    lines = lines[max((i for i, ln in enumerate(lines) if ln.startswith("# fedavg ")), default=0):]
     lines = [line for line in lines if line and not line.startswith("# ")]
     for line in reversed(lines):
         if line.startswith(("error:", "run failed:", "interrupted")):
@@ -385,11 +386,10 @@ class Runner:
             args.append("--overwrite")  # a half-finished run: from scratch
         elif p.action == RESUME:
             args += ["--resume", str(folder)]  # from its last finished round
-        log = open(folder / LOG, "w")
+        log = open(folder / LOG, "a")  # an earlier attempt's lines stay above
         log.write(f"# fedavg {' '.join(args)}\n")
         log.flush()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": os.environ.get("COLUMNS",
-                                                                                "120")}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": os.getenv("COLUMNS", "120")}
         proc = point_process([sys.executable, "-m", "fedavg.cli", *args], stdout=log,
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         self.running[p.point.name] = (proc, time.monotonic(), log)

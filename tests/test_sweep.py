@@ -462,6 +462,10 @@ def test_last_error_line_of_a_log(tmp_path):
     assert last_error(log) == "error: no dataset x"
     log.write_text("# fedavg simulate\nTraceback\nValueError: boom\n")
     assert last_error(log) == "ValueError: boom"
+    # a log keeps every attempt: the error is the last attempt's, never an earlier one's
+    log.write_text("# fedavg simulate\nerror: first try\n# fedavg simulate --resume x\n"
+                   "round 3/4\nKilled\n")
+    assert last_error(log) == "Killed"
 
 
 def test_dry_run_lists_points_and_runs_nothing(tmp_path):
@@ -1046,7 +1050,9 @@ def test_sigterm_stops_the_running_points_and_exits_130(tmp_path, no_leaks):
     after = metrics.read_text().splitlines()
     assert after[:len(before)] == before
     assert [json.loads(line)["round"] for line in after] == list(range(1, len(after) + 1))
-    assert "--resume" in (out / "seed=0" / "sweep.log").read_text().splitlines()[0]
+    starts = [line for line in (out / "seed=0" / "sweep.log").read_text().splitlines()
+              if line.startswith("# fedavg ")]  # each attempt's command, the first kept
+    assert len(starts) == 2 and "--resume" not in starts[0] and "--resume" in starts[1]
 
 
 def test_report_takes_settings_newer_than_a_run_at_their_default(tmp_path):
@@ -1112,7 +1118,9 @@ def test_raising_rounds_in_the_config_trains_finished_points_on(tmp_path, no_lea
     run_cli("sweep", config, "--output", out, timeout=600)
     after = metrics.read_text().splitlines()
     assert after[0] == first[0] and [json.loads(line)["round"] for line in after] == [1, 2]
-    assert "--resume" in (out / "seed=0" / "sweep.log").read_text().splitlines()[0]
+    starts = [line for line in (out / "seed=0" / "sweep.log").read_text().splitlines()
+              if line.startswith("# fedavg ")]
+    assert len(starts) == 2 and "--resume" in starts[1]
     assert json.loads((out / "seed=0" / "summary.json").read_text())["config"]["merge"][
         "rounds"] == 2
     assert {r["name"]: r["status"] for r in _record_points(out)} == {"seed=0": "done",
