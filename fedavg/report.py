@@ -262,7 +262,8 @@ def write_report(runs_dir: str | Path, *, target: float = 0.9,
     table = markdown_table(groups, shown, target, figures)
     written = write_csvs(groups, runs, shown, target, out, root, figures, name)
     plots, plot_notes = report_plots.write_plots(runs, keys, plots_dir)
-    notes += plot_notes + _sweep_notes(root) + _distill_notes(runs)
+    notes += plot_notes + _sweep_notes(root) + _distill_notes(runs) + _same_seed_notes(
+        groups, root)
     if figures is not None:
         notes += [f"no run has the settings of the published figure {f}"
                   for f in figures.unmatched([r.settings for r in runs])]
@@ -271,6 +272,22 @@ def write_report(runs_dir: str | Path, *, target: float = 0.9,
     written.insert(0, md)
     return {"table": table, "notes": notes, "written": written + plots,
             "num_runs": len(runs), "num_groups": len(groups)}
+
+
+def _same_seed_notes(groups: list[Group], root: Path) -> list[str]:
+    """Name runs of one group with one seed: copies of a run, counted twice in its ``n``."""
+    notes = []
+    for group in groups:
+        first: dict[str, Run] = {}
+        for run in group.runs:
+            seed = json.dumps(run.settings.get("seed"))
+            if seed in first:
+                notes.append(f"{_relative(run.path, root)} has the settings and seed of "
+                             f"{_relative(first[seed].path, root)} (a copy, or the same run "
+                             f"again): both count in the n of {group.label}")
+            else:
+                first[seed] = run
+    return notes
 
 
 def _distill_notes(runs: list[Run]) -> list[str]:

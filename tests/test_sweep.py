@@ -1125,3 +1125,19 @@ def test_raising_rounds_in_the_config_trains_finished_points_on(tmp_path, no_lea
         "rounds"] == 2
     assert {r["name"]: r["status"] for r in _record_points(out)} == {"seed=0": "done",
                                                                    "seed=1": "skipped"}
+
+
+def test_report_names_runs_of_one_setting_and_seed(tmp_path):
+    """A copied run folder counts twice in its group's n: the report says so."""
+    import shutil
+
+    runs = tmp_path / "runs"
+    fake_run(runs / "a", [0.5, 0.6], 1.0, seed=0)
+    fake_run(runs / "b", [0.5, 0.7], 1.0, seed=1)
+    assert not any("seed of" in n for n in write_report(runs)["notes"])
+    shutil.copytree(runs / "a", runs / "a_backup")
+    result = write_report(runs)
+    assert "| 3 |" in result["table"]  # still counted: the note explains the n
+    assert [n for n in result["notes"] if "seed of" in n] == [
+        "a_backup has the settings and seed of a (a copy, or the same run again): both count "
+        "in the n of all runs"]
