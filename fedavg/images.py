@@ -96,15 +96,8 @@ def fit_images(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         return x
     from PIL import Image
 
-    out = np.empty((len(x), *shape), np.uint8)
-    for i, image in enumerate(x):
-        img = Image.fromarray(image[0] if len(image) == 1 else image.transpose(1, 2, 0))
-        img = img.convert("L" if shape[0] == 1 else "RGB")
-        if img.size != (shape[2], shape[1]):
-            img = img.resize((shape[2], shape[1]), Image.BILINEAR)
-        arr = np.asarray(img, dtype=np.uint8)
-        out[i] = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
-    return out
+    return decode_images((Image.fromarray(i[0] if len(i) == 1 else i.transpose(1, 2, 0))
+                          for i in x), size=shape[1:], mode="L" if shape[0] == 1 else "RGB")
 
 
 def fitted_note(before: tuple[int, ...], after: tuple[int, ...], what: str) -> str | None:
