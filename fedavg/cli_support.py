@@ -41,10 +41,13 @@ class _Console(Console):
 
     def on_broken_pipe(self) -> None:
         """Send what follows to ``os.devnull`` and go on (no ``SystemExit``)."""
-        self.quiet = True
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, self.file.fileno())
-        os.close(devnull)
+        self.quiet = True  # and nothing more is written
+        try:  # Python flushes the stream at exit: let that go to nothing, quietly
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.file.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):  # a stream without a file descriptor
+            pass
 
 
 console = _Console(soft_wrap=True)
