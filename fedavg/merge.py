@@ -90,7 +90,8 @@ def merge_models(
     -------
     dict
         ``num_models``, ``strategy``, ``wall_s``, ``members`` (the model folders a greedy
-        soup or Krum kept) and, with ``dataset``, ``accuracy`` and ``loss``.
+        soup or Krum kept), ``notes`` (lines on the merge, when there are any) and, with
+        ``dataset``, ``accuracy`` and ``loss``.
 
     Raises
     ------
@@ -121,6 +122,8 @@ def merge_models(
             clear_previous_run(out)
         checkpoint.save_merged(out, merged, meta)
         result = _result(config.merge.strategy, len(dirs), merged.info)
+        if seeds := _seed_notes([m for _, m in loaded], merged.is_ensemble, held):
+            result["notes"] = [*result.get("notes", []), *seeds]
         if held is not None:
             from fedavg.inference import load_model, score
 
@@ -134,6 +137,26 @@ def merge_models(
     finally:
         release_output(out)
     return result
+
+
+def _seed_notes(metas: list[dict[str, Any]], ensemble: bool, held) -> list[str]:
+    """Say what merging models of runs with other ``--seed`` s means, if they differ.
+
+    The seed picks a run's initial weights and its test hold-out: weights from other starts
+    rarely average into a good model, and another member may have trained on the samples
+    the merged model is scored on.
+    """
+    seeds = sorted({int(m.get("dataset", {}).get("seed", 0)) for m in metas})
+    if len(seeds) < 2:
+        return []
+    runs = f"the models come from runs of seeds {', '.join(map(str, seeds))}"
+    notes = [] if ensemble else [
+        f"{runs}, which start from other initial weights: an average of such weights is "
+        "rarely a good model (merge node models of one run, or use --strategy ensemble)"]
+    if held is not None and any("held out" in n for n in held[1].notes):
+        notes.append(f"{runs}, which hold out other test samples: some samples the merged "
+                     "model is scored on trained another member, so its accuracy is optimistic")
+    return notes
 
 
 def _result(strategy: str, num_models: int, info: dict[str, Any]) -> dict[str, Any]:

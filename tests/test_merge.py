@@ -9,9 +9,11 @@ from typer.testing import CliRunner
 
 from fedavg import checkpoint
 from fedavg.cli import app
+from fedavg.config import RunConfig
 from fedavg.data import load
 from fedavg.errors import UserError
 from fedavg.inference import evaluate_model, load_model
+from fedavg.merge import merge_models
 from fedavg.models import build_model
 
 runner = CliRunner()
@@ -353,6 +355,30 @@ def test_models_of_runs_with_other_seeds_merge(tmp_path, node_models, shift, mer
         assert f"{dirs[2]} differs from {dirs[0]} in its inputs: mean/std of input 0 " \
             f"{mean[0] + shift * std[0]:.4g}/{std[0]:.4g} against {mean[0]:.4g}/" in res.output
         assert not (tmp_path / "x").exists()
+
+
+def test_models_of_runs_with_other_seeds_say_what_that_means(tmp_path, node_models):
+    """Other seeds: other initial weights and other test hold-outs, said in notes.
+
+    An average of weights from other starts is rarely a model, and the merged model is
+    scored on samples another member trained on.
+    """
+    folder, dirs = node_models
+    meta = json.loads((dirs[2] / "model.json").read_text())
+    meta["dataset"]["seed"] = 1
+    (dirs[2] / "model.json").write_text(json.dumps(meta))
+    start = "the models come from runs of seeds 0, 1, which "
+    res = merge_models(dirs, tmp_path / "avg", dataset="digits")
+    assert res["notes"] == [
+        start + "start from other initial weights: an average of such weights is rarely a "
+        "good model (merge node models of one run, or use --strategy ensemble)",
+        start + "hold out other test samples: some samples the merged model is scored on "
+        "trained another member, so its accuracy is optimistic"]
+    assert json.loads((tmp_path / "avg" / "summary.json").read_text())["notes"] == res["notes"]
+    ensemble = merge_models(dirs, tmp_path / "ens", RunConfig().replace(strategy="ensemble"))
+    assert ensemble.get("notes", []) == []  # whole models, and no test data to speak of
+    same = merge_models(dirs[:2], tmp_path / "same", dataset="digits")
+    assert "notes" not in same
 
 
 def test_a_wrong_dataset_stops_the_merge_before_it_replaces_a_run(tmp_path, node_models):
