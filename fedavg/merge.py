@@ -102,9 +102,12 @@ def merge_models(
         bad ``dataset`` (checked first); an output folder that holds a run (without
         ``overwrite``), is an input or cannot be written; code ``model`` does not name.
     TypeError
-        ``models`` is a single path, or ``config`` is not a RunConfig.
+        ``models`` is a single path, ``config`` is not a RunConfig, or ``overwrite`` not a
+        bool.
     """
     t0 = time.monotonic()
+    if not isinstance(overwrite, bool):  # "no" would be true
+        raise TypeError(f"overwrite must be bool, got {overwrite!r}")
     dirs, config, strategy = _one_merge(config, models)
     out = _check_output(output, dirs, overwrite)
     loaded = [checkpoint.load(d) for d in dirs]

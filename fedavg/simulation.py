@@ -122,7 +122,7 @@ def _backend_config(device: str, cpus_per_node: float, gpus_per_node: float | No
     gpus = torch.cuda.device_count() if use_gpu else 0
     if gpus_per_node is None:
         gpus_per_node = 1.0 if gpus else 0.0
-    if cpus_per_node <= 0 or cpus_per_node > cores:
+    if not 0 < cpus_per_node <= cores:  # nan too
         raise UserError(f"--cpus-per-node must be in (0, {cores}] on this machine")
     if not gpus_per_node >= 0:
         raise UserError(f"--gpus-per-node must be >= 0 (got {gpus_per_node:g})")

@@ -477,6 +477,25 @@ def test_the_python_api_names_an_argument_of_a_wrong_type(tmp_path, given, messa
     assert (run / "model.json").read_text() == "{}" and len(list(run.iterdir())) == 1
 
 
+def test_merge_models_refuses_an_overwrite_that_is_no_bool(tmp_path, model_dir):
+    from fedavg.merge import merge_models
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.json").write_text("{}")  # a merge someone made
+    with pytest.raises(TypeError, match="overwrite must be bool, got 'no'"):
+        merge_models([model_dir, model_dir], out, overwrite="no")
+    assert (out / "model.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1"])
+def test_cpus_per_node_out_of_range_is_one_line(invoke, value):
+    code, stderr = invoke("simulate", "--num-nodes", "2", "--rounds", "1", "--cpus-per-node",
+                          value)
+    assert code == 2  # nan slipped past the check and failed in Ray's set-up (exit 1)
+    assert "--cpus-per-node must be in (0, " in assert_one_error_line(stderr)
+
+
 def test_the_python_api_names_inputs_of_the_wrong_kind(model_dir):
     import numpy as np
 
