@@ -160,7 +160,7 @@ def train(
                     sched.step()
                 total, count, steps = total + loss * len(idx), count + len(idx), steps + 1
     if count and not math.isfinite(total):
-        raise FloatingPointError(_diverged(total / count, rule, sam_rho))
+        raise FloatingPointError(_diverged(total / count, rule, sam_rho, proximal_mu))
     return {"train_loss": total / max(count, 1), "num_examples": int(len(yt)), "steps": steps}
 
 
@@ -169,9 +169,10 @@ def _batchnorms(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
-def _diverged(loss: float, rule, sam_rho: float) -> str:
+def _diverged(loss: float, rule, sam_rho: float, proximal_mu: float = 0.0) -> str:
     """Say that training diverged and what to change: the rates, or the method's options."""
     own = [] if rule is None else ["--" + k.replace("_", "-") for k in rule.options]
+    own += ["--mu"] if proximal_mu > 0 else []  # FedProx's proximal term
     lower = "--lr or --sam-rho" if sam_rho > 0 else "--lr"
     return f"training diverged (loss {loss}); lower {lower}" + (
         f" or check {', '.join(own)}" if own else "")

@@ -274,3 +274,9 @@ def test_a_diverged_sam_run_names_sam_rho_as_a_remedy():
         train(nn.Linear(2, 2), x, np.array([0, 1]), TABULAR, batch_size=2, sam_rho=0.05)
     with pytest.raises(FloatingPointError, match=r"lower --lr$"):  # no SAM: not named
         train(nn.Linear(2, 2), x, np.array([0, 1]), TABULAR, batch_size=2)
+
+
+def test_a_diverged_fedprox_run_names_mu_as_a_remedy():
+    x = np.array([[np.inf, -1.0], [0.5, 2.0]], dtype=np.float32)  # a NaN loss at once
+    with pytest.raises(FloatingPointError, match=r"lower --lr or check --mu$"):
+        train(nn.Linear(2, 2), x, np.array([0, 1]), TABULAR, batch_size=2, proximal_mu=1e30)
