@@ -44,11 +44,22 @@ def atomic_write(path: Path, write) -> None:
 
 
 def write_json(path: str | Path, obj: Any) -> None:
-    """Write ``obj`` as indented JSON, atomically."""
+    """Write ``obj`` as indented JSON, atomically; NaN and infinities as ``null``.
+
+    (Python's ``NaN`` and ``Infinity`` are no JSON: strict readers, ``jq`` among them,
+    refuse the file.)
+    """
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
     def _write(tmp: str) -> None:
         with open(tmp, "w") as fh:
-            json.dump(obj, fh, indent=2, sort_keys=False)
+            json.dump(plain(obj), fh, indent=2, sort_keys=False, allow_nan=False)
             fh.write("\n")
 
     atomic_write(Path(path), _write)

@@ -81,8 +81,9 @@ class RoundRecord:
     resumed: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain dict for JSON (``resumed`` only when true)."""
-        return {k: v for k, v in self.__dict__.items() if k != "resumed" or v}
+        """Plain dict for JSON (``resumed`` only when true; a NaN or infinite figure None)."""
+        return {k: None if isinstance(v, float) and not abs(v) < float("inf") else v
+                for k, v in self.__dict__.items() if k != "resumed" or v}
 
 
 @dataclass

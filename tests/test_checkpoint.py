@@ -94,3 +94,26 @@ def test_weights_that_do_not_fit_the_model(tmp_path):
     assert "has 1 tensor(s) the model does not: 'w'" in str(info.value)
     assert "lacks 10 tensor(s) the model has: '0.0.weight', '0.0.bias', '0.3.weight' and 7 " \
         "more" in str(info.value)
+
+
+def test_json_files_hold_no_nan_or_infinity(tmp_path):
+    """A NaN loss is ``null`` in metrics.jsonl and summary.json: strict JSON readers refuse NaN."""
+    import json
+    import math
+
+    from fedavg.checkpoint import write_json
+    from fedavg.run import RoundRecord
+
+    record = RoundRecord(round=1, accuracy=0.078, loss=math.nan, train_loss=math.inf,
+                         num_nodes=2, num_failed=0, wall_s=0.5)
+    line = json.dumps(record.as_dict(), allow_nan=False)  # raises on NaN
+    assert json.loads(line)["loss"] is None and json.loads(line)["train_loss"] is None
+    assert json.loads(line)["accuracy"] == 0.078
+    write_json(tmp_path / "s.json", {"loss": math.nan, "rounds": [1.5, -math.inf],
+                                     "nested": {"x": math.inf}})
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the file"))
+
+    assert strict((tmp_path / "s.json").read_text()) == {"loss": None, "rounds": [1.5, None],
+                                                         "nested": {"x": None}}
