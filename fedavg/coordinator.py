@@ -357,6 +357,8 @@ class ServerRun:
             with open(self.metrics_path, "a") as fh:  # after the checkpoint: a round listed
                 fh.write(json.dumps(record.as_dict()) + "\n")  # is one a resume goes on from
         self.progress.on_round(record)
+        if merged is not None and merged.info.get("note"):  # a distillation that did nothing
+            self.progress.on_note(merged.info["note"])
         return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
 
     def _node_states(self) -> dict[int, dict[str, torch.Tensor]]:

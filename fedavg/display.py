@@ -238,6 +238,13 @@ class Progress:
         self._bar.update(self._task, advance=1, description=(
             f"training round {nxt}" if nxt <= self.rounds else "finishing"))
 
+    def on_note(self, text: str) -> None:
+        """Print a note on the round just finished (the merge's)."""
+        if self._bar is not None:
+            from rich.markup import escape
+
+            self._bar.console.print(f"[yellow]note:[/] {escape(text)}", highlight=False)
+
     def on_failure(self, server_round: int, node: int, reason: str) -> None:
         """Print a node left out of a round, and why."""
         if self._bar is not None:

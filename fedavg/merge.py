@@ -167,10 +167,8 @@ def _result(strategy: str, num_models: int, info: dict[str, Any]) -> dict[str, A
     result: dict[str, Any] = {"num_models": num_models, "strategy": strategy}
     if (kept := info.get("members", info.get("selected_nodes"))) is not None:
         result["members"] = list(kept)  # a greedy soup's, Krum's: the models it kept
-    if info.get("best_step") == 0:  # distillation that never beat its start
-        result["notes"] = ["no distillation step beat the members' average on the validation "
-                           "data, so the model is that average (try other --distill-steps or "
-                           "--distill-lr)"]
+    if info.get("note"):  # a distillation that never beat its start
+        result["notes"] = [info["note"]]
     return result
 
 

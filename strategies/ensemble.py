@@ -160,7 +160,8 @@ class Distill(_Collect):
         """Return one network distilled from the weighted ensemble of the collected models.
 
         The student starts from the FedAvg of the models; the state with the best validation
-        accuracy is kept (``info["best_step"]``: 0 when no step beat the start).
+        accuracy is kept (``info["best_step"]``: 0 when no step beat the start, and then
+        ``info["note"]`` says so).
         """
         ctx = self._context
         if ctx is None or ctx.distill_x is None or ctx.val_x is None:
@@ -210,11 +211,14 @@ class Distill(_Collect):
                         best_acc, best_step = acc, step
                         best = {k: v.detach().cpu().clone()
                                 for k, v in student.state_dict().items()}
-        return Merged(best, len(self._models), sum(self._weights), info={
-            "val_accuracy_average": round(start_acc, 6), "val_accuracy": round(best_acc, 6),
-            "steps": self.distill_steps, "best_step": best_step, "unlabeled_samples": len(x),
-            "augment": self.distill_augment,
-        })
+        info = {"val_accuracy_average": round(start_acc, 6), "val_accuracy": round(best_acc, 6),
+                "steps": self.distill_steps, "best_step": best_step, "unlabeled_samples": len(x),
+                "augment": self.distill_augment}
+        if best_step == 0:  # said by the run and by `fedavg merge`
+            info["note"] = ("no distillation step beat the members' average on the validation "
+                            "data, so the model is that average (try other --distill-steps or "
+                            "--distill-lr)")
+        return Merged(best, len(self._models), sum(self._weights), info=info)
 
     def _teachers(self) -> list[tuple[float, torch.nn.Module]]:
         """Return the members as ``(weight, model)``, weights summing to 1, in eval mode."""

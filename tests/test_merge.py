@@ -461,6 +461,24 @@ def test_a_distillation_that_never_beats_the_average_says_so(tmp_path, node_mode
     assert summary["merge_info"]["best_step"] == 0 and summary["notes"]
 
 
+@pytest.mark.e2e
+def test_a_simulated_distillation_that_never_beats_the_average_says_so(tmp_path, no_leaks):
+    import io
+
+    from rich.console import Console
+
+    import fedavg
+
+    out = io.StringIO()
+    fedavg.simulate(num_nodes=3, rounds=1, strategy="distill", distill_steps=1,
+                    distill_lr=1e-12, output=tmp_path / "run", console=Console(file=out,
+                                                                               width=300))
+    assert "note: no distillation step beat the members' average on the validation data, so " \
+        "the model is that average" in out.getvalue()
+    meta = json.loads((tmp_path / "run" / "model.json").read_text())
+    assert "no distillation step beat" in json.dumps(meta)
+
+
 def test_a_simulated_trimmed_mean_that_trims_nothing_is_noted_not_refused():
     """The defaults (beta 0.1, 5 nodes) run, saying it is a plain mean; beta 0.2 trims one."""
     from fedavg.config import RunConfig
