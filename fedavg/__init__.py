@@ -14,9 +14,14 @@ Python API (the CLI is a thin layer over it)::
     fedavg.predict("runs/demo", ["digit.png"])           # [{"prediction": "7", ...}]
 """
 
+import logging
 import time
 from importlib import import_module
 from typing import Any
+
+# A library's loggers stay quiet unless the program configures logging: without a handler,
+# Python's last-resort one printed fedavg's warnings on stderr, past simulate(console=None).
+logging.getLogger("fedavg").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 #: ``time.monotonic()`` when fedavg was first imported: where the ``imports`` phase of a

@@ -528,3 +528,13 @@ def test_the_python_api_predict_and_evaluate_name_a_wrong_argument(model_dir):
                  lambda: inference.evaluate_model(model_dir, "digits", batch_size=0)):
         with pytest.raises(TypeError, match="batch_size must be a whole number >= 1"):
             call()
+
+
+def test_the_library_logs_nothing_unless_the_program_sets_up_logging():
+    """``simulate(console=None)`` prints nothing: no warning of fedavg's reaches stderr."""
+    code = ("import logging, fedavg; logging.getLogger('fedavg.flower_adapter').warning("
+            "'round 1: node 0 left out'); print('done')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=TIMEOUT)
+    assert proc.returncode == 0 and proc.stdout == "done\n"
+    assert proc.stderr == ""
