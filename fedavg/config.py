@@ -247,10 +247,9 @@ class RunConfig:
         return max(1, math.ceil(self.merge.fraction * self.merge.num_nodes - 1e-9))
 
     def validate(self) -> RunConfig:
-        """Check every value; return ``self``.
+        """Check every value, the strategy's options too (:meth:`build_strategy`); return self.
 
-        The strategy's own option values are checked when it is built, once per run
-        (:meth:`build_strategy`, called by :func:`fedavg.run.prepare`).
+        ``device`` and ``model_args`` are checked where they are used, as the run starts.
 
         Raises
         ------
@@ -260,6 +259,7 @@ class RunConfig:
         for check in (_check_data, _check_train, _check_merge, _check_strategy):
             if problem := check(self):
                 raise UserError(problem)
+        self.build_strategy()
         return self
 
     def build_strategy(self):

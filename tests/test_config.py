@@ -1,5 +1,7 @@
 """Config: defaults, flat kebab-case round trip, validation messages."""
 
+import re
+
 import pytest
 
 from fedavg.config import RunConfig
@@ -81,9 +83,11 @@ def test_strategy_mistakes_are_caught_by_validate(change, message):
 def test_strategy_option_values_are_checked_when_built():
     with pytest.raises(UserError, match="expects int"):
         RunConfig().replace(strategy="krum", num_malicious="many")
-    cfg = RunConfig().replace(strategy="trimmed-mean", beta=0.7).validate()
+    cfg = RunConfig().replace(strategy="trimmed-mean", beta=0.7)
     with pytest.raises(UserError, match="--beta must be in"):
         cfg.build_strategy()
+    with pytest.raises(UserError, match="--beta must be in"):
+        cfg.validate()  # every value, the strategy's too
 
 
 @pytest.mark.parametrize("flat, message", [
@@ -98,3 +102,16 @@ def test_from_flat_never_truncates_or_guesses(flat, message):
     with pytest.raises(UserError, match=message):
         RunConfig.from_flat(flat)
     assert RunConfig.from_flat({"num-nodes": 3.0, "image-column": ""}).merge.num_nodes == 3
+
+
+@pytest.mark.parametrize("settings, words", [
+    ({"strategy": "fedprox", "mu": -1}, "fedprox: --mu must be >= 0"),
+    ({"strategy": "fedavgm", "server_momentum": 1}, "--server-momentum must be in [0, 1)"),
+    ({"strategy": "trimmed-mean", "beta": 0.5}, "--beta must be in [0, 0.5)"),
+    ({"strategy": "distill", "rounds": 1, "distill_steps": 0}, "--distill-steps must be >= 1"),
+])
+def test_validate_checks_the_strategys_own_options(settings, words):
+    """``validate()`` says "every value": a strategy's options too, not only at the run."""
+    config = RunConfig().replace(**settings)
+    with pytest.raises(UserError, match=re.escape(words)):
+        config.validate()
