@@ -106,8 +106,6 @@ def merge_models(
         bool.
     """
     t0 = time.monotonic()
-    if not isinstance(overwrite, bool):  # "no" would be true
-        raise TypeError(f"overwrite must be bool, got {overwrite!r}")
     dirs, config, strategy = _one_merge(config, models)
     out = _check_output(output, dirs, overwrite)
     loaded = [checkpoint.load(d) for d in dirs]
@@ -124,9 +122,8 @@ def merge_models(
         if overwrite:  # a previous run's files go as a whole (its checkpoint, metrics, nodes)
             clear_previous_run(out)
         checkpoint.save_merged(out, merged, meta)
-        result = _result(config.merge.strategy, len(dirs), merged.info)
-        if seeds := _seed_notes([m for _, m in loaded], merged.is_ensemble, held):
-            result["notes"] = [*result.get("notes", []), *seeds]
+        result = _result(config.merge.strategy, len(dirs), merged.info,
+                         _seed_notes([m for _, m in loaded], merged.is_ensemble, held))
         if held is not None:
             from fedavg.inference import load_model, score
 
@@ -162,13 +159,15 @@ def _seed_notes(metas: list[dict[str, Any]], ensemble: bool, held) -> list[str]:
     return notes
 
 
-def _result(strategy: str, num_models: int, info: dict[str, Any]) -> dict[str, Any]:
+def _result(strategy: str, num_models: int, info: dict[str, Any],
+            notes: list[str]) -> dict[str, Any]:
     """Return a merge's result before evaluation: its models, those it kept, its notes."""
     result: dict[str, Any] = {"num_models": num_models, "strategy": strategy}
     if (kept := info.get("members", info.get("selected_nodes"))) is not None:
         result["members"] = list(kept)  # a greedy soup's, Krum's: the models it kept
-    if info.get("note"):  # a distillation that never beat its start
-        result["notes"] = [info["note"]]
+    notes = ([info["note"]] if info.get("note") else []) + notes  # a distillation: no gain
+    if notes:
+        result["notes"] = notes
     return result
 
 
@@ -219,6 +218,8 @@ def _check_output(output: str | Path, dirs: list[Path], overwrite: bool) -> Path
     """Return the output folder, refusing one that holds a run or an input (not created)."""
     from fedavg.run import check_output
 
+    if not isinstance(overwrite, bool):  # "no" would be true
+        raise TypeError(f"overwrite must be bool, got {overwrite!r}")
     out = Path(output)
     if not str(output).strip():
         raise UserError("--output needs a folder name")

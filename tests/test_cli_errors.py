@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -483,8 +484,10 @@ def test_merge_models_refuses_an_overwrite_that_is_no_bool(tmp_path, model_dir):
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.json").write_text("{}")  # a merge someone made
+    other = tmp_path / "other"
+    shutil.copytree(model_dir, other)
     with pytest.raises(TypeError, match="overwrite must be bool, got 'no'"):
-        merge_models([model_dir, model_dir], out, overwrite="no")
+        merge_models([model_dir, other], out, overwrite="no")
     assert (out / "model.json").read_text() == "{}"
 
 
