@@ -131,8 +131,8 @@ def _detect_inputs(features, source: str, label: str, partition_by: str | None) 
 SAVED_INDEX = re.compile(r"Unnamed: 0(\.\d+)?")
 
 
-def table_inputs(features, inputs: list[str], named: list[str] | None,
-                        label: str, partition_by: str | None) -> tuple[list[str], str | None]:
+def table_inputs(features, inputs: list[str], named: list[str] | None, label: str,
+                 partition_by: str | None) -> tuple[list[str], str | None]:
     """Return a table's detected feature columns, pandas' saved row indexes left out.
 
     As a feature, a row number teaches a model the file's order (often its sort by label).
