@@ -172,7 +172,7 @@ def predict(
 ) -> None:
     """Predict classes with a saved model."""
     from fedavg.inference import predict as run
-    from fedavg.output import check_predictions_output, print_predictions_csv, write_predictions
+    from fedavg.output import check_predictions_output, write_predictions, write_predictions_csv
 
     with guard("interrupted: no predictions were written"):
         if output is not None:
@@ -185,8 +185,8 @@ def predict(
             console.print(f"{len(rows)} prediction(s) written to {escape(str(output))}",
                           highlight=False)
             return
-    if not console.is_terminal:  # piped or redirected: every prediction, as CSV
-        print_predictions_csv(rows)
+    if not console.is_terminal:  # piped or redirected: every prediction, as CSV (a reader
+        write_predictions_csv(rows, sys.stdout)  # that leaves early: see run_app)
         return
     from rich.table import Table
 

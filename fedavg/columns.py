@@ -245,12 +245,12 @@ TEXT_WORDS = 3.0
 ONE_WORD = 1.5
 
 
-def text_or_table(ds, column: str, label: str, partition_by: str | None, source: str,
+def text_or_table(ds, label: str, partition_by: str | None, source: str,
                   sample: int = 1000) -> tuple[list[str], str | None]:
     """Decide whether a table's string columns hold the run's text, or categories and ids.
 
-    ``column`` is the first string column. Without numeric columns, the text is the first
-    string column of text (see below), else the one of most words per value. Beside numeric
+    Without numeric columns, the text is the first string column of text (see below), else
+    the one of most words per value (the first of them). Beside numeric
     columns, a string column is text unless its values are short and repeat
     (:data:`TEXT_WORDS`) or are one word each (:data:`ONE_WORD`); with no such column the
     numeric columns are the features.

@@ -403,7 +403,7 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
                                   partition_by, text["column"], *saved)
     tokenizer, left_out = None, None
     if len(image) == 1 and is_text(train_ds.features[image[0]]) and text["column"] is None:
-        image, left_out = text_or_table(train_ds, image[0], label, partition_by, source)
+        image, left_out = text_or_table(train_ds, label, partition_by, source)
     image, noted = columns.table_inputs(train_ds.features, image, saved[0], label, partition_by)
     if len(image) == 1 and is_text(train_ds.features[image[0]]):
         tokenizer = text["tokenizer"]

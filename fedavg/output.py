@@ -13,7 +13,6 @@ import datetime as _dt
 import fcntl
 import json
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -209,20 +208,6 @@ def write_predictions_csv(rows: list[dict[str, Any]], stream: TextIO) -> None:
     writer = csv.DictWriter(stream, fieldnames=list(PREDICTION_COLUMNS), lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-
-
-def print_predictions_csv(rows: list[dict[str, Any]]) -> None:
-    """Write rows as CSV to standard output; a reader that stops early (``| head``) is no error.
-
-    Python's own handling of a closed pipe is exit code 1 and a message at exit; here the
-    rest of the output is dropped and the command ends as it would have.
-    """
-    try:
-        write_predictions_csv(rows, sys.stdout)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        # Python flushes stdout again at exit: point it at nothing so that flush is quiet.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def write_predictions(rows: list[dict[str, Any]], path: str | Path) -> Path:
