@@ -103,20 +103,31 @@ def on_signal(message, cleanup=None):
             return
         stopping.append(signum)
         console.quiet = True  # no round line printed by another thread after the message
-        err_console.print(escape(message() if callable(message) else message), soft_wrap=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if cleanup is not None:
-            cleanup()
-        else:
-            from fedavg.deployment import stop_all
+        # The signal may land inside an import (rich loads its emoji table at the first
+        # print): the same import here then fails on the half-made module. Each step falls
+        # back or goes on, so the engine is stopped and the exit code is 130 whatever it hit.
+        text = message() if callable(message) else message
+        try:
+            err_console.print(escape(text), soft_wrap=True)
+        except Exception:
+            sys.stderr.write(f"{text}\n")
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        try:
+            if cleanup is not None:
+                cleanup()
+            else:
+                from fedavg.deployment.processes import stop_all
 
-            stop_all()
-        from fedavg.output import RUN_OUTPUT, remove_if_empty
+                stop_all()
+        finally:
+            with contextlib.suppress(Exception):
+                from fedavg.output import RUN_OUTPUT, remove_if_empty
 
-        if RUN_OUTPUT:
-            remove_if_empty(RUN_OUTPUT[0])
-        os._exit(130)
+                if RUN_OUTPUT:
+                    remove_if_empty(RUN_OUTPUT[0])
+            os._exit(130)
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)

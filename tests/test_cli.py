@@ -235,6 +235,40 @@ def test_ctrl_c_and_sigterm_share_one_handler():
             signal.signal(sig, handler)
 
 
+def test_a_signal_inside_an_import_still_stops_with_130(monkeypatch, capfd):
+    """A signal inside an import still stops the engine and exits 130.
+
+    SIGTERM landing while rich loads its emoji table made the handler's own print fail on
+    the half-made module: exit 1 and no cleanup. The message falls back to plain stderr.
+    """
+    import signal
+
+    from fedavg import cli_support
+
+    def half_imported(*args, **kwargs):
+        raise ImportError("cannot import name 'EMOJI' from partially initialized module")
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    cleaned = []
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(cli_support.err_console, "print", half_imported)
+    monkeypatch.setattr(cli_support.console, "quiet", False)
+    monkeypatch.setattr(cli_support.os, "_exit", exit_)
+    try:
+        cli_support.on_signal("interrupted: finished rounds are kept",
+                              cleanup=lambda: cleaned.append(True))
+        with pytest.raises(SystemExit) as stopped:
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert stopped.value.code == 130
+    assert cleaned == [True]
+    assert capfd.readouterr().err == "interrupted: finished rounds are kept\n"
+
+
 def _catches(pid: int, sig: int) -> bool:
     """Whether process ``pid`` has a handler for ``sig`` (its ``SigCgt`` mask in /proc)."""
     with open(f"/proc/{pid}/status") as status:
