@@ -163,7 +163,7 @@ def predict(
     inputs: Annotated[list[str], typer.Argument(
         help="Image files, folders of images, .txt files (one text per line), or datasets")],
     output: Annotated[Optional[Path], path_option(
-        help="Write predictions to FILE.csv or FILE.json")] = None,
+        help="Write predictions to FILE.csv or FILE.json; - for CSV on stdout")] = None,
     split: Annotated[str, typer.Option(help="Split of dataset inputs")] = "test",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
     text: Annotated[bool, typer.Option(
@@ -174,30 +174,24 @@ def predict(
     from fedavg.inference import predict as run
     from fedavg.output import check_predictions_output, write_predictions, write_predictions_csv
 
+    to_file = output is not None and str(output) != "-"
     with guard("interrupted: no predictions were written"):
-        if output is not None:
+        if to_file:
             check_predictions_output(output, model_dir, inputs)
         rows = run(model_dir, inputs, split=split, device=device, text=text, model=model,
                    on_note=lambda note: err_console.print(f"[yellow]note:[/] {note}",
                                                           highlight=False))
-        if output is not None:
+        if to_file:
             write_predictions(rows, output)
             console.print(f"{len(rows)} prediction(s) written to {escape(str(output))}",
                           highlight=False)
             return
-    if not console.is_terminal:  # piped or redirected: every prediction, as CSV (a reader
-        write_predictions_csv(rows, sys.stdout)  # that leaves early: see run_app)
-        return
-    from rich.table import Table
+    if output is not None or not console.is_terminal:  # --output -, piped or redirected:
+        write_predictions_csv(rows, sys.stdout)  # every prediction, as CSV (a reader that
+        return  # leaves early: see run_app)
+    from fedavg.display import predictions_table
 
-    table = Table()
-    table.add_column("input", overflow="fold")
-    table.add_column("prediction", overflow="fold")
-    table.add_column("confidence", justify="right")
-    for row in rows[:50]:
-        table.add_row(escape(row["input"]), escape(row["prediction"]),
-                      f"{row['confidence']:.3f}")
-    console.print(table)
+    console.print(predictions_table(rows, shown=50))
     if len(rows) > 50:
         console.print(f"... and {len(rows) - 50} more (pipe them, or --output FILE.csv)")
 

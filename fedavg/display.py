@@ -173,6 +173,21 @@ def rounds_table(rounds: list[dict[str, Any]]):
     return table
 
 
+def predictions_table(rows: list[dict[str, Any]], shown: int = 50):
+    """Return a rich table of the first ``shown`` predictions: input, class, confidence."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table()
+    table.add_column("input", overflow="fold")
+    table.add_column("prediction", overflow="fold")
+    table.add_column("confidence", justify="right")
+    for row in rows[:shown]:
+        table.add_row(escape(row["input"]), escape(row["prediction"]),
+                      f"{row['confidence']:.3f}")
+    return table
+
+
 class Progress:
     """A progress bar over the rounds plus one line per round and per failed node.
 

@@ -143,6 +143,20 @@ def test_predict_piped_writes_every_prediction_as_csv(tmp_path):
     assert all(row["prediction"] == META["classes"][int(row["class_index"])] for row in rows)
 
 
+def test_predict_output_dash_writes_csv_on_stdout_even_on_a_terminal(tmp_path):
+    import csv
+
+    model = checkpoint.save(tmp_path / "model", build_model("mlp", (1, 8, 8), 10).state_dict(),
+                            META)
+    images = [_image(tmp_path / f"img{i:02d}.png", 8) for i in range(55)]
+    res = runner.invoke(app, ["predict", str(model), *map(str, images), "--output", "-"],
+                        env={"TTY_COMPATIBLE": "1"})
+    assert res.exit_code == 0, res.output
+    rows = list(csv.DictReader(res.stdout.splitlines()))
+    assert [row["input"] for row in rows] == [str(p) for p in images]  # all 55, no table
+    assert not (Path.cwd() / "-").exists()
+
+
 def test_an_image_given_and_in_a_given_folder_is_predicted_once(tmp_path):
     from fedavg.inference import predict
 
