@@ -35,10 +35,10 @@ def label_classes(train_ds, label: str, split: str) -> tuple[list[str], dict[Any
     if isinstance(label_feature, datasets.ClassLabel):
         return list(label_feature.names), None
     values = np.asarray(train_ds[label], dtype=object)
-    empty = sum(v is None or (isinstance(v, float) and np.isnan(v)) for v in values)
+    empty = _empty_rows(values)
     if empty:
-        raise UserError(f"label column {label!r} has {empty} empty value(s) in split "
-                        f"{split!r}: fill or drop those rows")
+        raise UserError(f"label column {label!r} has {empty} in split {split!r}: fill or "
+                        "drop those rows")
     values = np.asarray(list(values))
     if values.dtype.kind == "f" and not np.isfinite(values).all():
         raise UserError(f"label column {label!r} holds infinite values in split {split!r}: "
@@ -89,13 +89,24 @@ def label_array(values, mapping: dict[Any, int] | None, classes: list[str], colu
         return np.asarray([mapping[v.item() if hasattr(v, "item") else v] for v in arr],
                           dtype=np.int64)
     except KeyError as exc:
-        empty = sum(v is None or (isinstance(v, float) and np.isnan(v)) for v in arr)
+        empty = _empty_rows(arr)
         if empty:
-            raise UserError(f"label column {column!r} has {empty} empty value(s) in split "
-                            f"{split!r}: fill or drop those rows") from None
+            raise UserError(f"label column {column!r} has {empty} in split {split!r}: fill "
+                            "or drop those rows") from None
         raise UserError(
             f"split {split!r} has label {exc.args[0]!r} that train does not have"
         ) from None
+
+
+def _empty_rows(values) -> str:
+    """Say how many of ``values`` are empty and which rows (0-based data rows), or ``""``."""
+    rows = [i for i, v in enumerate(values)
+            if v is None or (isinstance(v, float) and np.isnan(v))]
+    if not rows:
+        return ""
+    shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
+    return (f"{len(rows)} empty value(s) (data row{'s' if len(rows) > 1 else ''} {shown}, "
+            "counting from 0)")
 
 
 def numeric_name(name: str) -> float | None:

@@ -26,14 +26,14 @@ def write_csv(path, header, rows):
 def test_empty_label_cells(tmp_path):
     path = write_csv(tmp_path / "d.csv", "a,b,label",
                      ["1,2,x", "3,4,", "5,6,y", "7,8,x", "1,1,y"])
-    with pytest.raises(UserError, match="1 empty value"):
+    with pytest.raises(UserError, match=r"1 empty value\(s\) \(data row 1, counting from 0\)"):
         load(path)
     folder = tmp_path / "splits"  # an empty label in the test file
     folder.mkdir()
     write_csv(folder / "train.csv", "a,b,label", ["1,2,x", "3,4,y", "5,6,y", "7,8,x"])
     write_csv(folder / "test.csv", "a,b,label", ["1,2,x", "3,4,", "5,6,y"])
-    with pytest.raises(UserError, match="label column 'label' has 1 empty value\\(s\\) in split "
-                                        "'test': fill or drop those rows"):
+    with pytest.raises(UserError, match=r"label column 'label' has 1 empty value\(s\) \(data row "
+                                        r"1, counting from 0\) in split 'test': fill or drop"):
         load(str(folder))
 
 
