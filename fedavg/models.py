@@ -154,6 +154,31 @@ def make_model(name: str, input_shape: tuple[int, ...], num_classes: int,
 
 
 
+def check_model_args(name: str, args: dict[str, Any]) -> None:
+    """Refuse, before any data is loaded, builder arguments that model ``name`` cannot take.
+
+    Checks registered models and user code (``module:function`` / ``file.py:function``, which
+    it imports). ``auto`` depends on the data, and ``torchvision:`` / ``hf:`` models are
+    checked when they are built.
+
+    Raises
+    ------
+    UserError
+        An argument the builder does not take (naming those it takes), a required one
+        missing, or a size argument below 1.
+    """
+    from fedavg import model_sources
+
+    kind = model_sources.source_kind(name)
+    if kind not in ("registry", "code") or (kind == "registry" and name not in _MODELS):
+        return
+    fn = model_sources.user_builder(name) if kind == "code" else _MODELS[name][0]
+    what = f"model {name!r}"
+    kwargs = model_sources.Takes.of(fn, what).kwargs(what, args)
+    if kind == "registry":
+        _check_sizes(fn, what, kwargs)
+
+
 def _check_sizes(fn, what: str, kwargs: dict[str, Any]) -> None:
     """Refuse a size argument (an ``int`` defaulting to >= 1: ``hidden``, ``width``) below 1.
 

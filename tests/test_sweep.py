@@ -1141,3 +1141,21 @@ def test_report_names_runs_of_one_setting_and_seed(tmp_path):
     assert [n for n in result["notes"] if "seed of" in n] == [
         "a_backup has the settings and seed of a (a copy, or the same run again): both count "
         "in the n of all runs"]
+
+
+def test_a_sweep_refuses_model_arguments_its_model_cannot_take_before_any_run(tmp_path):
+    """A typo in one point's model-args failed that point only when its turn came."""
+    code = tmp_path / "net.py"
+    code.write_text("import torch\n\ndef build(input_shape, num_classes, width=8):\n"
+                    "    return torch.nn.Linear(64, num_classes)\n")
+    for model, bad in (("mlp", "hiddn"), (f"{code}:build", "widht")):
+        good = "hidden" if model == "mlp" else "width"
+        config = tmp_path / "s.toml"
+        config.write_text(f'[base]\nrounds = 1\nnum-nodes = 2\nmodel = "{model}"\n\n'
+                          f"[grid]\nmodel-args = [{{{good} = 16}}, {{{bad} = 16}}]\n")
+        res = CliRunner().invoke(app, ["sweep", str(config), "--output", str(tmp_path / "sw")])
+        assert res.exit_code == 2, res.output
+        line = assert_one_error_line(res.stderr)
+        assert f"point model-args={bad}-16:" in line and f"argument {bad!r}" in line
+        assert f"it takes: {good}" in line
+        assert not (tmp_path / "sw").exists()  # nothing ran, no folder was made
