@@ -50,8 +50,8 @@ class _Console(Console):
             pass
 
 
-console = _Console(soft_wrap=True)
-err_console = _Console(stderr=True, soft_wrap=True)
+console = _Console(soft_wrap=True, emoji=False)  # a path like m.py:ok:x stays as written
+err_console = _Console(stderr=True, soft_wrap=True, emoji=False)
 
 
 #: Characters that ``str.splitlines`` breaks at: shown escaped, so an error stays one line.

@@ -414,3 +414,13 @@ def test_evaluate_and_predict_fit_a_dataset_of_other_images_to_the_model(tmp_pat
     assert notes == [f"{table}'s test inputs are 8x8 colour images, the model takes 8x8 grey "
                      "ones: they were converted; results may be unreliable: use images like "
                      "the training data"]
+
+
+def test_messages_keep_colon_words_as_written(capsys):
+    """Rich turned ``:ok:`` in a path such as ``m/b.py:ok:extra`` into an emoji."""
+    from fedavg.cli_support import console, err_console
+
+    err_console.print("model m/b.py:ok:extra")
+    console.print("file :smile:.csv")
+    out = capsys.readouterr()
+    assert "m/b.py:ok:extra" in out.err and ":smile:.csv" in out.out
