@@ -143,9 +143,13 @@ class FileTokenizer:
         self.sha256 = hashlib.sha256(json_text.encode()).hexdigest()
         _KNOWN[self.sha256] = json_text
         self.pad_id = self._pad_id()
-        if self._tok.get_vocab_size(with_added_tokens=False) < 2:
-            raise UserError(f"{source or 'the tokenizer'} has no vocabulary (it would map every "
-                            "word to one id): give a tokenizer.json or a folder with its "
+        special = {t.content for t in self._tok.get_added_tokens_decoder().values()
+                   if t.special}
+        words = set(self._tok.get_vocab(with_added_tokens=True)) - special
+        if len(words) < 2:  # a model folder's config alone builds one of special tokens only
+            raise UserError(f"{source or 'the tokenizer'} has no vocabulary (only "
+                            f"{len(words)} word(s) beside its special tokens: every word would "
+                            "be one id): give a tokenizer.json or a folder with its "
                             "vocabulary (vocab.txt, merges)")
         self._tok.no_padding()
         self._tok.enable_truncation(self.max_length)

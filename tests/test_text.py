@@ -90,13 +90,15 @@ def test_a_transformers_tokenizer_folder_tokenizes_as_transformers_does(tmp_path
                                 "sat", "dog", "ran", "##s"]) + "\n")
     folder = tmp_path / "bert-tok"
     BertTokenizer(str(vocab)).save_pretrained(str(folder))
-    (folder / "tokenizer.json").unlink(missing_ok=True)  # vocab.txt and config only
+    (folder / "tokenizer.json").unlink(missing_ok=True)  # vocab.txt and config only (some
+    (folder / "vocab.txt").write_text(vocab.read_text())  # versions save no vocab.txt)
     ours = make_tokenizer(str(folder), max_length=8)
     theirs = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     text = "The cats ran, the dog sat"
     want = theirs(text, padding="max_length", max_length=8, truncation=True)["input_ids"]
     assert ours.encode([text]).tolist() == [want]
     assert want[0] == 2 and ours.pad_id == 0  # [CLS] first; [PAD] is id 0
+    assert want[1:3] == [5, 6]  # "the", "cat": words of the vocabulary, not [UNK]
 
 
 @pytest.mark.parametrize("name, match", [("no/such/tokenizer.json", "no such file"),
@@ -327,6 +329,17 @@ def test_a_tokenizer_without_vocabulary_and_too_many_tokens_are_refused(tmp_path
     Tokenizer(models.WordLevel(unk_token="[UNK]")).save(str(empty))
     with pytest.raises(UserError, match="has no vocabulary"):
         make_tokenizer(str(empty))
+    # what a model folder's config alone gives: [PAD], [UNK], [CLS], [SEP], [MASK] and no words
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    only_special = Tokenizer(models.WordPiece({t: i for i, t in enumerate(specials)},
+                                              unk_token="[UNK]"))
+    only_special.add_special_tokens(specials)
+    only_special.save(str(empty))
+    with pytest.raises(UserError, match=r"has no vocabulary \(only 0 word\(s\) beside its "):
+        make_tokenizer(str(empty))
+    only_special.add_tokens(["stocks", "team"])  # two words: enough to tell texts apart
+    only_special.save(str(empty))
+    assert make_tokenizer(str(empty)).vocab_size == 7
     with pytest.raises(UserError, match=r"--max-tokens must be in 1\.\.8192"):
         HashedTokenizer(max_length=10**20)
     from fedavg.config import RunConfig
