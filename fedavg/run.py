@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -312,13 +312,13 @@ def _coverage_notes(data: LoadedData, parts: list[np.ndarray], partitioner: str)
 
 def _strategy_notes(strategy, model, config: RunConfig) -> list[str]:
     """Return the strategy's notes on the model and node settings (``UserError``: unusable)."""
-    import dataclasses
-
     import strategies
+    from fedavg.train import check_batch_size
 
+    check_batch_size(model, config.train.batch_size)
     note = strategy.nodes_note(config.nodes_per_round)
     try:
-        return strategy.check_setup(model, dataclasses.asdict(config.train)) + (
+        return strategy.check_setup(model, asdict(config.train)) + (
             [f"{strategy.name}: {note}"] if note else [])
     except strategies.MergeError as exc:
         raise UserError(f"{strategy.name}: {exc}") from None

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fedavg.data import normalize
+from fedavg.errors import UserError
 from fedavg.recipe import augmenter, make_scheduler
 
 
@@ -162,6 +163,22 @@ def train(
     if count and not math.isfinite(total):
         raise FloatingPointError(_diverged(total / count, rule, sam_rho, proximal_mu))
     return {"train_loss": total / max(count, 1), "num_examples": int(len(yt)), "steps": steps}
+
+
+def check_batch_size(model: nn.Module, batch_size: int) -> None:
+    """Refuse ``--batch-size 1`` for a model with BatchNorm layers.
+
+    BatchNorm cannot train on one sample, so every batch would be left out and the nodes
+    would train nothing.
+
+    Raises
+    ------
+    UserError
+        ``batch_size`` below 2 and ``model`` holds a BatchNorm layer.
+    """
+    if batch_size < 2 and _batchnorms(model):
+        raise UserError("the model has BatchNorm layers, which cannot train on batches of one "
+                        "sample: every batch would be left out; use --batch-size 2 or more")
 
 
 def _batchnorms(model: nn.Module) -> list[nn.Module]:

@@ -304,3 +304,15 @@ def test_very_large_images_warn_nothing_and_oversized_ones_are_one_line(tmp_path
     assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
     with pytest.raises(UserError, match="cannot decode image .*huge.png of .*exceeds limit"):
         decode_images([str(tmp_path / "huge.png")], "pics")
+
+
+def test_batch_size_one_is_refused_for_a_batchnorm_model(tmp_path):
+    """Every one-sample batch was left out: the run trained nothing and said train loss 0."""
+    code = tmp_path / "bn.py"
+    code.write_text("from torch import nn\n\ndef bn(input_shape, num_classes):\n"
+                    "    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.BatchNorm1d(32),"
+                    " nn.ReLU(), nn.Linear(32, num_classes))\n")
+    with pytest.raises(UserError, match=r"BatchNorm layers.*use --batch-size 2 or more"):
+        prepare(RunConfig().replace(model=f"{code}:bn", batch_size=1))
+    assert prepare(RunConfig().replace(model=f"{code}:bn", batch_size=2)).spec is not None
+    assert prepare(RunConfig().replace(model="mlp", batch_size=1)).spec is not None
