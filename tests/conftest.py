@@ -13,6 +13,22 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("FEDAVG_SHARED_DATA", ROOT.parent / "shared" / "data"))
 MNIST = SHARED_DATA / "mnist"
 
+_NO_DATA = (f"the real datasets are not at {SHARED_DATA}: the tests that read MNIST, "
+            "CIFAR-10 or AG News fail; clone the repository next to shared/ or set "
+            "FEDAVG_SHARED_DATA=/path/to/shared/data")
+
+
+def pytest_report_header(config):
+    """Say at the top of the run when the shared datasets are missing."""
+    return None if SHARED_DATA.is_dir() else f"WARNING: {_NO_DATA}"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say it again under the failures, where a reader looks first."""
+    if not SHARED_DATA.is_dir():
+        terminalreporter.write_line(f"WARNING: {_NO_DATA}", yellow=True, bold=True)
+
+
 # Names of the processes a simulation may start; none may outlive a command or a test.
 ENGINE_PROCESS_MARKERS = ("raylet", "gcs_server", "ray::", "flower-superlink",
                           "flower-supernode", "flwr-clientapp", "default_worker.py")
