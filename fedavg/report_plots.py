@@ -50,6 +50,9 @@ def write_plots(runs: list, keys: list[str], folder: Path) -> tuple[list[Path], 
             written.append(path)
         else:
             path.unlink(missing_ok=True)
+            if key == "alpha" and not chosen:
+                notes.append(f"no run's partitioner takes alpha: no {folder.name}/{name}")
+                continue
             where = " among the runs whose partitioner takes it" if key == "alpha" else ""
             notes.append(f"{key} does not vary{where}: no {folder.name}/{name}")
     return written, notes

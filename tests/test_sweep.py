@@ -821,8 +821,14 @@ def test_every_plot_is_a_valid_png_and_skipped_ones_say_so(tmp_path, runs):
         runs / "plots" / "accuracy_vs_alpha.png")
     res = write_report(runs)
     assert not (runs / "plots" / "accuracy_vs_alpha.png").exists()
-    assert any("alpha does not vary" in n for n in res["notes"])
+    assert "no run's partitioner takes alpha: no plots/accuracy_vs_alpha.png" in res["notes"]
     assert any("num-nodes does not vary" in n for n in res["notes"])
+    for nodes in (2, 4):  # dirichlet runs of one alpha
+        fake_run(tmp_path / "one-alpha" / f"n{nodes}", [0.5, 0.6], 10.0 * nodes,
+                 partitioner="dirichlet", alpha=0.1, num_nodes=nodes, seed=0)
+    res = write_report(tmp_path / "one-alpha")
+    assert "alpha does not vary among the runs whose partitioner takes it: no " \
+        "plots/accuracy_vs_alpha.png" in res["notes"]
 
 
 PUBLISHED = """
