@@ -43,19 +43,21 @@ def atomic_write(path: Path, write) -> None:
         raise
 
 
-def write_json(path: str | Path, obj: Any) -> None:
-    """Write ``obj`` as indented JSON, atomically; NaN and infinities as ``null``.
+def plain(value: Any) -> Any:
+    """Return ``value`` with every NaN or infinite float (in dicts and lists) as ``None``.
 
     (Python's ``NaN`` and ``Infinity`` are no JSON: strict readers, ``jq`` among them,
-    refuse the file.)
+    refuse them.)
     """
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
-    def plain(value: Any) -> Any:
-        if isinstance(value, float) and not math.isfinite(value):
-            return None
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items()}
-        return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Write ``obj`` as indented JSON, atomically; NaN and infinities as ``null``."""
 
     def _write(tmp: str) -> None:
         with open(tmp, "w") as fh:

@@ -148,7 +148,9 @@ def evaluate(
         res = evaluate_model(model_dir, dataset, split=split, image_column=image_column,
                              label_column=label_column, device=device, model=model)
     if as_json:
-        print(json.dumps(res))
+        from fedavg.checkpoint import plain
+
+        print(json.dumps(plain(res)))  # a NaN loss as null: NaN is no JSON
         return
 
     console.print(f"{escape(res['dataset'])} \\[{escape(res['split'])}]: accuracy "

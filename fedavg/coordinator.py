@@ -309,6 +309,26 @@ class ServerRun:
         checkpoint.save(folder, state_dict,
                         {**self.prepared.meta, "rounds": server_round, "node": info})
 
+    def _evaluate(self, model: torch.nn.Module, server_round: int) -> dict[str, float]:
+        """Evaluate ``model`` on the test split; a failure of the model's code is one line.
+
+        Raises
+        ------
+        fedavg.errors.RunError
+            The model's forward raised or called ``sys.exit`` (it may differ in eval mode).
+        """
+        test = self.prepared.data.test
+        try:
+            return evaluate(model, test.x, test.y, self.prepared.meta["input"],
+                            device=self.eval_device)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the model's own code
+            from fedavg.errors import RunError
+            from fedavg.model_sources import first_line
+
+            raise RunError(f"round {server_round}'s merged model failed on the test data, in "
+                           f"eval mode ({first_line(exc)}): fix the model's "
+                           "forward") from None
+
     def round_end(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """Flower's ``evaluate_fn``: evaluate, checkpoint and record the merged model."""
         if server_round == 0:
@@ -316,22 +336,20 @@ class ServerRun:
         server_round += self.adapter.round_offset
         merged = self.adapter.last_merged
         state_dict = arrays.to_torch_state_dict()  # what the next round starts from
-        test, last = self.prepared.data.test, None
+        last = None
         if merged is not None and merged.is_ensemble:
             scored = self.prepared.spec.build_ensemble(merged.members, merged.member_weights)
         else:
             self.model.load_state_dict(state_dict)
             scored = self.model
             if self.swa is not None and server_round >= self.config.merge.swa_start:
-                last = evaluate(scored, test.x, test.y, self.prepared.meta["input"],
-                                device=self.eval_device)
+                last = self._evaluate(scored, server_round)
                 averaged = self.swa.add(state_dict)
                 self.model.load_state_dict(averaged)
                 merged = dataclasses.replace(merged, state_dict=averaged, info={
                     **merged.info, "swa": {"start": self.config.merge.swa_start,
                                            "models": self.swa.count}})
-        res = evaluate(scored, test.x, test.y, self.prepared.meta["input"],
-                       device=self.eval_device)
+        res = self._evaluate(scored, server_round)
         record = self._record(server_round, res)
         if last is not None:
             record.merged_accuracy, record.merged_loss = last["accuracy"], last["loss"]

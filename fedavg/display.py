@@ -150,6 +150,11 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+def _figure(value: float | None) -> str:
+    """Format an accuracy or loss with 4 decimals; ``nan`` for one JSON stored as ``null``."""
+    return "nan" if value is None else f"{value:.4f}"
+
+
 def rounds_table(rounds: list[dict[str, Any]]):
     """Return a rich Table of per-round metrics (one row per ``metrics.jsonl`` entry)."""
     from rich.table import Table
@@ -164,8 +169,8 @@ def rounds_table(rounds: list[dict[str, Any]]):
         tl = r.get("train_loss")
         nodes = f"{r['num_nodes']}" + (f" ({r['num_failed']} failed)" if r.get("num_failed")
                                        else "")
-        row = [str(r["round"]), f"{r['accuracy']:.4f}", f"{r['loss']:.4f}",
-               "-" if tl is None else f"{tl:.4f}", nodes, f"{r['wall_s']:.2f}"]
+        row = [str(r["round"]), _figure(r["accuracy"]), _figure(r["loss"]),
+               "-" if tl is None else _figure(tl), nodes, f"{r['wall_s']:.2f}"]
         if swa:
             m = r.get("merged_accuracy")
             row.append("-" if m is None else f"{m:.4f}")
@@ -242,12 +247,12 @@ class Progress:
             self.listener.on_round(rec)
         if self._bar is None:
             return
-        train_loss = "None" if rec.train_loss is None else format(rec.train_loss, ".4f")
+        train_loss = "None" if rec.train_loss is None else _figure(rec.train_loss)
         own = ("" if rec.merged_accuracy is None
-               else f" (weight average; round's model {rec.merged_accuracy:.4f})")
+               else f" (weight average; round's model {_figure(rec.merged_accuracy)})")
         self._bar.console.print(
-            f"round {rec.round:>3}/{self.rounds}: accuracy {rec.accuracy:.4f}{own}  "
-            f"loss {rec.loss:.4f}  train loss {train_loss}  nodes {rec.num_nodes}  "
+            f"round {rec.round:>3}/{self.rounds}: accuracy {_figure(rec.accuracy)}{own}  "
+            f"loss {_figure(rec.loss)}  train loss {train_loss}  nodes {rec.num_nodes}  "
             f"{rec.wall_s:.2f} s")
         nxt = rec.round + 1
         self._bar.update(self._task, advance=1, description=(

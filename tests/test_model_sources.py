@@ -971,3 +971,49 @@ def test_tiny_hf_image_model_on_digits(tmp_path, no_leaks):
     preds = tmp_path / "p.csv"
     run_cli("predict", out, "digits", "--output", preds)
     assert len(preds.read_text().splitlines()) == 360  # header + 359 held-out digits
+
+
+EVAL_FAILS = """import sys
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, k, how):
+        super().__init__()
+        self.fc, self.how = nn.Linear(64, k), how
+
+    def forward(self, x):
+        if not self.training and x.shape[0] > 2:  # the start-up check's batch of 2 passes
+            if self.how == "raise":
+                raise ValueError("eval-time failure")
+            if self.how == "exit":
+                sys.exit(5)
+            return self.fc(x.flatten(1)) * float("nan")
+        return self.fc(x.flatten(1))
+
+
+def build(input_shape, num_classes, how="raise"):
+    return Net(num_classes, how)
+"""
+
+
+@pytest.mark.e2e
+def test_model_code_failing_in_the_coordinators_evaluation_is_one_line(tmp_path, no_leaks):
+    """It was a traceback (raise) or a silent exit with the model's code (sys.exit)."""
+    (tmp_path / "net.py").write_text(EVAL_FAILS)
+    for how, said in (("raise", "ValueError: eval-time failure"), ("exit", "SystemExit: 5")):
+        proc = run_cli("simulate", "--model", f"{tmp_path / 'net.py'}:build", "--model-arg",
+                       f"how={how}", "--num-nodes", "2", "--rounds", "1", "--output",
+                       tmp_path / how, check=False)
+        assert proc.returncode == 1, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.strip() == (f"run failed: round 1's merged model failed on the test "
+                                       f"data, in eval mode ({said}): fix the model's forward")
+    # NaN logits: the run ends, its table and summary say nan / null (a crash after the run)
+    proc = run_cli("simulate", "--model", f"{tmp_path / 'net.py'}:build", "--model-arg",
+                   "how=nan", "--num-nodes", "2", "--rounds", "1", "--output", tmp_path / "nan")
+    assert "loss nan" in proc.stdout and "Traceback" not in proc.stderr
+    assert _summary(tmp_path / "nan")["loss"] is None
+    ev = run_cli("evaluate", tmp_path / "nan", "--json", "--model",
+                 f"{tmp_path / 'net.py'}:build").stdout
+    assert json.loads(ev)["loss"] is None  # null, not NaN (no JSON)
