@@ -1017,3 +1017,25 @@ def test_model_code_failing_in_the_coordinators_evaluation_is_one_line(tmp_path,
     ev = run_cli("evaluate", tmp_path / "nan", "--json", "--model",
                  f"{tmp_path / 'net.py'}:build").stdout
     assert json.loads(ev)["loss"] is None  # null, not NaN (no JSON)
+
+
+def test_weights_nodes_cannot_send_are_refused_at_the_start():
+    """bfloat16 weights and non-tensor extra state failed in Flower's arrays: a traceback."""
+    from fedavg.model_sources import check_output
+
+    half = nn.Sequential(nn.Flatten(), nn.Linear(64, 10).to(torch.bfloat16))
+    with pytest.raises(UserError, match=r"has bfloat16 weights \(1\.weight\).*float32"):
+        check_output(half, (1, 8, 8), 10, "half")
+
+    class Extra(nn.Sequential):
+        def get_extra_state(self):
+            return {"v": 1}
+
+        def set_extra_state(self, state):
+            pass
+
+    extra = Extra(nn.Flatten(), nn.Linear(64, 10))
+    with pytest.raises(UserError, match=r"state that is no tensor \(_extra_state, from "
+                                        r"get_extra_state\).*keep it in a buffer"):
+        check_output(extra, (1, 8, 8), 10, "extra")
+    check_output(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), (1, 8, 8), 10, "plain")

@@ -281,15 +281,26 @@ def check_output(model: nn.Module, input_shape: tuple[int, ...], num_classes: in
     ------
     UserError
         The forward pass fails, or gives another shape or integer logits; the model has no
-        trainable parameters, NaN or infinite weights, or its weights are on the meta device
-        (outside a meta build).
+        trainable parameters, NaN or infinite weights, bfloat16 weights or extra state that is
+        no tensor (neither can be sent), or its weights are on the meta device (outside a
+        meta build).
     """
     if next((p.is_meta for p in model.parameters()), False):
         if torch.get_default_device().type == "meta":  # built for its shapes only, on purpose
             return
         raise UserError(f"model {what} has its weights on the meta device (shapes, no values): "
                         "build it on the CPU, outside `with torch.device('meta')`")
-    odd = next((k for k, t in model.state_dict().items()
+    state = model.state_dict()
+    extra = next((k for k, t in state.items() if not isinstance(t, torch.Tensor)), None)
+    if extra is not None:
+        raise UserError(f"model {what} keeps state that is no tensor ({extra}, from "
+                        "get_extra_state), which nodes cannot send: keep it in a buffer")
+    bf16 = next((k for k, t in state.items() if t.dtype == torch.bfloat16), None)
+    if bf16 is not None:
+        raise UserError(f"model {what} has bfloat16 weights ({bf16}), which Flower's arrays "
+                        "cannot carry: keep them in float32 (torch.autocast computes in "
+                        "bfloat16)")
+    odd = next((k for k, t in state.items()
                 if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
     if odd is not None:
         raise UserError(f"model {what} starts with NaN or infinite weights ({odd}): fix how its "
