@@ -135,7 +135,8 @@ def make_model(name: str, input_shape: tuple[int, ...], num_classes: int,
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - a library's own check of a builder argument
-        raise UserError(f"model {name!r} cannot be built with {dict(args)}: "
+        given = {k: v for k, v in args.items() if k != "hf_config"}  # not its whole config
+        raise UserError(f"model {name!r} cannot be built with {given}: "
                         f"{type(exc).__name__}: {first_line(exc)}") from None
     name = resolve_model(name, shape, _kind(name, args))
     fn = _MODELS[name][0]

@@ -727,6 +727,8 @@ def test_hf_text_model_takes_token_ids_and_masks_padding(tmp_path):
      "config.json; did you mean hidden_size"),
     ("no-transformers", "hf: models need the transformers package: pip install transformers"),
     ("image-as-text", "is not a text model (its config has no vocab_size)"),
+    ("bad-value", "Field 'num_hidden_layers' expected int, got str (value: 'one')"),
+    ("needs-timm", "timm"),  # transformers' ImportError: a traceback before
 ])
 def test_bad_hf_models_are_one_line(tmp_path, monkeypatch, case, words):
     folder = _tiny_vit(tmp_path / "vit")
@@ -741,6 +743,14 @@ def test_bad_hf_models_are_one_line(tmp_path, monkeypatch, case, words):
         monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
     elif case == "image-as-text":
         args = {"vocab_size": 10, "pad_id": 0}
+    elif case in ("bad-value", "needs-timm"):
+        config = json.loads((folder / "config.json").read_text())
+        if case == "bad-value":
+            config["num_hidden_layers"] = "one"
+        else:  # a model type whose package is not installed (timm is no dependency)
+            monkeypatch.setitem(sys.modules, "timm", None)
+            config = {"model_type": "timm_wrapper", "architecture": "resnet18"}
+        (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError) as exc:
         ModelSpec.resolve(f"hf:{folder}", (3, 16, 16), 4, args).build()
     assert words in _one_line(exc)

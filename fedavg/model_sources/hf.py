@@ -109,7 +109,7 @@ def _read_config(name: str) -> dict[str, Any]:
         with _quiet(tf):
             config = tf.AutoConfig.from_pretrained(str(path), trust_remote_code=False,
                                                    local_files_only=True)
-    except (ValueError, KeyError, OSError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types (ImportError too)
         raise UserError(f"cannot read {path / 'config.json'}: {first_line(exc)}") from None
     return json.loads(json.dumps(config.to_dict(), default=str))
 
@@ -249,7 +249,7 @@ def build_hf(name: str, input_shape: tuple[int, ...], num_classes: int,
                     str(weights.parent), config=cfg, ignore_mismatched_sizes=True,
                     use_safetensors=True, local_files_only=True, trust_remote_code=False,
                     output_loading_info=True)
-    except (ValueError, KeyError, OSError, TypeError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types (ImportError too)
         raise UserError(f"{name}: {first_line(exc)}") from None
     if weights is not None:
         _check_loaded(name, weights, net, info)
