@@ -143,8 +143,9 @@ def evaluate(
 ) -> None:
     """Accuracy and loss of a saved model on a dataset split."""
     from fedavg.inference import evaluate_model
+    from fedavg.output import model_prints_to_stderr
 
-    with guard():
+    with guard(), model_prints_to_stderr():
         res = evaluate_model(model_dir, dataset, split=split, image_column=image_column,
                              label_column=label_column, device=device, model=model)
     if as_json:
@@ -173,23 +174,24 @@ def predict(
     model: SavedModelCodeOption = None,
 ) -> None:
     """Predict classes with a saved model."""
+    import fedavg.output as files
     from fedavg.inference import predict as run
-    from fedavg.output import check_predictions_output, write_predictions, write_predictions_csv
 
     to_file = output is not None and str(output) != "-"
-    with guard("interrupted: no predictions were written"):
+    with guard("interrupted: no predictions were written"), files.model_prints_to_stderr():
         if to_file:
-            check_predictions_output(output, model_dir, inputs)
+            files.check_predictions_output(output, model_dir, inputs)
         rows = run(model_dir, inputs, split=split, device=device, text=text, model=model,
                    on_note=lambda note: err_console.print(f"[yellow]note:[/] {note}",
                                                           highlight=False))
         if to_file:
-            write_predictions(rows, output)
-            console.print(f"{len(rows)} prediction(s) written to {escape(str(output))}",
-                          highlight=False)
-            return
+            files.write_predictions(rows, output)
+    if to_file:
+        console.print(f"{len(rows)} prediction(s) written to {escape(str(output))}",
+                      highlight=False)
+        return
     if output is not None or not console.is_terminal:  # --output -, piped or redirected:
-        write_predictions_csv(rows, sys.stdout)  # every prediction, as CSV (a reader that
+        files.write_predictions_csv(rows, sys.stdout)  # every prediction, as CSV (a reader that
         return  # leaves early: see run_app)
     from fedavg.display import predictions_table
 

@@ -424,3 +424,25 @@ def test_messages_keep_colon_words_as_written(capsys):
     console.print("file :smile:.csv")
     out = capsys.readouterr()
     assert "m/b.py:ok:extra" in out.err and ":smile:.csv" in out.out
+
+
+def test_what_model_code_prints_goes_to_stderr_not_into_json_or_csv(tmp_path):
+    import csv
+    import json
+
+    code = tmp_path / "pr.py"
+    code.write_text("from torch import nn\n\ndef printer(input_shape, num_classes):\n"
+                    "    print('HELLO FROM BUILDER')\n"
+                    "    return nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))\n")
+    spec = {**META["model"], "name": f"{code}:printer"}
+    state = build_model(f"{code}:printer", (1, 8, 8), 10).state_dict()
+    model = checkpoint.save(tmp_path / "model", state, {**META, "model": spec})
+    res = runner.invoke(app, ["evaluate", str(model), "--json", "--model", f"{code}:printer"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["num_examples"] == 359  # stdout is the JSON alone
+    assert "HELLO FROM BUILDER" in res.stderr
+    res = runner.invoke(app, ["predict", str(model), "digits", "--model", f"{code}:printer"],
+                        env={"TTY_COMPATIBLE": "0"})
+    assert res.exit_code == 0, res.output
+    assert len(list(csv.DictReader(res.stdout.splitlines()))) == 359
+    assert "HELLO" not in res.stdout and "HELLO FROM BUILDER" in res.stderr
