@@ -117,7 +117,7 @@ def merge_models(
     meta = {**{k: v for k, v in first.items() if k not in _NOT_INHERITED},
             "strategy": config.merge.strategy, "merged_from": [str(d) for d in dirs]}
     # created only now: a refused merge leaves no folder; no run may write into it meanwhile
-    make_output(out, lock=True)
+    make_output(out, lock=True, overwrite=overwrite)
     try:
         if overwrite:  # a previous run's files go as a whole (its checkpoint, metrics, nodes)
             clear_previous_run(out)

@@ -50,7 +50,8 @@ def default_output(prefix: str = "") -> Path:
     raise UserError(f"cannot find a free run folder next to {base}; pass --output")
 
 
-def make_output(output: str | Path | None, *, lock: bool = False) -> Path:
+def make_output(output: str | Path | None, *, lock: bool = False,
+                overwrite: bool | None = None) -> Path:
     """Create the run folder: ``output``, or a new :func:`default_output`.
 
     Parameters
@@ -60,11 +61,17 @@ def make_output(output: str | Path | None, *, lock: bool = False) -> Path:
     lock : bool
         Also take the folder's writer lock, until :func:`release_output` (or the end of
         the process).
+    overwrite : bool, optional
+        With ``lock``: check again, holding the lock, that the folder holds no run unless
+        ``overwrite`` (:func:`check_output`). A command that checked at its start and then
+        loaded data for a while would otherwise replace a run another command finished
+        meanwhile. ``None`` (a resume, which writes into its run) checks nothing.
 
     Raises
     ------
     UserError
-        It cannot be created, or another command holds its lock (a run still going on).
+        It cannot be created, another command holds its lock (a run still going on), or
+        it now holds a run and ``overwrite`` is false.
     """
     out = Path(output) if output is not None else default_output()
     try:
@@ -73,6 +80,12 @@ def make_output(output: str | Path | None, *, lock: bool = False) -> Path:
         raise UserError(f"cannot create output folder {out}: {exc.strerror}") from None
     if lock:
         _lock(out)
+        if overwrite is not None:
+            try:
+                check_output(out, overwrite)
+            except UserError:
+                release_output(out)
+                raise
     RUN_OUTPUT[:] = [out]
     return out
 

@@ -258,14 +258,15 @@ def simulate(
     from fedavg.tracking import tracked
 
     with tracked(tracking, config.to_flat()) as trackers:
-        return _prepare_and_run(config, ckpt, output, backend, console, trackers, started)
+        return _prepare_and_run(config, ckpt, output, backend, console, trackers, started,
+                                overwrite)
 
 
 def _prepare_and_run(config: RunConfig, ckpt, output, backend: dict[str, Any], console,
-                     trackers, started: float) -> run.RunResult:
+                     trackers, started: float, overwrite: bool = False) -> run.RunResult:
     """Prepare the data, make the run folder, run the rounds and finish the run."""
     prepared = run.prepare(config)
-    out = run.make_output(output, lock=True)
+    out = run.make_output(output, lock=True, overwrite=None if ckpt is not None else overwrite)
     from fedavg.display import show_plan
 
     show_plan(console, prepared, config)

@@ -117,3 +117,32 @@ def test_json_files_hold_no_nan_or_infinity(tmp_path):
 
     assert strict((tmp_path / "s.json").read_text()) == {"loss": None, "rounds": [1.5, None],
                                                          "nested": {"x": None}}
+
+
+def test_a_run_finished_by_another_command_meanwhile_is_not_replaced(tmp_path, monkeypatch):
+    """A command that checked its folder at the start rechecks it once it holds the lock.
+
+    The data loaded for a while in between, and a run another command finished meanwhile
+    was replaced, without --overwrite.
+    """
+    import fedavg
+    from fedavg import run
+    from fedavg.output import make_output, release_output
+
+    out = tmp_path / "race"
+    real_prepare = run.prepare
+
+    def prepare_while_another_run_finishes(config, **kwargs):
+        prepared = real_prepare(config, **kwargs)
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"the other run's model")
+        return prepared
+
+    monkeypatch.setattr(run, "prepare", prepare_while_another_run_finishes)
+    with pytest.raises(UserError, match="already holds a run; choose another --output or pass "
+                                        "--overwrite"):
+        fedavg.simulate(fedavg.RunConfig().replace(rounds=1, num_nodes=2), output=out,
+                        console=None)
+    assert (out / "model.safetensors").read_bytes() == b"the other run's model"
+    make_output(out, lock=True)  # the refused command let go of the folder's lock
+    release_output(out)

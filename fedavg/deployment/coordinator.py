@@ -65,6 +65,7 @@ class _Options:
     verbose: bool = False
     output: Path | None = None
     resume_from: Any = None  # a fedavg.resume.Checkpoint
+    overwrite: bool = False
 
     @property
     def local(self) -> str:
@@ -262,7 +263,7 @@ def _check_options(config: RunConfig, *, address: str, certs: Path | None, insec
     if output is not None and ckpt is None:
         check_output(Path(output), overwrite)
     return _Options(config, host, port, certs, keys_pem, min_nodes, per_round, wait_timeout,
-                    verbose, output, ckpt)
+                    verbose, output, ckpt, overwrite)
 
 
 def _superlink_args(opts: _Options, secret_path: Path) -> list[str]:
@@ -312,7 +313,8 @@ def _submit(link: FlowerProcess, opts: _Options, home: Path, output: Path | None
     control = _wait_ready(link, opts)
     try:
         # only once the SuperLink runs: a failed start writes nothing
-        out = make_output(output, lock=True)
+        out = make_output(output, lock=True,
+                          overwrite=None if opts.resume_from is not None else opts.overwrite)
         say(f"coordinator listening on [bold]{join_address(opts.host, opts.port)}[/] "
             f"({'TLS' if opts.certs else 'NO TLS'}"
             f"{', node authentication' if opts.keys_pem else ''})")
