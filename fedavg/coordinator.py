@@ -29,6 +29,7 @@ from fedavg.display import Progress
 from fedavg.flower_adapter import FlowerAdapter, StreamingGrid
 from fedavg.models import merge_context
 from fedavg.output import clear_previous_run
+from fedavg.resume_checks import check_same_data
 from fedavg.run import Prepared, RoundRecord, RunState
 from fedavg.train import evaluate, evaluation_device
 from fedavg.wire import TrainSettings
@@ -230,7 +231,8 @@ class ServerRun:
         from fedavg.errors import UserError
 
         where = self.output / resume.CHECKPOINT
-        _check_same_tokenizer(self.output, self.prepared.meta["input"])
+        check_same_data(self.output, self.prepared.meta["input"],
+                        self.prepared.meta.get("dataset"))
         resume.check_same_model(self.output, self.prepared.meta.get("model"))
         problem = resume.model_mismatch(fresh, ckpt.model)
         if problem:
@@ -428,29 +430,3 @@ def make_server_app(config: RunConfig, prepared: Prepared, output: Path, state: 
             raise
 
     return app
-
-
-def _check_same_tokenizer(output, input_spec: dict) -> None:
-    """Refuse to resume a text run whose data are now tokenized otherwise than before.
-
-    Raises
-    ------
-    fedavg.errors.UserError
-        Another tokenizer (file, buckets, length) than the saved model's.
-    """
-    import json
-
-    from fedavg.errors import UserError
-    from fedavg.text import same_tokenization
-
-    try:
-        saved = json.loads((output / "model.json").read_text())["input"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # no saved model yet: nothing to compare
-    if input_spec.get("kind") != "text" or saved.get("kind") != "text":
-        return
-    diff = same_tokenization(saved.get("tokenizer", {}), input_spec["tokenizer"])
-    if diff:
-        raise UserError(f"{output} was trained on texts tokenized otherwise ({diff}); resume "
-                        f"with the tokenizer it was trained with (a copy is {output}/"
-                        "tokenizer.json for a file tokenizer)")

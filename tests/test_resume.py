@@ -306,6 +306,23 @@ def test_resume_refuses_a_model_now_built_from_other_files(tmp_path):
         resume.check_same_model(tmp_path, {**edited, "name": "mlp"})
 
 
+def test_resume_refuses_data_that_are_now_other_samples(tmp_path):
+    """Another file at the data's path: the run went on, scoring later rounds on other data."""
+    from fedavg.resume_checks import check_same_data
+
+    image = {"kind": "image", "shape": [1, 8, 8]}
+    counts = {"source": "d.csv", "train_samples": 1438, "test_samples": 359}
+    check_same_data(tmp_path, image, counts)  # no model.json yet: nothing to compare
+    (tmp_path / "model.json").write_text(json.dumps({"input": image, "dataset": counts}))
+    check_same_data(tmp_path, image, dict(counts))
+    with pytest.raises(UserError, match=rf"^{tmp_path} was trained on 1438 train samples; its "
+                                        r"data now has 718 \(the files changed\?\): resume "
+                                        r"with the data it was trained on, or start a new run$"):
+        check_same_data(tmp_path, image, {**counts, "train_samples": 718})
+    with pytest.raises(UserError, match="was trained on 359 test samples; its data now has 180"):
+        check_same_data(tmp_path, image, {**counts, "test_samples": 180})
+
+
 def test_a_run_whose_model_file_moved_resumes_with_the_file_named_anew(tmp_path):
     """The same file name and function elsewhere is the run's code; another file is not."""
     for folder in ("old", "new"):

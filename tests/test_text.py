@@ -390,14 +390,14 @@ def test_vocab_size_and_pad_id_come_from_the_tokenizer():
 
 
 def test_resume_refuses_texts_tokenized_otherwise(tmp_path):
-    from fedavg.coordinator import _check_same_tokenizer
+    from fedavg.resume_checks import check_same_data
 
     spec = {"kind": "text", "tokenizer": {"kind": "file", "sha256": "aa", "max_length": 8}}
     (tmp_path / "model.json").write_text(json.dumps({"input": spec}))
-    _check_same_tokenizer(tmp_path, spec)  # the same: fine
+    check_same_data(tmp_path, spec)  # the same: fine
     changed = {**spec, "tokenizer": {**spec["tokenizer"], "sha256": "bb"}}
     with pytest.raises(UserError, match="tokenized otherwise.*sha256 'aa' vs 'bb'"):
-        _check_same_tokenizer(tmp_path, changed)
+        check_same_data(tmp_path, changed)
 
 
 def test_text_that_is_not_utf8_is_one_line(tmp_path):
