@@ -9,6 +9,7 @@ SIGTERM stop a command and its engine processes at once with exit code 130
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import logging
 import os
@@ -71,7 +72,13 @@ def guard(interrupted: str = "interrupted"):
     ``interrupted`` and exits 130.
     """
     try:
-        yield
+        try:
+            yield
+        except Exception as exc:  # a full or read-only disk: a failed run, not a bug
+            why = disk_full(exc)
+            if why is None:
+                raise
+            raise RunError(f"cannot write {why}") from None
     except KeyboardInterrupt:
         err_console.print(escape(interrupted), highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
@@ -87,6 +94,28 @@ def guard(interrupted: str = "interrupted"):
                           + (f"; {escape(hint)}" if hint else ""), highlight=False,
                           soft_wrap=True)
         raise typer.Exit(1) from None
+
+
+#: What a full, read-only or forbidden place to write says (errno).
+_DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_full(exc: BaseException) -> str | None:
+    """Say which file could not be written and why, for a full or read-only disk; else None.
+
+    Covers Python's ``OSError`` and safetensors' own error, which carries the OS error in
+    its text (``Os { code: 28, ... }`` or ``(os error 28)``).
+    """
+    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+        where = f" {exc.filename}" if exc.filename else ""
+        return f"{where.strip() or 'a file'}: {exc.strerror}"
+    if type(exc).__name__ == "SafetensorError":
+        import re
+
+        found = re.search(r"(?:code: |os error )(\d+)", str(exc))
+        if found and int(found.group(1)) in _DISK_ERRNOS:
+            return f"the model file: {os.strerror(int(found.group(1)))}"
+    return None
 
 
 def on_signal(message, cleanup=None):

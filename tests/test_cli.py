@@ -446,3 +446,32 @@ def test_what_model_code_prints_goes_to_stderr_not_into_json_or_csv(tmp_path):
     assert res.exit_code == 0, res.output
     assert len(list(csv.DictReader(res.stdout.splitlines()))) == 359
     assert "HELLO" not in res.stdout and "HELLO FROM BUILDER" in res.stderr
+
+
+def test_a_full_or_read_only_disk_is_a_failed_run_in_one_line(capsys):
+    """It was a traceback (OSError, or safetensors' own error) with no resume hint."""
+    import errno
+
+    import typer
+
+    from fedavg.cli_support import guard
+
+    class SafetensorError(Exception):  # safetensors' type, by name (a Rust error)
+        pass
+
+    for exc, said in (
+        (OSError(errno.ENOSPC, "No space left on device", "/r/.model.safetensors.x.tmp"),
+         "/r/.model.safetensors.x.tmp: No space left on device"),
+        (OSError(errno.EROFS, "Read-only file system", "/r/summary.json"),
+         "/r/summary.json: Read-only file system"),
+        (SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                         'message: "No space left on device" })'),
+         "the model file: No space left on device"),
+        (SafetensorError("Error while serializing: I/O error: Read-only file system (os error "
+                         "30)"), "the model file: Read-only file system")):
+        with pytest.raises(typer.Exit) as stopped, guard():
+            raise exc
+        assert stopped.value.exit_code == 1
+        assert capsys.readouterr().err.strip() == f"run failed: cannot write {said}"
+    with pytest.raises(FileNotFoundError), guard():  # not about the disk: a bug, kept whole
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", "x")
