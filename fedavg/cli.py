@@ -284,7 +284,7 @@ def coordinator(
 
     from fedavg.run import RUN_OUTPUT
 
-    on_signal(lambda: interrupted(RUN_OUTPUT[0] if RUN_OUTPUT else None))
+    on_signal(lambda: interrupted(RUN_OUTPUT[0] if RUN_OUTPUT else resume))  # its rounds
     with guard():
         coordinate(config, console=console, address=address, certs=certs, insecure=insecure,
                    auth_keys=auth_keys, min_nodes=min_nodes,
