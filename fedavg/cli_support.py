@@ -183,6 +183,9 @@ def resume_hint(output: Path | None, without: tuple[str, ...] = ()) -> str | Non
 
 def interrupted(output: Path | None) -> str:
     """Return what to say on a signal: where the finished rounds are kept, and how to resume."""
+    summary = None if output is None else Path(output) / "summary.json"
+    if summary is not None and summary.is_file() and summary.stat().st_mtime >= STARTED:
+        return f"interrupted after the run finished: its model and results are in {output}"
     hint = resume_hint(output)
     return (f"interrupted: {hint}" if hint else
             "interrupted before the first round finished: nothing of this run was saved")

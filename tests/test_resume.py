@@ -215,6 +215,9 @@ def test_the_resume_hint_is_only_for_this_runs_checkpoint(tmp_path, monkeypatch)
                                                   str(tmp_path)])
     os.utime(path, (cli_support.STARTED - 60, cli_support.STARTED - 60))  # resumed, not new
     assert "resume with:" in cli_support.interrupted(tmp_path)
+    (tmp_path / "summary.json").write_text("{}")  # this command finished the run
+    assert cli_support.interrupted(tmp_path) == ("interrupted after the run finished: its model "
+                                                 f"and results are in {tmp_path}")
 
 
 def test_only_the_rounds_may_change(tmp_path):
