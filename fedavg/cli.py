@@ -92,7 +92,7 @@ def merge(
     validation: Annotated[Optional[str], typer.Option(
         help="Held-out dataset for greedy-soup, fitted weights, distill")] = None,
     distill_data: Annotated[Optional[str], typer.Option(
-        help="Unlabeled dataset for distill")] = None,
+        help="Dataset for distill (its labels are dropped)")] = None,
     seed: Annotated[int, typer.Option(help="Seed of any random choice")] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
     overwrite: Annotated[bool, typer.Option(

@@ -194,7 +194,7 @@ class MergeConfig:
                                      "weights, distill (default: a slice of train)")
     validation_fraction: float = setting(0.1, "Share of train held out for validation",
                                          cli=False)
-    distill_data: str | None = setting(None, "Unlabeled dataset for distill (default: a "
+    distill_data: str | None = setting(None, "Dataset for distill, its labels dropped (default: a "
                                        "slice of train, labels removed)")
     distill_fraction: float = setting(0.1, "Share of train held out for distillation",
                                       cli=False)

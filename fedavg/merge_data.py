@@ -13,7 +13,7 @@ from typing import Any
 from fedavg.columns import saved_load_args
 from fedavg.data import LoadedData, Split, check_kind, conform, holdout, load
 from fedavg.datasources import same_source
-from fedavg.errors import UserError
+from fedavg.errors import NoLabelColumn, UserError
 
 
 def unused_data(config, strategy) -> list[tuple[str, str]]:
@@ -82,7 +82,13 @@ def run_merge_data(config, strategy, data: LoadedData):
 
 def _aligned_split(source: str, data: LoadedData, flag: str, labels: bool = True) -> Split:
     """Return the train split of another dataset, checked against ``data``'s inputs and classes."""
-    other = load(source, tokenizer=data.tokenizer if data.tokenizer else "hashed")
+    try:
+        other = load(source, tokenizer=data.tokenizer if data.tokenizer else "hashed")
+    except NoLabelColumn:
+        if labels:
+            raise
+        raise UserError(f"{flag} {source}: fedavg reads it as a dataset with a label column, "
+                        "whose labels it then drops; add a label column (any values)") from None
     check_kind(data.input_spec(), other, f"{flag} {source}")
     return conform(other.train, f"{flag} {source}", data.input_shape,
                    other.classes if labels else None, data.classes)
@@ -110,7 +116,14 @@ def saved_merge_samples(source: str, meta: dict[str, Any], fraction: float, toke
     """
     ds = meta.get("dataset", {})
     seed = int(ds.get("seed", 0))
-    data = load(source, tokenizer=tokenizer, **saved_load_args(meta, source))
+    try:
+        data = load(source, tokenizer=tokenizer, **saved_load_args(meta, source))
+    except NoLabelColumn:
+        if not unlabeled:
+            raise
+        raise UserError(f"--distill-data {source}: fedavg reads it as a dataset with a label "
+                        "column, whose labels it then drops; add a label column (any "
+                        "values)") from None
     check_kind(meta["input"], data, source)
     own = same_source(source, ds.get("source"))
     kept = ds.get("validation_kept")  # kept from the nodes' train split (not --validation B)
@@ -137,4 +150,5 @@ def saved_merge_samples(source: str, meta: dict[str, Any], fraction: float, toke
                         "(e.g. --ensemble-weights fitted)")
     else:
         _, split = holdout(data.train, fraction, seed + 1)
-    return conform(split, source, meta["input"]["shape"], data.classes, meta["classes"])
+    return conform(split, source, meta["input"]["shape"],  # unlabeled: its labels are dropped
+                   None if unlabeled else data.classes, meta["classes"])

@@ -504,3 +504,22 @@ def test_a_validation_slice_of_other_data_is_not_the_runs_own_kept_slice(tmp_pat
             saved_merge_samples("digits", meta, 0.1, None, held_out=True)
     meta["config"]["merge"]["validation"] = None  # kept from train: that slice
     assert len(saved_merge_samples("digits", meta, 0.1, None, held_out=True)) == 144
+
+
+def test_distillation_data_labels_are_dropped_not_checked(tmp_path, node_models):
+    """Classes the models do not know were refused, though distillation drops the labels."""
+    from PIL import Image
+
+    from fedavg.data import load
+
+    folder, _ = node_models
+    digits = load("digits").train
+    for i in range(30):  # two made-up classes the models do not have
+        part = tmp_path / "unlabelled" / ("scans" if i % 2 else "photos")
+        part.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(digits.x[i].reshape(8, 8).astype("uint8"), "L").save(part / f"{i}.png")
+    res = runner.invoke(app, ["merge", str(folder), "--strategy", "distill", "--validation",
+                              "digits", "--distill-data", str(tmp_path / "unlabelled"),
+                              "--distill-steps", "2", "--output", str(tmp_path / "d")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "d" / "model.safetensors").is_file()
