@@ -194,7 +194,11 @@ def test_one_writer_per_run_folder(tmp_path):
     with pytest.raises(UserError, match="another fedavg command is writing into"):
         make_output(tmp_path / "run", lock=True)
     release_output(out)
+    killed = out / ".checkpoint.safetensors.x1y2.tmp"  # a save cut by kill -9
+    killed.write_bytes(b"half")
+    (out / "notes.tmp").write_text("the user's")
     release_output(make_output(tmp_path / "run", lock=True))
+    assert not killed.exists() and (out / "notes.tmp").exists()
 
 
 def test_the_resume_hint_is_only_for_this_runs_checkpoint(tmp_path, monkeypatch):
