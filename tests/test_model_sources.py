@@ -426,6 +426,23 @@ def test_a_file_builder_is_stored_absolute(user_file, tmp_path, monkeypatch):
     assert isinstance(ModelSpec.from_dict(spec.as_dict()).build(), nn.Module)
 
 
+def test_a_file_builder_imports_its_own_modules_beside_it(tmp_path, monkeypatch):
+    """``from layers import head`` beside the builder file was a ModuleNotFoundError."""
+    code = tmp_path / "proj"
+    code.mkdir()
+    (code / "fedavg_test_layers_x.py").write_text(
+        "from torch import nn\n\ndef head(k):\n    return nn.Linear(64, k)\n")
+    (code / "net.py").write_text(
+        "from torch import nn\nfrom fedavg_test_layers_x import head\n\n"
+        "def build(input_shape, num_classes):\n"
+        "    return nn.Sequential(nn.Flatten(), head(num_classes))\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the folder added goes with the test
+    monkeypatch.chdir("/")
+    net = ModelSpec.resolve(f"{code / 'net.py'}:build", (1, 8, 8), 10, {}).build()
+    assert net(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    assert sys.path[-1] == str(code)  # after every other entry: it shadows nothing
+
+
 def test_a_module_builder(tmp_path, monkeypatch):
     pkg = tmp_path / "mypkg"
     pkg.mkdir()

@@ -79,6 +79,8 @@ def _import(where: str, is_file: bool, name: str) -> ModuleType:
                             "(a .py file with the builder function)")
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module  # classes defined in it resolve their module
+        if str(path.parent) not in sys.path:  # its own modules beside it import, as with
+            sys.path.append(str(path.parent))  # `python file.py` (last: none shadows ours)
         try:
             spec.loader.exec_module(module)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - SyntaxError ... in user code
