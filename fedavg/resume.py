@@ -348,10 +348,11 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
             hint = (f"; the run's {saved[key]} is gone: put it back there" if missing else
                     "; only --rounds (and --round-timeout, --device, --max-update-norm) may "
                     "change: start a new run with another --output for other settings")
-            given = (f"--{key} {_shown(asked[key])}" if asked.get(key) is not None
-                     else f"leaving out --{key}")
+            flag = "model-arg" if key == "model-args" else key  # the option's own name
+            given = (f"--{flag} {_shown(asked[key])}" if asked.get(key) is not None
+                     else f"leaving out --{flag}")
             had = (f"the run's {_shown(saved[key])}" if saved.get(key) is not None
-                   else f"the run, which had no --{key}")
+                   else f"the run, which had no --{flag}")
             raise UserError(f"--resume {where}: {given} differs from {had}{hint}")
     # every round done but no summary.json (stopped while finishing), or one that does not
     # read (cut short): the resume finishes it

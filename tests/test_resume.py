@@ -235,6 +235,10 @@ def test_only_the_rounds_may_change(tmp_path):
         resume.resumed_config(ckpt, ckpt.run_config().replace(lr=0.1), "run")
     with pytest.raises(UserError, match=r"--strategy fedadam differs from the run's fedavg"):
         resume.resumed_config(ckpt, ckpt.run_config().replace(strategy="fedadam"), "run")
+    with pytest.raises(UserError, match=r"--model-arg \{\"hidden\": 200\} differs from the run, "
+                                        r"which had no --model-arg;"):  # the option's name
+        resume.resumed_config(ckpt, ckpt.run_config().replace(model_args={"hidden": 200}),
+                              "run")
     with pytest.raises(UserError, match=r"--validation other differs from the run, which had "
                                         r"no --validation; only --rounds"):
         resume.resumed_config(ckpt, ckpt.run_config().replace(validation="other"), "run")
