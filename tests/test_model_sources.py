@@ -959,7 +959,7 @@ def test_user_module_with_model_args_on_digits(tmp_path, user_file, no_leaks):
     bad = _run_in(tmp_path, "simulate", "--resume", out, "--rounds", "3", "--model-arg",
                   "hidden=8")
     assert bad.returncode == 2
-    assert "--model-args" in assert_one_error_line(bad.stderr)
+    assert '--model-arg {"hidden": 8} differs' in assert_one_error_line(bad.stderr)
 
 
 def _run_in(cwd, *args):
