@@ -78,7 +78,8 @@ def guard(interrupted: str = "interrupted"):
             why = disk_full(exc)
             if why is None:
                 raise
-            raise RunError(f"cannot write {why}") from None
+            verb = "access" if getattr(exc, "errno", None) == errno.EACCES else "write"
+            raise RunError(f"cannot {verb} {why}") from None
     except KeyboardInterrupt:
         err_console.print(escape(interrupted), highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None

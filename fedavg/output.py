@@ -80,8 +80,9 @@ def make_output(output: str | Path | None, *, lock: bool = False,
         raise UserError(f"cannot create output folder {out}: {exc.strerror}") from None
     if lock:
         _lock(out)
-        for tmp in out.glob(".*.tmp"):  # a killed command's half-written file (atomic_write's):
-            tmp.unlink(missing_ok=True)  # no other command writes here while we hold the lock
+        for name in (*RUN_FILES, "tokenizer.json"):  # a killed command's half-written run
+            for tmp in out.glob(f".{name}.*.tmp"):  # file (atomic_write's): no other command
+                tmp.unlink(missing_ok=True)  # writes here while we hold the lock
         if overwrite is not None:
             try:
                 check_output(out, overwrite)

@@ -464,6 +464,8 @@ def test_a_full_or_read_only_disk_is_a_failed_run_in_one_line(capsys):
          "/r/.model.safetensors.x.tmp: No space left on device"),
         (OSError(errno.EROFS, "Read-only file system", "/r/summary.json"),
          "/r/summary.json: Read-only file system"),
+        (PermissionError(errno.EACCES, "Permission denied", "/r/model.json"),
+         "/r/model.json: Permission denied"),
         (SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
                          'message: "No space left on device" })'),
          "the model file: No space left on device"),
@@ -472,6 +474,7 @@ def test_a_full_or_read_only_disk_is_a_failed_run_in_one_line(capsys):
         with pytest.raises(typer.Exit) as stopped, guard():
             raise exc
         assert stopped.value.exit_code == 1
-        assert capsys.readouterr().err.strip() == f"run failed: cannot write {said}"
+        verb = "access" if "Permission" in said else "write"  # it may have been a read
+        assert capsys.readouterr().err.strip() == f"run failed: cannot {verb} {said}"
     with pytest.raises(FileNotFoundError), guard():  # not about the disk: a bug, kept whole
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", "x")

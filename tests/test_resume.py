@@ -197,8 +197,10 @@ def test_one_writer_per_run_folder(tmp_path):
     killed = out / ".checkpoint.safetensors.x1y2.tmp"  # a save cut by kill -9
     killed.write_bytes(b"half")
     (out / "notes.tmp").write_text("the user's")
+    (out / ".draft.x1y2.tmp").write_text("the user's too")  # not a run file's
     release_output(make_output(tmp_path / "run", lock=True))
-    assert not killed.exists() and (out / "notes.tmp").exists()
+    assert not killed.exists()
+    assert (out / "notes.tmp").exists() and (out / ".draft.x1y2.tmp").exists()
 
 
 def test_the_resume_hint_is_only_for_this_runs_checkpoint(tmp_path, monkeypatch):
