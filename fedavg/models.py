@@ -175,9 +175,10 @@ def check_model_args(name: str, args: dict[str, Any]) -> None:
         return
     fn = model_sources.user_builder(name) if kind == "code" else _MODELS[name][0]
     what = f"model {name!r}"
-    kwargs = model_sources.Takes.of(fn, what).kwargs(what, args)
+    data = dict.fromkeys(model_sources.DATA_ARGS, 1)  # text data gives these: not missing
+    kwargs = model_sources.Takes.of(fn, what).kwargs(what, {**args, **data})
     if kind == "registry":
-        _check_sizes(fn, what, kwargs)
+        _check_sizes(fn, what, {k: v for k, v in kwargs.items() if k not in data})
 
 
 def _check_sizes(fn, what: str, kwargs: dict[str, Any]) -> None:

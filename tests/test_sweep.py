@@ -1165,3 +1165,9 @@ def test_a_sweep_refuses_model_arguments_its_model_cannot_take_before_any_run(tm
         assert f"point model-args={bad}-16:" in line and f"argument {bad!r}" in line
         assert f"it takes: {good}" in line
         assert not (tmp_path / "sw").exists()  # nothing ran, no folder was made
+    from fedavg.models import check_model_args
+
+    check_model_args("fasttext", {})  # vocab_size: the text data's, not missing
+    check_model_args("fasttext", {"dim": 16})
+    with pytest.raises(UserError, match="does not take argument 'dimm'"):
+        check_model_args("fasttext", {"dimm": 16})
