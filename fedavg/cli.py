@@ -7,6 +7,7 @@ command passes them on as ``RunConfig().replace(**settings)``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -143,9 +144,8 @@ def evaluate(
 ) -> None:
     """Accuracy and loss of a saved model on a dataset split."""
     from fedavg.inference import evaluate_model
-    from fedavg.output import model_prints_to_stderr
 
-    with guard(), model_prints_to_stderr():
+    with guard(), contextlib.redirect_stdout(sys.stderr):  # model code's prints: not in --json
         res = evaluate_model(model_dir, dataset, split=split, image_column=image_column,
                              label_column=label_column, device=device, model=model)
     if as_json:
@@ -178,7 +178,8 @@ def predict(
     from fedavg.inference import predict as run
 
     to_file = output is not None and str(output) != "-"
-    with guard("interrupted: no predictions were written"), files.model_prints_to_stderr():
+    with guard("interrupted: no predictions were written"), \
+            contextlib.redirect_stdout(sys.stderr):  # model code's prints: not in the CSV
         if to_file:
             files.check_predictions_output(output, model_dir, inputs)
         rows = run(model_dir, inputs, split=split, device=device, text=text, model=model,

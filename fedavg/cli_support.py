@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from fedavg.errors import RunError, UserError
+from fedavg.errors import DISK_ERRNOS, RunError, UserError
 
 # soft_wrap: long lines are never broken up, so they read whole in a terminal of any width
 # and in a log file; tables fold their cells instead of cutting them.
@@ -97,25 +97,14 @@ def guard(interrupted: str = "interrupted"):
         raise typer.Exit(1) from None
 
 
-#: What a full, read-only or forbidden place to write says (errno).
-_DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EFBIG)
-
-
 def disk_full(exc: BaseException) -> str | None:
     """Say which file could not be written and why, for a full or read-only disk; else None.
 
-    Covers Python's ``OSError`` and safetensors' own error, which carries the OS error in
-    its text (``Os { code: 28, ... }`` or ``(os error 28)``).
+    (Model and JSON files say it themselves: see ``checkpoint.atomic_write``.)
     """
-    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+    if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
         where = f" {exc.filename}" if exc.filename else ""
         return f"{where.strip() or 'a file'}: {exc.strerror}"
-    if type(exc).__name__ == "SafetensorError":
-        import re
-
-        found = re.search(r"(?:code: |os error )(\d+)", str(exc))
-        if found and int(found.group(1)) in _DISK_ERRNOS:
-            return f"the model file: {os.strerror(int(found.group(1)))}"
     return None
 
 

@@ -4,6 +4,11 @@ The CLI prints them as one line (``error: ...``) and exits with code 2, without 
 Anything else is a bug and keeps its traceback.
 """
 
+import errno
+
+#: What a full, read-only or forbidden place to write says (errno).
+DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EFBIG)
+
 
 class UserError(Exception):
     """A mistake in the input (path, column, option value) with a message saying what to fix."""

@@ -8,13 +8,11 @@ it back.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import datetime as _dt
 import fcntl
 import json
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -257,14 +255,3 @@ def write_predictions(rows: list[dict[str, Any]], path: str | Path) -> Path:
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror}") from None
     return path
-
-
-@contextlib.contextmanager
-def model_prints_to_stderr():
-    """Send what a model's own code prints to stderr, while it is built and run.
-
-    ``evaluate --json`` and piped predictions write JSON / CSV on stdout; a ``print`` in a
-    builder or ``forward`` would make that unreadable.
-    """
-    with contextlib.redirect_stdout(sys.stderr):
-        yield

@@ -1,6 +1,9 @@
 """What a new user reads: the version, help texts, tables at any width, notes on inputs."""
 
+import errno
 import json
+import os
+import re
 from pathlib import Path
 
 import click
@@ -450,27 +453,18 @@ def test_what_model_code_prints_goes_to_stderr_not_into_json_or_csv(tmp_path):
 
 def test_a_full_or_read_only_disk_is_a_failed_run_in_one_line(capsys):
     """It was a traceback (OSError, or safetensors' own error) with no resume hint."""
-    import errno
-
     import typer
 
     from fedavg.cli_support import guard
-
-    class SafetensorError(Exception):  # safetensors' type, by name (a Rust error)
-        pass
+    from fedavg.errors import RunError
 
     for exc, said in (
-        (OSError(errno.ENOSPC, "No space left on device", "/r/.model.safetensors.x.tmp"),
-         "/r/.model.safetensors.x.tmp: No space left on device"),
         (OSError(errno.EROFS, "Read-only file system", "/r/summary.json"),
          "/r/summary.json: Read-only file system"),
         (PermissionError(errno.EACCES, "Permission denied", "/r/model.json"),
          "/r/model.json: Permission denied"),
-        (SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
-                         'message: "No space left on device" })'),
-         "the model file: No space left on device"),
-        (SafetensorError("Error while serializing: I/O error: Read-only file system (os error "
-                         "30)"), "the model file: Read-only file system")):
+        (RunError("cannot write /r/model.safetensors: No space left on device"),
+         "/r/model.safetensors: No space left on device")):
         with pytest.raises(typer.Exit) as stopped, guard():
             raise exc
         assert stopped.value.exit_code == 1
@@ -478,3 +472,33 @@ def test_a_full_or_read_only_disk_is_a_failed_run_in_one_line(capsys):
         assert capsys.readouterr().err.strip() == f"run failed: cannot {verb} {said}"
     with pytest.raises(FileNotFoundError), guard():  # not about the disk: a bug, kept whole
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", "x")
+
+
+class SafetensorError(Exception):
+    """safetensors' error type, known by its name (a Rust error)."""
+
+
+@pytest.mark.parametrize("exc, why", [
+    (OSError(errno.ENOSPC, "No space left on device", "/r/.model.safetensors.x.tmp"),
+     "No space left on device"),
+    (SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                     'message: "No space left on device" })'), "No space left on device"),
+    (SafetensorError("Error while serializing: I/O error: Read-only file system (os error 30)"),
+     "Read-only file system")])
+def test_a_file_the_disk_has_no_room_for_is_named_and_the_old_one_kept(tmp_path, exc, why):
+    """The writer names the file itself, not its half-written copy nor "the model file"."""
+    from fedavg.checkpoint import atomic_write
+    from fedavg.errors import RunError
+
+    path = tmp_path / "model.safetensors"
+    path.write_text("round 3")
+
+    def _write(tmp):
+        Path(tmp).write_text("half of round 4")
+        raise exc
+
+    with pytest.raises(RunError, match=f"^cannot write {re.escape(str(path))}: {why}$"):
+        atomic_write(path, _write)
+    assert path.read_text() == "round 3" and os.listdir(tmp_path) == ["model.safetensors"]
+    with pytest.raises(SafetensorError):  # another error of safetensors: not the disk
+        atomic_write(path, lambda tmp: (_ for _ in ()).throw(SafetensorError("bad dtype")))
