@@ -23,10 +23,13 @@ from rich.markup import escape
 # their logs go with the run's Ray folder anyway.
 os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
+from fedavg.cli_listings import list_models, list_strategies
 from fedavg.cli_options import (
+    ImageColumnOption,
     MinNodesOption,
     ModelArgOption,
     SavedModelCodeOption,
+    TextColumnOption,
     given,
     model_args,
     path_argument,
@@ -136,7 +139,8 @@ def evaluate(
     dataset: Annotated[Optional[str], typer.Option(
         help="Dataset (default: the training one)")] = None,
     split: Annotated[str, typer.Option(help="Split to evaluate on")] = "test",
-    image_column: Annotated[Optional[str], typer.Option(help="Input column")] = None,
+    image_column: ImageColumnOption = None,
+    text_column: TextColumnOption = None,
     label_column: Annotated[Optional[str], typer.Option(help="Label column")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
@@ -147,7 +151,8 @@ def evaluate(
 
     with guard(), contextlib.redirect_stdout(sys.stderr):  # model code's prints: not in --json
         res = evaluate_model(model_dir, dataset, split=split, image_column=image_column,
-                             label_column=label_column, device=device, model=model)
+                             text_column=text_column, label_column=label_column,
+                             device=device, model=model)
     if as_json:
         from fedavg.checkpoint import plain
 
@@ -199,48 +204,6 @@ def predict(
     console.print(predictions_table(rows, shown=50))
     if len(rows) > 50:
         console.print(f"... and {len(rows) - 50} more (pipe them, or --output FILE.csv)")
-
-
-def list_strategies() -> None:
-    """List the merge strategies with their papers and options."""
-    from rich.table import Table
-
-    import strategies
-
-    table = Table(show_lines=True)
-    table.add_column("name", no_wrap=True)
-    table.add_column("method, options (default) and paper", overflow="fold")
-    for name, cls in strategies.available().items():
-        options = "".join(f"\n  {o.flag} {o.default}: {o.help}"
-                          + (f" ({' | '.join(o.choices)})" if o.choices else "")
-                          for o in cls.options)
-        table.add_row(name, f"{cls.description}{options}\n[dim]{cls.paper}[/]")
-    console.print(table)
-    console.print("Every strategy that is not one-shot also takes --swa-start R: from round R the "
-                  "run saves the mean of the rounds' merged models (server-side SWA, Izmailov "
-                  "et al. 2018, arXiv:1803.05407).")
-
-
-def models() -> None:
-    """List the built-in models and the forms that bring your own (--model, --model-arg)."""
-    from rich.table import Table
-
-    from fedavg.model_sources import FORMS
-    from fedavg.models import available_models
-
-    table = Table()
-    for column in ("name", "description"):
-        table.add_column(column, overflow="fold")
-    for name, desc in available_models().items():
-        table.add_row(name, desc)
-    table.add_row("auto", "fasttext for text, mlp for tabular or < 16x16 inputs, cnn for grey, "
-                  "cnn-cifar for colour")
-    console.print(table)
-    console.print("Or bring your own with --model (and --model-arg KEY=VALUE, repeatable, for "
-                  "any model's builder, e.g. --model mlp --model-arg hidden=64; kept in "
-                  "model.json):", highlight=False)
-    for form, desc in FORMS:
-        console.print(f"  [bold]{form}[/]: {escape(desc)}", highlight=False)
 
 
 def coordinator(
@@ -427,7 +390,7 @@ def build_app() -> typer.Typer:
     app.command(name="evaluate")(evaluate)
     app.command(name="predict")(predict)
     app.command(name="strategies")(list_strategies)
-    app.command(name="models")(models)
+    app.command(name="models")(list_models)
     app.command(name="coordinator")(with_settings(coordinator, skip=("num_nodes",),
                                                   tracking=True))
     app.command(name="node")(node)

@@ -173,3 +173,6 @@ def path_argument(*args: Any, **kwargs: Any) -> Any:
 SavedModelCodeOption = Annotated[Optional[str], typer.Option(
     "--model", help="For a model built by your code: that code (FILE.py:FUNCTION, where the "
     "file is now, or MODULE:FUNCTION); fedavg imports no code a saved model names by itself")]
+#: ``evaluate``'s input columns: default, as in training (or detected for another dataset).
+ImageColumnOption = Annotated[Optional[str], typer.Option(help="Image (or feature) column")]
+TextColumnOption = Annotated[Optional[str], typer.Option(help="Text column (a text model's)")]

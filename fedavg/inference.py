@@ -12,13 +12,7 @@ import torch
 
 from fedavg import checkpoint
 from fedavg.columns import check_numeric, saved_load_args
-from fedavg.data import (
-    BUILTIN,
-    check_kind,
-    conform,
-    decode_images,
-    load,
-)
+from fedavg.data import BUILTIN, check_kind, conform, decode_images, load
 from fedavg.errors import NoLabelColumn, UserError
 from fedavg.images import fit_images, fitted_note
 from fedavg.inputs import check_inputs, collect, input_notes
@@ -139,6 +133,7 @@ def evaluate_model(
     *,
     split: str = "test",
     image_column: str | None = None,
+    text_column: str | None = None,
     label_column: str | None = None,
     device: str = "auto",
     batch_size: int = 512,
@@ -155,6 +150,9 @@ def evaluate_model(
     split : str
         ``test`` (the same seeded hold-out as in training when the dataset has no test
         split), ``train`` or another split name.
+    image_column, text_column, label_column : str, optional
+        The input column (images or a table's feature; a text model's text) and the label
+        column; default: as in training for its dataset, else detected.
     model : str, optional
         For a model built by your code: that code (see :func:`load_model`).
 
@@ -175,12 +173,14 @@ def evaluate_model(
     _check_batch_size(batch_size)
     net = load_model(directory, device="cpu", model=model)
     held = evaluation_data(net.fedavg_meta, directory, dataset, split=split,
-                           image_column=image_column, label_column=label_column)
+                           image_column=image_column, text_column=text_column,
+                           label_column=label_column)
     return score(net, held, device=device, batch_size=batch_size)
 
 
 def evaluation_data(meta: dict[str, Any], directory: str | Path, dataset: str | None = None,
                     *, split: str = "test", image_column: str | None = None,
+                    text_column: str | None = None,
                     label_column: str | None = None) -> tuple[str, Any, str, Any]:
     """Load a split for the saved model that ``meta`` describes, shaped as it reads inputs.
 
@@ -190,7 +190,7 @@ def evaluation_data(meta: dict[str, Any], directory: str | Path, dataset: str | 
         The model's ``model.json``.
     directory : path
         Its folder (a text model's tokenizer).
-    dataset, split, image_column, label_column
+    dataset, split, image_column, text_column, label_column
         As :func:`evaluate_model`.
 
     Returns
@@ -210,8 +210,8 @@ def evaluation_data(meta: dict[str, Any], directory: str | Path, dataset: str | 
     if not source:
         raise UserError("pass --dataset: the model does not record its dataset")
     args = saved_load_args(meta, source, whole=True)
-    if image_column:  # the user's choice over the run's
-        args.update(image_column=image_column, feature_columns=None)
+    if image_column or text_column:  # the user's choice over the run's
+        args.update(image_column=image_column, text_column=text_column, feature_columns=None)
     if label_column:
         args["label_column"] = label_column
     data = load(source, tokenizer=model_tokenizer(meta, directory), **args)

@@ -409,3 +409,35 @@ def test_text_that_is_not_utf8_is_one_line(tmp_path):
     with pytest.raises(UserError) as caught:
         load(str(bad))
     assert "\n" not in str(caught.value)
+
+
+def test_evaluate_takes_a_text_column_of_another_dataset(tmp_path):
+    """`evaluate` had no --text-column, though its errors told users to pass one."""
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from fedavg.cli import app
+    from fedavg.data import load
+    from fedavg.inference import evaluate_model
+
+    data = load(str(AG_NEWS), max_tokens=32, hash_buckets=4096)
+    folder = _text_model_folders(tmp_path, data, count=1)[0]
+    test = pd.read_parquet(AG_NEWS / "test.parquet")
+    table = tmp_path / "news.csv"  # the news in "story"; "note", another text column, first
+    pd.DataFrame({"note": [f"seen by reader {i} on day {i % 7}" for i in range(len(test))],
+                  "story": test["text"], "label": [data.classes[i] for i in test["label"]]}
+                 ).to_csv(table, index=False)
+    own = evaluate_model(folder)  # AG News's own test split, its text column "text"
+    picked = evaluate_model(folder, str(table), text_column="story")
+    assert picked["num_examples"] == own["num_examples"] == len(test)
+    assert picked["loss"] == pytest.approx(own["loss"], rel=1e-5)
+    assert picked["accuracy"] == pytest.approx(own["accuracy"])
+    detected = evaluate_model(folder, str(table))  # the first text column: the notes
+    assert detected["loss"] != pytest.approx(own["loss"], rel=1e-6)  # other tokens
+    res = CliRunner().invoke(app, ["evaluate", str(folder), "--dataset", str(table),
+                                   "--text-column", "story", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["loss"] == pytest.approx(own["loss"], rel=1e-5)
+    res = CliRunner().invoke(app, ["evaluate", str(folder), "--dataset", str(table),
+                                   "--text-column", "nope"])
+    assert res.exit_code == 2 and "--text-column" in res.output and "story" in res.output
