@@ -18,6 +18,7 @@ from fedavg.images import fit_images, fitted_note
 from fedavg.inputs import check_inputs, collect, input_notes
 from fedavg.models import build_model
 from fedavg.overlap import overlap_note
+from fedavg.text import model_tokenizer
 from fedavg.train import evaluate as _evaluate
 from fedavg.train import predict_proba, resolve_device
 
@@ -253,24 +254,6 @@ def score(net: torch.nn.Module, held: tuple[str, Any, str, Any], device: str = "
     return {**res, "split": split, "dataset": source, "notes": notes}
 
 
-def model_tokenizer(meta: dict[str, Any], directory: str | Path):
-    """Return the tokenizer a text model's inputs need (from its run folder), else ``hashed``.
-
-    ``hashed`` is what :func:`fedavg.data.load` tokenizes text with for other models, so
-    that text given to an image model is reported as text.
-
-    Raises
-    ------
-    UserError
-        A file tokenizer missing from ``directory`` or changed since training.
-    """
-    if meta["input"].get("kind") != "text":
-        return "hashed"
-    from fedavg.text import from_spec
-
-    return from_spec(meta["input"]["tokenizer"], directory)
-
-
 def _check_batch_size(batch_size: Any) -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise TypeError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
@@ -309,7 +292,8 @@ def predict(
     batch_size : int
         Samples per forward pass.
     on_note : callable, optional
-        Receives each note about changed inputs (one line each).
+        Receives each note (one line each): about changed inputs, and about predictions
+        from NaN or infinite model outputs.
     text : bool
         Take every input as a text to classify (a text model only).
     model : str, optional
@@ -345,16 +329,21 @@ def predict(
         batches = [_image_batch([p for kind, p in items if kind == "image"], meta, note)]
         batches += [_dataset_batch(source, split, meta, note) for kind, source in items
                     if kind == "dataset"]
-    rows = []
-    classes = meta["classes"]
-    for x, names in (b for b in batches if b is not None):
-        proba = predict_proba(net, x, meta["input"], batch_size=batch_size, device=dev)
-        conf, idx = proba.max(dim=1)
-        for j, name in enumerate(names):
-            k = int(idx[j])
-            rows.append({"input": name, "prediction": classes[k],
-                         "class_index": k, "confidence": round(float(conf[j]), 6)})
-    return rows
+    return [row for b in batches if b is not None
+            for row in _rows(net, *b, meta, batch_size=batch_size, device=dev, note=note)]
+
+
+def _rows(net, x, names: list[str], meta: dict[str, Any], *, batch_size: int, device,
+          note: Callable[[str], None]) -> list[dict[str, Any]]:
+    """:func:`predict`'s rows for one batch of inputs ``x`` named ``names``."""
+    proba = predict_proba(net, x, meta["input"], batch_size=batch_size, device=device)
+    conf, idx = proba.max(dim=1)
+    bad = int((~torch.isfinite(proba).all(dim=1)).sum())
+    if bad:
+        note(f"{bad} of {len(names)} prediction(s) come from NaN or infinite model outputs "
+             "(the model's weights or these inputs hold them): their class means nothing")
+    return [{"input": name, "prediction": meta["classes"][int(k)], "class_index": int(k),
+             "confidence": round(float(c), 6)} for name, k, c in zip(names, idx, conf)]
 
 
 def _image_batch(images: list[Path], meta: dict[str, Any], on_note: Callable[[str], None]):

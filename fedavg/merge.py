@@ -295,7 +295,7 @@ def _merge_data(config: RunConfig, strategy, first: dict[str, Any], folder: Path
 
     A text model's tokenizer comes from its ``folder`` (its ``tokenizer.json``).
     """
-    from fedavg.inference import model_tokenizer
+    from fedavg.text import model_tokenizer
 
     tokenizer = model_tokenizer(first, folder)
     m = config.merge

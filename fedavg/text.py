@@ -383,3 +383,20 @@ def tokenized(tokenizer, texts, source: str) -> np.ndarray:
     except UnicodeDecodeError as exc:
         raise UserError(f"{source} holds text that is not UTF-8 ({exc.reason} at byte "
                         f"{exc.start}): save it as UTF-8") from None
+
+
+def model_tokenizer(meta: dict[str, Any], directory: str | Path) -> Tokenizer | str:
+    """Return the tokenizer a text model's inputs need (from its run folder), else ``hashed``.
+
+    ``meta`` is the model's ``model.json``. ``hashed`` is what :func:`fedavg.data.load`
+    tokenizes text with for other models, so that text given to an image model is reported
+    as text.
+
+    Raises
+    ------
+    UserError
+        A file tokenizer missing from ``directory`` or changed since training.
+    """
+    if meta["input"].get("kind") != "text":
+        return "hashed"
+    return from_spec(meta["input"]["tokenizer"], directory)

@@ -131,6 +131,27 @@ def test_predict_prints_the_note_once(tmp_path):
         assert path.name in res.stdout
 
 
+def test_predictions_from_nan_outputs_are_noted(tmp_path):
+    """They came out as class 0 at confidence nan, with no word."""
+    import csv
+
+    net = build_model("mlp", (1, 8, 8), 10)
+    state = net.state_dict()
+    first = next(k for k in state if k.endswith("weight"))
+    state[first][0, :] = 3e38  # finite weights (loaded), an infinite unit: NaN logits
+    model = checkpoint.save(tmp_path / "model", state, META)
+    images = [_image(tmp_path / f"img{i}.png", 8) for i in range(3)]
+    res = runner.invoke(app, ["predict", str(model), *map(str, images), "--output", "-"])
+    assert res.exit_code == 0, res.output
+    assert "note: 3 of 3 prediction(s) come from NaN or infinite model outputs" in res.stderr
+    rows = list(csv.DictReader(res.stdout.splitlines()))
+    assert [row["confidence"] for row in rows] == ["nan"] * 3
+    healthy = checkpoint.save(tmp_path / "ok", build_model("mlp", (1, 8, 8), 10).state_dict(),
+                              META)
+    res = runner.invoke(app, ["predict", str(healthy), *map(str, images), "--output", "-"])
+    assert res.exit_code == 0 and "note:" not in res.stderr
+
+
 def test_predict_piped_writes_every_prediction_as_csv(tmp_path):
     import csv
 
