@@ -219,6 +219,27 @@ def test_torchvision_arguments_are_checked(monkeypatch):
         ModelSpec.resolve("torchvision:resnet18", (3, 32, 32), 5, {"num_classes": 7}).build()
 
 
+def test_torchvision_arguments_named_are_those_a_model_arg_can_set():
+    """Not resnet18's block and layers (its builder sets them) nor norm_layer (a callable).
+
+    A regnet failed to build at all: its builder computes with tensors, which the
+    weightless probe has not.
+    """
+    with pytest.raises(UserError) as exc:
+        build_model("torchvision:resnet18", (3, 32, 32), 5, blocks=2)
+    assert _one_line(exc).endswith("it takes: zero_init_residual, groups, width_per_group, "
+                                   "replace_stride_with_dilation")
+    for name in ("block", "layers", "norm_layer"):
+        with pytest.raises(UserError, match=f"does not take argument '{name}'"):
+            build_model("torchvision:resnet18", (3, 32, 32), 5, **{name: 1})
+    zero = build_model("torchvision:resnet18", (3, 32, 32), 5, zero_init_residual=True)
+    assert not zero.net.layer1[0].bn2.weight.any()  # a listed one is passed
+    regnet = build_model("torchvision:regnet_x_400mf", (3, 32, 32), 5, stem_width=16)
+    assert regnet.net.stem[0].out_channels == 16
+    with pytest.raises(UserError, match="it takes: stem_width$"):
+        build_model("torchvision:regnet_x_400mf", (3, 32, 32), 5, block_params=1)
+
+
 # --------------------------------------------------------------------------- torchvision
 
 

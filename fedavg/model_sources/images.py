@@ -9,6 +9,7 @@ adaptation happened.
 from __future__ import annotations
 
 import difflib
+import inspect
 from typing import Any, Callable, Mapping
 
 import torch
@@ -141,12 +142,42 @@ def torchvision_names() -> list[str]:
 def _torchvision_takes(name: str, builder: Callable, num_classes: int) -> Takes:
     """Return what ``get_model(name, **args)`` takes: the builder's and its class's arguments."""
     own = Takes.of(builder, f"torchvision:{name}", positional=0)
-    with torch.device("meta"):  # a weightless copy tells the model class
+    try:
+        with torch.device("meta"):  # a weightless copy tells the model class
+            probe = builder(weights=None, num_classes=num_classes)
+    except NotImplementedError:  # a builder that computes with tensors (regnet's widths)
         probe = builder(weights=None, num_classes=num_classes)
     cls = Takes.of(type(probe).__init__, name, positional=1)
+    params = inspect.signature(type(probe).__init__).parameters
     names = [n for n in (*own.names, *cls.names) if n not in ("weights", "progress",
-                                                               "num_classes")]
+                                                               "num_classes")
+             and _settable(builder, num_classes, params.get(n))]
     return Takes(tuple(dict.fromkeys(names)))
+
+
+def _settable(builder: Callable, num_classes: int, param: inspect.Parameter | None) -> bool:
+    """Whether ``--model-arg`` can set the model class's argument ``param``.
+
+    Not a callable (``norm_layer``: a ``--model-arg`` value is JSON), nor one the builder
+    fills itself (``resnet18``'s ``block`` and ``layers``: "got multiple values"; regnet's
+    ``block_params``).
+    """
+    if param is None or param.default is not param.empty and "Callable" not in str(
+            param.annotation):
+        return True
+    if "Callable" in str(param.annotation):
+        return False
+    try:
+        try:
+            with torch.device("meta"):
+                builder(weights=None, num_classes=num_classes, **{param.name: None})
+        except NotImplementedError:  # computes with tensors first: see _torchvision_takes
+            builder(weights=None, num_classes=num_classes, **{param.name: None})
+    except TypeError as exc:  # the builder sets it, or passes it where it is unknown
+        return not any(said in str(exc) for said in ("multiple values", "unexpected keyword"))
+    except Exception:  # noqa: BLE001 - None is no value for it; it is the caller's to give
+        return True
+    return True
 
 
 def build_torchvision(name: str, input_shape: tuple[int, ...], num_classes: int,
