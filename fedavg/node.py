@@ -105,17 +105,23 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
     ------
     strategies.MergeError
         The message lacks what the method's node rule needs (Flower replies with it).
+    RuntimeError
+        The model's code called ``sys.exit`` (Flower replies with it, as with any error of
+        that code).
     """
     cfg = settings or TrainSettings.from_record(message.content[keys.CONFIG])
-    model = _model_for(json.dumps(cfg.model, sort_keys=True))
-    model.load_state_dict(message.content[keys.ARRAYS].to_torch_state_dict(), strict=True)
-    rule, state_round = _begin_rule(cfg, model, message, context)
-    started = time.perf_counter()
     try:
-        stats, update = _train_with(rule, model, x, y, cfg, device, partition_id)
-    finally:
-        if rule is not None:
-            rule.close()
+        model = _model_for(json.dumps(cfg.model, sort_keys=True))
+        model.load_state_dict(message.content[keys.ARRAYS].to_torch_state_dict(), strict=True)
+        rule, state_round = _begin_rule(cfg, model, message, context)
+        started = time.perf_counter()
+        try:
+            stats, update = _train_with(rule, model, x, y, cfg, device, partition_id)
+        finally:
+            if rule is not None:
+                rule.close()
+    except SystemExit as exc:  # in model code: it would end the node's process (a Ray actor)
+        raise RuntimeError(f"the model's code called sys.exit({exc.code!r})") from None
     metrics = MetricRecord({keys.NUM_EXAMPLES: stats["num_examples"],
                             keys.TRAIN_LOSS: stats["train_loss"],
                             keys.PARTITION_ID: partition_id,

@@ -161,3 +161,26 @@ def test_scaffold_folds_a_round_in_partition_order_whatever_the_arrival(task_ide
     adapter.merge.to_nodes(ref)
     adapter.aggregate_train(1, iter([reply(p) for p in (2, 0, 1)]))
     assert order == [0, 1, 2]
+
+
+def test_sys_exit_in_model_code_is_the_nodes_error_reply_not_its_end(monkeypatch,
+                                                                     task_identity):
+    """It ended the node's Ray actor: the run said ActorDiedError, with no word of the code."""
+    import sys
+
+    import fedavg.node
+
+    class Exits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = build_model("mlp", (1, 8, 8), 3)
+
+        def forward(self, x):
+            sys.exit(3)
+
+    monkeypatch.setattr(fedavg.node, "_model_for", lambda spec: Exits())
+    x, y = data()
+    msg, _ = message("fedavg", 1, lambda m: {})
+    msg.content[keys.ARRAYS] = ArrayRecord(Exits().state_dict())
+    with pytest.raises(RuntimeError, match=r"^the model's code called sys.exit\(3\)$"):
+        run_train(msg, x, y, "cpu", 0)
