@@ -233,6 +233,9 @@ def run_app(app: typer.Typer) -> None:
     except click.Abort:
         err_console.print("aborted")
         code = 1
+    # The command is done: a Ctrl-C while the interpreter shuts down ends it at once, not
+    # with a traceback from inside torch's exit hooks.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     # The OS frees the heap (torch, Flower, Ray objects) at exit: without this, Python's own
     # last garbage collection of it took 1-2 s after every simulation.
     gc.freeze()

@@ -206,6 +206,34 @@ def test_subprocess_output_into_a_closed_pipe_is_quiet(tmp_path, model_dir, args
         assert len((tmp_path / "p.csv").read_text().splitlines()) == 1 + 1797  # all of digits
 
 
+def test_ctrl_c_while_the_interpreter_shuts_down_after_a_command_is_no_traceback(tmp_path):
+    """A Ctrl-C just after a command (`fedavg evaluate`) printed its result is no traceback.
+
+    It raised inside torch's exit hook: 'Exception ignored in atexit callback ...
+    Traceback ... KeyboardInterrupt'.
+    """
+    script = tmp_path / "late_ctrl_c.py"
+    script.write_text(
+        "import atexit, os, signal, time\n"
+        "import typer\n"
+        "from fedavg.cli_support import run_app\n"
+        "def late():  # an exit hook that takes a while, as torch's do\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(2)\n"
+        "atexit.register(late)\n"
+        "app = typer.Typer()\n"
+        "@app.command()\n"
+        "def done():\n"
+        "    print('result')\n"
+        "run_app(app)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert proc.stdout == "result\n"
+    assert proc.returncode == -signal.SIGINT, proc.stderr  # ended by the Ctrl-C, at once
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr
+
+
 # --- in-process cases ---------------------------------------------------------------------------
 
 
