@@ -29,7 +29,7 @@ from fedavg.display import Progress
 from fedavg.flower_adapter import FlowerAdapter, StreamingGrid
 from fedavg.models import merge_context
 from fedavg.output import clear_previous_run
-from fedavg.resume_checks import check_same_data
+from fedavg.resume_checks import check_same_data, check_same_model
 from fedavg.run import Prepared, RoundRecord, RunState
 from fedavg.train import evaluate, evaluation_device
 from fedavg.wire import TrainSettings
@@ -233,7 +233,7 @@ class ServerRun:
         where = self.output / resume.CHECKPOINT
         check_same_data(self.output, self.prepared.meta["input"],
                         self.prepared.meta.get("dataset"))
-        resume.check_same_model(self.output, self.prepared.meta.get("model"))
+        check_same_model(self.output, self.prepared.meta.get("model"))
         problem = resume.model_mismatch(fresh, ckpt.model)
         if problem:
             raise UserError(f"{where} does not fit this run's model: {problem}")

@@ -75,7 +75,11 @@ def make_output(output: str | Path | None, *, lock: bool = False,
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UserError(f"cannot create output folder {out}: {exc.strerror}") from None
+        why = exc.strerror
+        if out.is_symlink() and not out.exists():  # mkdir said "File exists"
+            why = (f"it links to {os.readlink(out)}, which does not exist; create that or "
+                   "pass another --output")
+        raise UserError(f"cannot create output folder {out}: {why}") from None
     if lock:
         _lock(out)
         for name in (*RUN_FILES, "tokenizer.json"):  # a killed command's half-written run

@@ -30,6 +30,7 @@ import torch
 
 from fedavg.config import RunConfig
 from fedavg.errors import UserError
+from fedavg.resume_checks import shown
 
 CHECKPOINT = "checkpoint.safetensors"
 FORMAT = "fedavg-checkpoint/1"
@@ -171,6 +172,16 @@ def _digest(tensors: dict[str, torch.Tensor], state: str) -> str:
     return h.hexdigest()
 
 
+def _not_a_run(folder: Path) -> str:
+    """Why ``folder`` has no checkpoint, for :func:`load`'s error: a sweep's folder says so."""
+    try:  # fedavg.sweep_run.RECORD
+        config = json.loads((folder / "sweep.json").read_text()).get("config") or "CONFIG"
+    except (OSError, ValueError, AttributeError):
+        return "no round finished, or not a fedavg run folder"
+    command = shlex.join(["fedavg", "sweep", str(config), "--output", str(folder)])
+    return f"a sweep's folder: `{command}` goes on with its points"
+
+
 def load(folder: str | Path) -> Checkpoint:
     """Read the checkpoint of the run in ``folder``.
 
@@ -188,8 +199,7 @@ def load(folder: str | Path) -> Checkpoint:
     if not folder.is_dir():
         raise UserError(f"--resume {folder}: no such folder (pass a run's output folder)")
     if not path.is_file():
-        raise UserError(f"--resume {folder}: no {CHECKPOINT} in it (no round finished, or not "
-                        "a fedavg run folder)")
+        raise UserError(f"--resume {folder}: no {CHECKPOINT} in it ({_not_a_run(folder)})")
     try:
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
@@ -349,9 +359,9 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
                     "; only --rounds (and --round-timeout, --device, --max-update-norm) may "
                     "change: start a new run with another --output for other settings")
             flag = "model-arg" if key == "model-args" else key  # the option's own name
-            given = (f"--{flag} {_shown(asked[key])}" if asked.get(key) is not None
+            given = (f"--{flag} {shown(asked[key])}" if asked.get(key) is not None
                      else f"leaving out --{flag}")
-            had = (f"the run's {_shown(saved[key])}" if saved.get(key) is not None
+            had = (f"the run's {shown(saved[key])}" if saved.get(key) is not None
                    else f"the run, which had no --{flag}")
             raise UserError(f"--resume {where}: {given} differs from {had}{hint}")
     # every round done but no summary.json (stopped while finishing), or one that does not
@@ -366,13 +376,6 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
         raise UserError(f"--resume {where}: the run has finished {ckpt.round} round(s); pass "
                         f"--rounds N with N {least}")
     return config
-
-
-def _shown(value: Any) -> str:
-    """Return a setting's value as written on a command line (``true``, ``0.5``)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
 
 
 def resume_command(argv: list[str], output: Path, drop: Iterable[str] = ()) -> str:
@@ -395,51 +398,3 @@ def resume_command(argv: list[str], output: Path, drop: Iterable[str] = ()) -> s
             continue
         args.append(arg)
     return shlex.join(["fedavg", *args, "--resume", str(output)])
-
-
-def check_same_model(output: Path, spec: dict[str, Any] | None) -> None:
-    """Refuse to resume a run whose model would now be built otherwise than before.
-
-    An ``hf:`` folder's ``config.json`` (stored whole in the model's arguments) or a
-    builder's arguments edited since the run started would change the model mid-run:
-    the weights may still fit, so nothing else would notice. ``spec`` is the model spec
-    built now (:meth:`fedavg.models.ModelSpec.as_dict`); the run's is its ``model.json``'s.
-
-    Raises
-    ------
-    fedavg.errors.UserError
-        Naming the first argument that differs; or ``model.json`` is of another model than
-        the checkpoint (a checkpoint copied in from another run).
-    """
-    import json
-
-    from fedavg.errors import UserError
-
-    try:
-        saved = json.loads((Path(output) / "model.json").read_text())["model"]
-        before = dict(saved["args"])
-        now = json.loads(json.dumps((spec or {})["args"]))  # tuples as lists, as saved
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # no (readable) saved model yet: nothing to compare
-    from fedavg.model_sources import names_same_code
-
-    if saved.get("name") != spec.get("name"):
-        if isinstance(saved.get("name"), str) and names_same_code(spec["name"], saved["name"]):
-            return  # the run's own code file, moved
-        raise UserError(f"{output}/model.json is a model {saved.get('name')}, its checkpoint "
-                        f"of model {spec['name']}: the folder mixes two runs; resume a folder "
-                        "of one run")
-    if before == now:
-        return
-
-    def flat(args: dict, prefix: str = "") -> dict:
-        out = {}
-        for k, v in args.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-        return out
-
-    b, n = flat(before), flat(now)
-    key = next(k for k in sorted(set(b) | set(n)) if b.get(k) != n.get(k))
-    raise UserError(f"{output} was trained with model {spec['name']} built with {key} = "
-                    f"{_shown(b.get(key))}, which is now {_shown(n.get(key))} (its files or "
-                    "--model-arg changed): restore them to resume, or start a new run")

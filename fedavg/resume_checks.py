@@ -1,10 +1,19 @@
-"""Checks before a run resumes: the data it trained on are the data it finds now."""
+"""Checks before a run resumes: the data and model it trained are those it finds now."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 from fedavg.errors import UserError
+
+
+def shown(value: Any) -> str:
+    """Return a setting's value as written on a command line (``true``, ``0.5``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def check_same_data(output, input_spec: dict, dataset: dict | None = None) -> None:
@@ -35,3 +44,47 @@ def check_same_data(output, input_spec: dict, dataset: dict | None = None) -> No
         raise UserError(f"{output} was trained on texts tokenized otherwise ({diff}); resume "
                         f"with the tokenizer it was trained with (a copy is {output}/"
                         "tokenizer.json for a file tokenizer)")
+
+
+def check_same_model(output: Path, spec: dict[str, Any] | None) -> None:
+    """Refuse to resume a run whose model would now be built otherwise than before.
+
+    An ``hf:`` folder's ``config.json`` (stored whole in the model's arguments) or a
+    builder's arguments edited since the run started would change the model mid-run:
+    the weights may still fit, so nothing else would notice. ``spec`` is the model spec
+    built now (:meth:`fedavg.models.ModelSpec.as_dict`); the run's is its ``model.json``'s.
+
+    Raises
+    ------
+    fedavg.errors.UserError
+        Naming the first argument that differs; or ``model.json`` is of another model than
+        the checkpoint (a checkpoint copied in from another run).
+    """
+    try:
+        saved = json.loads((Path(output) / "model.json").read_text())["model"]
+        before = dict(saved["args"])
+        now = json.loads(json.dumps((spec or {})["args"]))  # tuples as lists, as saved
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no (readable) saved model yet: nothing to compare
+    from fedavg.model_sources import names_same_code
+
+    if saved.get("name") != spec.get("name"):
+        if isinstance(saved.get("name"), str) and names_same_code(spec["name"], saved["name"]):
+            return  # the run's own code file, moved
+        raise UserError(f"{output}/model.json is a model {saved.get('name')}, its checkpoint "
+                        f"of model {spec['name']}: the folder mixes two runs; resume a folder "
+                        "of one run")
+    if before == now:
+        return
+
+    def flat(args: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in args.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+        return out
+
+    b, n = flat(before), flat(now)
+    key = next(k for k in sorted(set(b) | set(n)) if b.get(k) != n.get(k))
+    raise UserError(f"{output} was trained with model {spec['name']} built with {key} = "
+                    f"{shown(b.get(key))}, which is now {shown(n.get(key))} (its files or "
+                    "--model-arg changed): restore them to resume, or start a new run")

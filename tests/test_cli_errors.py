@@ -458,6 +458,16 @@ def test_an_output_name_too_long_for_the_file_system_is_one_line(invoke):
     assert "File name too long; give another folder" in assert_one_error_line(stderr)
 
 
+def test_an_output_link_to_nowhere_says_so(invoke, tmp_path):
+    """It said 'File exists' about a folder that does not exist."""
+    (tmp_path / "out").symlink_to(tmp_path / "gone" / "run")
+    code, stderr = invoke("simulate", "--rounds", "1", "--output", tmp_path / "out")
+    assert code == 2
+    assert assert_one_error_line(stderr).endswith(
+        f"out: it links to {tmp_path / 'gone' / 'run'}, which does not exist; create that or "
+        "pass another --output")
+
+
 def test_a_dataset_or_input_name_too_long_for_the_file_system_is_one_line(invoke, model_dir):
     for args in (("simulate", "--rounds", "1", "--dataset", "d" * 300),
                  ("evaluate", model_dir, "--dataset", "d" * 300),

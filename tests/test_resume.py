@@ -15,7 +15,7 @@ import torch
 from test_deploy import Cluster, rounds_of
 
 import strategies
-from fedavg import resume
+from fedavg import resume, resume_checks
 from fedavg.config import RunConfig
 from fedavg.errors import UserError
 
@@ -84,8 +84,16 @@ def test_a_stateless_strategy_refuses_foreign_state():
 def test_missing_and_damaged_checkpoints_are_one_line_errors(tmp_path):
     with pytest.raises(UserError, match="no such folder"):
         resume.load(tmp_path / "nope")
-    with pytest.raises(UserError, match="no checkpoint.safetensors"):
+    with pytest.raises(UserError, match="no checkpoint.safetensors in it .no round finished"):
         resume.load(tmp_path)
+    sweep = tmp_path / "my sweep"  # a sweep's folder names the command that goes on with it
+    sweep.mkdir()
+    (sweep / "sweep.json").write_text(json.dumps({"config": "configs/a b.toml", "points": []}))
+    with pytest.raises(UserError) as err:
+        resume.load(sweep)
+    assert str(err.value) == (f"--resume {sweep}: no checkpoint.safetensors in it (a sweep's "
+                              f"folder: `fedavg sweep 'configs/a b.toml' --output '{sweep}'` "
+                              "goes on with its points)")
     ckpt = resume.capture(1, {"a": torch.ones(4)}, RunConfig(), strategies.get("fedavg"),
                           [rec(1)], [])
     path = resume.save(tmp_path, ckpt)
@@ -301,22 +309,20 @@ def test_a_run_resumed_to_train_longer_keeps_only_its_last_rounds_node_models(tm
 
 def test_resume_refuses_a_model_now_built_from_other_files(tmp_path):
     """An hf: folder's config.json edited since the run started: the weights may still fit."""
-    from fedavg import resume
-
     spec = {"name": "hf:/m", "input_shape": [3, 8, 8], "num_classes": 2,
             "args": {"hf_config": {"hidden_act": "relu", "sizes": (8, 16)}}}
-    resume.check_same_model(tmp_path, spec)  # no model.json yet: nothing to compare
+    resume_checks.check_same_model(tmp_path, spec)  # no model.json yet: nothing to compare
     (tmp_path / "model.json").write_text(json.dumps({"model": spec}))
-    resume.check_same_model(tmp_path, spec)  # the same (its tuple saved as a list)
+    resume_checks.check_same_model(tmp_path, spec)  # the same (its tuple saved as a list)
     edited = {**spec, "args": {"hf_config": {"hidden_act": "gelu", "sizes": (8, 16)}}}
     with pytest.raises(UserError, match=rf"^{tmp_path} was trained with model hf:/m built with "
                                         r"hf_config.hidden_act = relu, which is now gelu \(its "
                                         r"files or --model-arg changed\): restore them to "
                                         r"resume, or start a new run$"):
-        resume.check_same_model(tmp_path, edited)
+        resume_checks.check_same_model(tmp_path, edited)
     with pytest.raises(UserError, match=r"model.json is a model hf:/m, its checkpoint of model "
                                         r"mlp: the folder mixes two runs"):
-        resume.check_same_model(tmp_path, {**edited, "name": "mlp"})
+        resume_checks.check_same_model(tmp_path, {**edited, "name": "mlp"})
 
 
 def test_resume_refuses_data_that_are_now_other_samples(tmp_path):
