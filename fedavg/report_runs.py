@@ -70,8 +70,9 @@ def target_round(curve: list[tuple[int, float]], target: float) -> int | None:
 def find_runs(root: str | Path) -> tuple[list[Run], list[str]]:
     """Return the runs under ``root`` (sorted by folder) and notes on folders left out.
 
-    A folder holding the three files of :data:`REQUIRED` is a run; its subfolders are not
-    searched (``nodes/`` models are parts of it).
+    A folder holding the three files of :data:`REQUIRED` is a run; one with rounds but no
+    ``summary.json`` (a run stopped before its end) gets a note. Run folders are searched
+    too (an ``--output`` chosen inside one).
 
     Raises
     ------
@@ -84,7 +85,11 @@ def find_runs(root: str | Path) -> tuple[list[Run], list[str]]:
     runs, notes, stack = [], [], [root]
     while stack:
         folder = stack.pop()
-        if all((folder / name).is_file() for name in REQUIRED):
+        has = {name for name in REQUIRED if (folder / name).is_file()}
+        if "metrics.jsonl" in has and "summary.json" not in has:  # rounds, but no end
+            notes.append(f"{folder} left out: no summary.json (a run stopped before its end; "
+                         f"--resume {folder} finishes it)")
+        elif len(has) == len(REQUIRED):
             try:
                 runs.append(read_run(folder, notes))
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -8,6 +8,7 @@ the end-to-end ones (marker ``e2e``) run ``fedavg sweep`` and ``fedavg report`` 
 import contextlib
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -632,6 +633,12 @@ def test_corrupt_run_files_are_left_out_with_a_note(tmp_path):
     result = write_report(tmp_path)
     assert result["num_runs"] == 1
     assert any("sweep.json is not a sweep record" in n for n in result["notes"])
+    (fake_run(tmp_path / "stopped", [0.5], 5.0) / "summary.json").unlink()  # was silent
+    runs, notes = find_runs(tmp_path)
+    assert [r.path.name for r in runs] == ["good"]
+    assert f"{tmp_path / 'stopped'} left out: no summary.json (a run stopped before its end; " \
+           f"--resume {tmp_path / 'stopped'} finishes it)" in notes
+    shutil.rmtree(tmp_path / "stopped")
     (fake_run(tmp_path / "empty", [0.5], 5.0) / "metrics.jsonl").write_text("")
     runs, notes = find_runs(tmp_path)
     assert sorted(r.path.name for r in runs) == ["empty", "good"]
