@@ -305,11 +305,17 @@ class ServerRun:
             return
         pid = info["partition_id"]
         folder = self.output / "nodes" / f"node-{pid if pid >= 0 else info['node_id']}"
-        if self.stale_nodes:  # its nodes' models, not of this last round: they go
-            self.stale_nodes = False
-            _remove_node_models_before(self.output / "nodes", server_round)
         checkpoint.save(folder, state_dict,
                         {**self.prepared.meta, "rounds": server_round, "node": info})
+
+    def drop_stale_node_models(self, last_round: int) -> None:
+        """Remove the node models a resumed run saved at its earlier last round.
+
+        Called once ``last_round``'s checkpoint is written: a run stopped during that round
+        still has them (its resume redoes the round).
+        """
+        self.stale_nodes = False
+        _remove_node_models_before(self.output / "nodes", last_round)
 
     def _evaluate(self, model: torch.nn.Module, server_round: int) -> dict[str, float]:
         """Evaluate ``model`` on the test split; a failure of the model's code is one line.
@@ -370,6 +376,8 @@ class ServerRun:
             server_round, state_dict, self.config, self.prepared.strategy,
             [r.as_dict() for r in self.state.rounds], self.state.failures, self._node_states(),
             swa=self.swa))
+        if self.stale_nodes and server_round == self.config.merge.rounds:
+            self.drop_stale_node_models(server_round)
         if self.stale_metrics:  # a resume's first round: its rounds, then this one
             resume.write_metrics(self.metrics_path, [r.as_dict() for r in self.state.rounds])
             self.stale_metrics = False

@@ -278,7 +278,7 @@ def test_only_the_rounds_may_change(tmp_path):
 
 
 def test_a_run_resumed_to_train_longer_keeps_only_its_last_rounds_node_models(tmp_path):
-    """Node models of the earlier last round go once the new last round saves its own."""
+    """Node models of the earlier last round go once the new last round is checkpointed."""
     import types
 
     from fedavg import checkpoint
@@ -303,6 +303,9 @@ def test_a_run_resumed_to_train_longer_keeps_only_its_last_rounds_node_models(tm
         assert json.loads((tmp_path / "nodes/node-0/model.json").read_text())["rounds"] == 2
         run.save_node_model(4, {"w": torch.ones(2)}, info)
         run.save_node_model(4, {"w": torch.ones(2)}, {**info, "partition_id": 1})
+        assert (tmp_path / "nodes/node-2").is_dir()  # kept until round 4's checkpoint: a
+        if resumed:  # Ctrl-C before it would lose the model and leave round 4 to redo
+            run.drop_stale_node_models(4)
         assert {d.name for d in (tmp_path / "nodes").iterdir()} == left
         assert json.loads((tmp_path / "nodes/node-0/model.json").read_text())["rounds"] == 4
 
