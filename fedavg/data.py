@@ -34,21 +34,9 @@ from fedavg.labels import label_array, label_classes, numeric_name, similar_labe
 from fedavg.text import tokenized
 
 __all__ = [
-    "BUILTIN",
-    "FILE_BUILDERS",
-    "IMAGE_NAMES",
-    "IMAGE_SUFFIXES",
-    "LABEL_NAMES",
-    "TEST_NAMES",
-    "LoadedData",
-    "Split",
-    "check_kind",
-    "conform",
-    "decode_images",
-    "holdout",
-    "load",
-    "looks_like_path",
-    "normalize",
+    "BUILTIN", "FILE_BUILDERS", "IMAGE_NAMES", "IMAGE_SUFFIXES", "LABEL_NAMES", "TEST_NAMES",
+    "LoadedData", "Split", "check_kind", "conform", "decode_images", "holdout", "load",
+    "looks_like_path", "normalize",
 ]
 
 log = logging.getLogger(__name__)
@@ -221,6 +209,7 @@ def load(
     feature_columns: list[str] | None = None,
     label_hint: str | None = None,
     hold_out: bool = True,
+    labelled: bool = True,
 ) -> LoadedData:
     """Load ``dataset`` into arrays with ``train`` and ``test`` splits.
 
@@ -252,6 +241,9 @@ def load(
         Without a test split, hold out ``test_fraction`` of train as test (a run's data);
         ``False``: ``test`` is the whole train split, the same object (data a saved model
         is scored on or predicts, which it never trained on).
+    labelled : bool
+        The labels count (a classifier's data: two classes at least); ``False`` for data
+        whose labels are dropped (``--distill-data``), of any classes.
 
     Returns
     -------
@@ -261,7 +253,7 @@ def load(
     ------
     UserError
         Unknown name, unreadable path, hub unreachable, missing or unusable columns,
-        an empty split.
+        an empty split, a single class (``labelled``).
     """
     if dataset in BUILTIN:
         for flag, col in (("--image-column", image_column), ("--label-column", label_column),
@@ -278,7 +270,7 @@ def load(
                         (feature_columns, label_hint))
         data.notes.extend(notes)
     _test_split(data, dataset, hold_out, test_fraction, seed)
-    if len(data.classes) < 2:
+    if len(data.classes) < 2 and labelled:
         raise UserError(f"{dataset} has a single class ({data.classes}): a classifier needs at "
                         "least two; check --label-column")
     return data

@@ -83,7 +83,8 @@ def run_merge_data(config, strategy, data: LoadedData):
 def _aligned_split(source: str, data: LoadedData, flag: str, labels: bool = True) -> Split:
     """Return the train split of another dataset, checked against ``data``'s inputs and classes."""
     try:
-        other = load(source, tokenizer=data.tokenizer if data.tokenizer else "hashed")
+        other = load(source, tokenizer=data.tokenizer if data.tokenizer else "hashed",
+                     labelled=labels)
     except NoLabelColumn:
         if labels:
             raise
@@ -117,7 +118,8 @@ def saved_merge_samples(source: str, meta: dict[str, Any], fraction: float, toke
     ds = meta.get("dataset", {})
     seed = int(ds.get("seed", 0))
     try:
-        data = load(source, tokenizer=tokenizer, **saved_load_args(meta, source))
+        data = load(source, tokenizer=tokenizer, labelled=not unlabeled,
+                    **saved_load_args(meta, source))
     except NoLabelColumn:
         if not unlabeled:
             raise

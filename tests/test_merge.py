@@ -523,3 +523,26 @@ def test_distillation_data_labels_are_dropped_not_checked(tmp_path, node_models)
                               "--distill-steps", "2", "--output", str(tmp_path / "d")])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "d" / "model.safetensors").is_file()
+
+
+def test_distillation_data_of_a_single_class_is_taken(tmp_path, node_models):
+    """One folder of unlabeled images (one "class") was refused as a classifier's data."""
+    from PIL import Image
+
+    from fedavg.data import load
+
+    folder, _ = node_models
+    digits = load("digits").train
+    part = tmp_path / "unlabelled" / "scans"
+    part.mkdir(parents=True)
+    for i in range(30):
+        Image.fromarray(digits.x[i].reshape(8, 8).astype("uint8"), "L").save(part / f"{i}.png")
+    res = runner.invoke(app, ["merge", str(folder), "--strategy", "distill", "--validation",
+                              "digits", "--distill-data", str(tmp_path / "unlabelled"),
+                              "--distill-steps", "2", "--output", str(tmp_path / "d")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "d" / "model.safetensors").is_file()
+    res = runner.invoke(app, ["merge", str(folder), "--strategy", "greedy-soup",  # labels count
+                              "--validation", str(tmp_path / "unlabelled"),
+                              "--output", str(tmp_path / "v")])
+    assert res.exit_code == 2 and "has a single class (['scans'])" in res.output
