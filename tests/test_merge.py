@@ -508,40 +508,38 @@ def test_a_validation_slice_of_other_data_is_not_the_runs_own_kept_slice(tmp_pat
 
 def test_distillation_data_labels_are_dropped_not_checked(tmp_path, node_models):
     """Classes the models do not know were refused, though distillation drops the labels."""
+    folder, _ = node_models
+    _image_folder(tmp_path / "unlabelled", ("photos", "scans"))  # classes the models lack
+    _distilled(folder, tmp_path / "unlabelled", tmp_path / "d")
+
+
+def _image_folder(root, classes, count=30):
+    """Write ``count`` digits images as PNG files into ``root``, one subfolder per class."""
     from PIL import Image
 
     from fedavg.data import load
 
-    folder, _ = node_models
     digits = load("digits").train
-    for i in range(30):  # two made-up classes the models do not have
-        part = tmp_path / "unlabelled" / ("scans" if i % 2 else "photos")
+    for i in range(count):
+        part = root / classes[i % len(classes)]
         part.mkdir(parents=True, exist_ok=True)
         Image.fromarray(digits.x[i].reshape(8, 8).astype("uint8"), "L").save(part / f"{i}.png")
-    res = runner.invoke(app, ["merge", str(folder), "--strategy", "distill", "--validation",
-                              "digits", "--distill-data", str(tmp_path / "unlabelled"),
-                              "--distill-steps", "2", "--output", str(tmp_path / "d")])
+
+
+def _distilled(models, distill_data, out):
+    """Distill ``models`` on ``distill_data`` with `fedavg merge`; check the model is saved."""
+    res = runner.invoke(app, ["merge", str(models), "--strategy", "distill", "--validation",
+                              "digits", "--distill-data", str(distill_data),
+                              "--distill-steps", "2", "--output", str(out)])
     assert res.exit_code == 0, res.output
-    assert (tmp_path / "d" / "model.safetensors").is_file()
+    assert (out / "model.safetensors").is_file()
 
 
 def test_distillation_data_of_a_single_class_is_taken(tmp_path, node_models):
     """One folder of unlabeled images (one "class") was refused as a classifier's data."""
-    from PIL import Image
-
-    from fedavg.data import load
-
     folder, _ = node_models
-    digits = load("digits").train
-    part = tmp_path / "unlabelled" / "scans"
-    part.mkdir(parents=True)
-    for i in range(30):
-        Image.fromarray(digits.x[i].reshape(8, 8).astype("uint8"), "L").save(part / f"{i}.png")
-    res = runner.invoke(app, ["merge", str(folder), "--strategy", "distill", "--validation",
-                              "digits", "--distill-data", str(tmp_path / "unlabelled"),
-                              "--distill-steps", "2", "--output", str(tmp_path / "d")])
-    assert res.exit_code == 0, res.output
-    assert (tmp_path / "d" / "model.safetensors").is_file()
+    _image_folder(tmp_path / "unlabelled", ("scans",))
+    _distilled(folder, tmp_path / "unlabelled", tmp_path / "d")
     res = runner.invoke(app, ["merge", str(folder), "--strategy", "greedy-soup",  # labels count
                               "--validation", str(tmp_path / "unlabelled"),
                               "--output", str(tmp_path / "v")])
