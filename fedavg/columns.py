@@ -91,8 +91,9 @@ def detect_columns(features, source: str, image_column: str | None = None,
     if partition_by is not None:
         _check_column(features, partition_by, "--partition-by", source)
     if label in image:
+        flag = "--text-column" if text_column is not None else "--image-column"
         raise UserError(f"column {label!r} is both the input and the label; pass another "
-                        "--image-column or --label-column")
+                        f"{flag} or --label-column")
     return label, image
 
 
@@ -203,14 +204,32 @@ def check_numeric(features, names: list[str], source: str) -> None:
                         "features: fix or drop the values that are not numbers")
 
 
+def hinted_input(features, hint: str | None, image_column: str | None,
+                 text_column: str | None, label_column: str | None,
+                 partition_by: str | None) -> tuple[str | None, str | None]:
+    """Return ``(image_column, text_column)``: the given ones, else a saved model's ``hint``.
+
+    A model's input column, recorded in its run, is taken from another dataset that has a
+    column of that name and kind, and no column was named: of two text columns, the first
+    is not the one the model read.
+    """
+    if (hint is None or hint not in features or image_column or text_column
+            or hint in (label_column, partition_by)):
+        return image_column, text_column
+    if is_text(features[hint]):
+        return None, hint
+    return (hint, None) if is_image(features[hint]) else (None, None)
+
+
 def saved_load_args(meta: dict[str, Any], source: str, whole: bool = False) -> dict[str, Any]:
     """Return :func:`fedavg.data.load`'s column and hold-out arguments for a saved model.
 
     The run's seed and test fraction (the same hold-out); the columns its run recorded: all
-    of them for its own dataset; for another, a tabular model's ``feature_columns`` and its
-    label as ``label_hint`` (a table's column names are its schema), else none (detected);
-    with ``whole``, no hold-out either: such a dataset without a test split is scored or
-    predicted whole (``hold_out=False``).
+    of them for its own dataset; for another, as hints taken where that data has them: a
+    tabular model's ``feature_columns`` (a table's column names are its schema), its label
+    (``label_hint``) and its image or text column (``input_hint``); with ``whole``, no
+    hold-out either: such a dataset without a test split is scored or predicted whole
+    (``hold_out=False``).
     """
     from fedavg.datasources import same_source
 
@@ -222,9 +241,8 @@ def saved_load_args(meta: dict[str, Any], source: str, whole: bool = False) -> d
         args.update(image_column=cols.get("image"), label_column=cols.get("label"),
                     text_column=cols.get("text"), feature_columns=cols.get("features"))
     else:
-        args["hold_out"] = not whole
-        if cols.get("features"):
-            args.update(feature_columns=cols["features"], label_hint=cols.get("label"))
+        args.update(hold_out=not whole, feature_columns=cols.get("features") or None,
+                    label_hint=cols.get("label"), input_hint=cols.get("text") or cols.get("image"))
     return args
 
 

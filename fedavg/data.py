@@ -208,6 +208,7 @@ def load(
     hash_buckets: int = 131072,
     feature_columns: list[str] | None = None,
     label_hint: str | None = None,
+    input_hint: str | None = None,
     hold_out: bool = True,
     labelled: bool = True,
 ) -> LoadedData:
@@ -220,23 +221,20 @@ def load(
         ``.csv``, ``.arrow``, ``.json``) or folder (data files with split names, a
         ``save_to_disk`` folder, or an image folder with one subfolder per class); or a
         Hugging Face hub id such as ``ylecun/mnist``.
-    image_column, label_column : str, optional
+    image_column, label_column, text_column : str, optional
         Override column detection.
     partition_by : str, optional
         Keep this column's values (``Split.groups``) for natural partitioning.
-    seed : int
-        Seed of the test hold-out when the dataset has no test split.
-    test_fraction : float
-        Share of train held out as test in that case.
-    text_column : str, optional
-        Override the detection of a text column.
+    seed, test_fraction : int, float
+        Seed and share of train held out as test when the dataset has no test split.
     tokenizer : str or tokenizer
         For text: ``hashed``, a tokenizer path (:func:`fedavg.text.make_tokenizer`), or a
         tokenizer object (a saved run's, :func:`fedavg.text.from_spec`).
     max_tokens, hash_buckets : int
         Tokens per text; ids of the hashed tokenizer.
-    feature_columns, label_hint : list of str, str, optional
-        A saved tabular model's features, taken by name, and its label, where the data has it.
+    feature_columns, label_hint, input_hint : list of str, str, str, optional
+        A saved model's columns, used where the data has them: a tabular model's features,
+        taken by name; its label; its image or text column.
     hold_out : bool
         Without a test split, hold out ``test_fraction`` of train as test (a run's data);
         ``False``: ``test`` is the whole train split, the same object (data a saved model
@@ -267,7 +265,7 @@ def load(
         text = {"column": text_column, "tokenizer": tokenizer, "max_tokens": max_tokens,
                 "buckets": hash_buckets}
         data = _from_hf(dsdict, dataset, image_column, label_column, partition_by, text,
-                        (feature_columns, label_hint))
+                        (feature_columns, label_hint, input_hint))
         data.notes.extend(notes)
     _test_split(data, dataset, hold_out, test_fraction, seed)
     if len(data.classes) < 2 and labelled:
@@ -376,12 +374,12 @@ def _load_digits() -> LoadedData:
 
 
 def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
-             saved=(None, None)) -> LoadedData:
+             saved=(None, None, None)) -> LoadedData:
     """Turn every split of ``dsdict`` that has the input and label columns into arrays.
 
     The ``train`` split (else the first one) fixes the columns and the classes; the first
     of :data:`TEST_NAMES` present becomes ``test``; other splits keep their names. ``saved``
-    is a saved model's ``(feature_columns, label_hint)`` (see :func:`load`).
+    is a saved model's ``(feature_columns, label_hint, input_hint)`` (see :func:`load`).
     """
     names = list(dsdict.keys())
     if not names:
@@ -391,8 +389,10 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
     train_ds = dsdict[train_name]
     if len(train_ds) == 0:
         raise UserError(f"split {train_name!r} of {source!r} is empty")
+    image_column, text["column"] = columns.hinted_input(
+        train_ds.features, saved[2], image_column, text["column"], label_column, partition_by)
     label, image = detect_columns(train_ds.features, source, image_column, label_column,
-                                  partition_by, text["column"], *saved)
+                                  partition_by, text["column"], *saved[:2])
     tokenizer, left_out = None, None
     if len(image) == 1 and is_text(train_ds.features[image[0]]) and text["column"] is None:
         image, left_out = text_or_table(train_ds, label, partition_by, source)

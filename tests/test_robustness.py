@@ -67,8 +67,13 @@ def test_single_class_and_label_as_input(tmp_path):
     with pytest.raises(UserError, match="single class"):
         load(path)
     path = write_csv(tmp_path / "e.csv", "a,b,label", ["1,2,0", "3,4,1", "5,6,0"])
-    with pytest.raises(UserError, match="both the input and the label"):
+    with pytest.raises(UserError, match="both the input and the label; pass another "
+                                        "--image-column or --label-column"):
         load(path, image_column="label")
+    text = write_csv(tmp_path / "t.csv", "title,topic", ["a good day,good", "a bad day,bad"])
+    with pytest.raises(UserError, match="both the input and the label; pass another "
+                                        "--text-column or --label-column"):  # the flag given
+        load(text, text_column="topic", label_column="topic")
 
 
 def test_builtin_has_no_columns():

@@ -268,7 +268,7 @@ def _text_model_folders(tmp_path, data, count=2):
         folder = tmp_path / f"node-{i}"
         checkpoint.save(folder, spec.build().state_dict(), {
             "model": spec.as_dict(), "classes": data.classes, "input": data.input_spec(),
-            "dataset": {"source": str(AG_NEWS), "seed": 0}})
+            "dataset": {"source": str(AG_NEWS), "seed": 0, "columns": data.columns}})
         folders.append(folder)
     return folders
 
@@ -434,6 +434,13 @@ def test_evaluate_takes_a_text_column_of_another_dataset(tmp_path):
     assert picked["accuracy"] == pytest.approx(own["accuracy"])
     detected = evaluate_model(folder, str(table))  # the first text column: the notes
     assert detected["loss"] != pytest.approx(own["loss"], rel=1e-6)  # other tokens
+    named = tmp_path / "named.csv"  # a column named as the run's ("text"), second: taken
+    pd.read_csv(table).rename(columns={"story": "text"}).to_csv(named, index=False)
+    assert evaluate_model(folder, str(named))["loss"] == pytest.approx(own["loss"], rel=1e-5)
+    from fedavg.inference import predict
+
+    assert [r["prediction"] for r in predict(folder, [str(named)])] == \
+        [r["prediction"] for r in predict(folder, [str(AG_NEWS)])]
     res = CliRunner().invoke(app, ["evaluate", str(folder), "--dataset", str(table),
                                    "--text-column", "story", "--json"])
     assert res.exit_code == 0, res.output
