@@ -316,8 +316,10 @@ def conform(split: Split, source: str, shape: tuple[int, ...] | list[int],
                   if c not in index and (v := numeric_name(c)) in by_value})
     unknown = [c for c in split_classes if c not in index]
     if unknown:
+        numbers = all(numeric_name(c) is not None for c in split_classes) and not by_value
         raise UserError(f"{source} has labels the model does not know: {unknown[:5]} "
-                        f"(model classes: {', '.join(list(classes)[:10])})")
+                        f"(model classes: {', '.join(list(classes)[:10])})" + (
+                            "; write the labels as these class names" if numbers else ""))
     mapping = np.asarray([index[c] for c in split_classes])
     return Split(split.x, mapping[split.y], split.groups)
 

@@ -189,8 +189,11 @@ def check_output(out: Path, overwrite: bool) -> None:
     if (out / "sweep.json").is_file():  # its points' folders are in it, not a run
         raise UserError(f"{out} is a sweep's folder (sweep.json); choose another --output")
     if not overwrite and any((out / name).exists() for name in RUN_FILES):
+        stopped = (out / "checkpoint.safetensors").is_file() and not (
+            out / "summary.json").exists()  # fedavg.resume.CHECKPOINT: resumable
         raise UserError(f"{out} already holds a run; choose another --output or pass "
-                        "--overwrite to replace it")
+                        "--overwrite to replace it" + (
+                            f" (or --resume {out} to finish it)" if stopped else ""))
 
 
 def check_predictions_output(path: str | Path, model_dir: str | Path,

@@ -194,9 +194,15 @@ def test_whole_float_labels_are_the_classes_integer_labels_name(tmp_path):
     path.write_text("a,label\n1,1.0\n2,inf\n3,0.0\n")
     with pytest.raises(UserError, match="label column 'label' holds infinite values"):
         load(str(path))
-    with pytest.raises(UserError, match=r"labels the model does not know: \['3'\]"):
+    with pytest.raises(UserError, match=r"labels the model does not know: \['3'\] \(model "
+                                        r"classes: 1.0, 2.0\)$"):
         conform(Split(np.zeros((1, 1), np.float32), np.array([0])), "t.csv", (1,),
                 ["3"], ["1.0", "2.0"])
+    with pytest.raises(UserError, match=r"labels the model does not know: \['0', '1'\] \(model "
+                                        r"classes: world, sports\); write the labels as these "
+                                        r"class names$"):  # indices for a model of names
+        conform(Split(np.zeros((2, 1), np.float32), np.array([0, 1])), "t.csv", (1,),
+                ["0", "1"], ["world", "sports"])
 
 
 def test_csv_tabular(tmp_path):

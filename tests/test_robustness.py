@@ -274,7 +274,11 @@ def test_artifacts_are_readable_like_other_files(tmp_path):
 
 def test_output_folder_of_a_previous_run_is_not_overwritten(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("{}\n")
-    with pytest.raises(UserError, match="--overwrite"):
+    with pytest.raises(UserError, match="--overwrite to replace it$"):
+        check_output(tmp_path, overwrite=False)
+    (tmp_path / "checkpoint.safetensors").write_bytes(b"")  # a run stopped half-way
+    with pytest.raises(UserError, match=f"--overwrite to replace it \\(or --resume {tmp_path} "
+                                        "to finish it\\)$"):
         check_output(tmp_path, overwrite=False)
     check_output(tmp_path, overwrite=True)
     check_output(tmp_path / "new", overwrite=False)
