@@ -42,7 +42,8 @@ def sweep(
 ) -> None:
     """Run every point of a sweep config as its own `fedavg simulate`; resumable."""
     from fedavg.sweep import load_sweep, select
-    from fedavg.sweep_run import STARTS, Runner, check_sweep_folder, cpu_note, locked, plan
+    from fedavg.sweep_plan import STARTS, plan
+    from fedavg.sweep_run import Runner, check_sweep_folder, cpu_note, locked
 
     out = output if output is not None else Path("runs") / config.stem
     with guard():
@@ -53,7 +54,7 @@ def sweep(
         check_sweep_folder(out)
         planned = plan(spec, out, retry_failed)
     if dry_run:
-        from fedavg.sweep_run import check_points
+        from fedavg.sweep_plan import check_points
 
         try:
             with console.status("checking each point's data, partitions and model"):
@@ -86,7 +87,7 @@ def _check_model_args(planned) -> None:
     each point's data and model in full.
     """
     from fedavg.models import check_model_args
-    from fedavg.sweep_run import STARTS
+    from fedavg.sweep_plan import STARTS
 
     seen = set()
     for p in planned:
@@ -105,7 +106,7 @@ def _check_model_args(planned) -> None:
 def _repeats_note(planned) -> str | None:
     """Say which points that would start train exactly as another point of the sweep."""
     from fedavg.setting_use import repeated_runs
-    from fedavg.sweep_run import STARTS
+    from fedavg.sweep_plan import STARTS
 
     same = repeated_runs([p.point for p in planned])
     starting = [name for p in planned if (name := p.point.name) in same and p.action in STARTS]
@@ -122,7 +123,7 @@ def _show_plan(spec, planned, out: Path, problems: dict[str, str]) -> None:
     from rich.table import Table
 
     from fedavg.sweep import format_value
-    from fedavg.sweep_run import STARTS
+    from fedavg.sweep_plan import STARTS
 
     shared = spec.shared()
     if shared:

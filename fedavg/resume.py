@@ -174,7 +174,7 @@ def _digest(tensors: dict[str, torch.Tensor], state: str) -> str:
 
 def _not_a_run(folder: Path) -> str:
     """Why ``folder`` has no checkpoint, for :func:`load`'s error: a sweep's folder says so."""
-    try:  # fedavg.sweep_run.RECORD
+    try:  # fedavg.sweep_plan.RECORD
         config = json.loads((folder / "sweep.json").read_text()).get("config") or "CONFIG"
     except (OSError, ValueError, AttributeError):
         return "no round finished, or not a fedavg run folder"

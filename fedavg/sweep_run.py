@@ -6,10 +6,7 @@ own, so nothing of Ray or Flower carries from one point to the next. ``DIR/sweep
 records every point (name, settings, status, exit code, last error line, wall seconds) and is
 rewritten whenever a point starts or ends.
 
-A point whose folder holds a ``summary.json`` for the same settings is skipped; a run without
-one (stopped half-way) goes on from its last round (``--resume``) when its checkpoint reads
-and holds the same settings, else runs again from scratch (``--overwrite``); one that failed
-in an earlier sweep stays failed unless ``retry_failed``.
+What each point does (run, resume, skip ...) is :mod:`fedavg.sweep_plan`'s decision.
 """
 
 from __future__ import annotations
@@ -24,12 +21,21 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fedavg.errors import UserError
-from fedavg.sweep import Point, Sweep, format_value
+from fedavg.sweep import Point, Sweep
+from fedavg.sweep_plan import (
+    KEEP_FAILED,
+    RECORD,
+    RERUN,
+    RESUME,
+    SKIP,
+    STARTS,
+    Planned,
+    read_json,
+)
 
 
 def point_process(cmd: list[str], **kwargs) -> subprocess.Popen:
@@ -56,175 +62,12 @@ def _prctl():
     except (OSError, AttributeError):
         return None
 
-RECORD = "sweep.json"
 LOG = "sweep.log"
-
-#: What :func:`plan` decides for a point.
-RUN, RERUN, RESUME, SKIP, KEEP_FAILED = "run", "rerun", "resume", "skip", "failed"
-#: The actions that start a ``fedavg simulate``.
-STARTS = (RUN, RERUN, RESUME)
 
 #: Seconds a stopped point's process gets to exit after SIGTERM before it is killed.
 STOP_TIMEOUT_S = 60.0
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-@dataclass
-class Planned:
-    """A point and what the sweep does with it.
-
-    ``action`` is ``run``, ``rerun``, ``resume``, ``skip`` or ``failed``; ``record`` holds
-    what is known of the point (``round``: the last finished round, to resume after).
-    """
-
-    point: Point
-    action: str
-    record: dict[str, Any] = field(default_factory=dict)
-
-
-def check_points(planned: list[Planned]) -> dict[str, str]:
-    """Prepare each point that would start as its run would; return why those would fail.
-
-    Each point's data is loaded, its merge data held out and its partitions and model built
-    (:func:`fedavg.run.prepare`); points with the same data settings share one load, and one
-    dataset is held at a time. Returns ``{point name: error line}`` for the points whose
-    ``fedavg simulate`` would stop with that error before its first round.
-    """
-    from fedavg.data import data_settings, load
-    from fedavg.run import prepare
-
-    def key(p: Planned) -> str:
-        d = p.point.config.data
-        return json.dumps([d.dataset, data_settings(d)], sort_keys=True, default=str)
-
-    problems: dict[str, str] = {}
-    held: dict[str, Any] = {}  # the data settings loaded now: their data, or the load's error
-    for p in sorted((p for p in planned if p.action in STARTS), key=key):
-        d = p.point.config.data
-        if key(p) not in held:
-            held.clear()
-            try:
-                held[key(p)] = load(d.dataset, **data_settings(d))
-            except UserError as exc:
-                held[key(p)] = exc
-        try:
-            if isinstance(held[key(p)], UserError):
-                raise held[key(p)]
-            prepare(p.point.config, data=held[key(p)])
-        except UserError as exc:
-            problems[p.point.name] = str(exc)
-    return problems
-
-
-def plan(sweep: Sweep, out: Path, retry_failed: bool = False) -> list[Planned]:
-    """Decide per point: run it, resume it, run it again from scratch, skip or keep it failed.
-
-    Parameters
-    ----------
-    sweep : Sweep
-        The points.
-    out : pathlib.Path
-        The sweep's folder (``DIR``); point ``p`` runs in ``out / p.name``.
-    retry_failed : bool
-        Run the points an earlier sweep recorded as failed again.
-
-    Raises
-    ------
-    UserError
-        A point's folder is a file or holds a finished run with other settings.
-    """
-    earlier = {r.get("name"): r for r in read_record(out).get("points", [])}
-    planned = []
-    for point in sweep.points:
-        folder = out / point.name
-        if folder.exists() and not folder.is_dir():
-            raise UserError(f"{folder} is a file where point {point.name}'s run folder "
-                            "goes: move it away or sweep into another --output")
-        summary = _read_json(folder / "summary.json")
-        before = earlier.get(point.name, {})
-        same = _plain(before.get("settings")) == _plain(point.settings)
-        if summary is not None:
-            problem = _difference(summary.get("config"), point.config.as_dict())
-            done = _resumable(folder, point) if problem else None
-            if done is not None:  # only `rounds` was raised: train on from the last round
-                planned.append(Planned(point, RESUME, {"round": done, "finished": True}))
-                continue
-            if problem:
-                raise UserError(f"{folder} holds a finished run with other settings "
-                                f"({problem}); remove it or sweep into another --output")
-            wall = before.get("wall_s") if same else None
-            planned.append(Planned(point, SKIP, {"wall_s": wall if wall is not None
-                                                 else summary.get("wall_s")}))
-        elif same and before.get("status") == "failed" and not retry_failed:
-            planned.append(Planned(point, KEEP_FAILED, {
-                k: before.get(k) for k in ("exit_code", "error", "wall_s")}))
-        else:
-            from fedavg.output import RUN_FILES
-
-            started = folder.is_dir() and any((folder / f).exists() for f in RUN_FILES)
-            done = _resumable(folder, point) if started else None
-            planned.append(Planned(point, RESUME, {"round": done}) if done is not None
-                           else Planned(point, RERUN if started else RUN))
-    return planned
-
-
-def _resumable(folder: Path, point: Point) -> int | None:
-    """Return the last finished round of the run in ``folder``, if it can go on to this point.
-
-    That is when its checkpoint reads and holds this point's settings, ``rounds`` aside, and
-    no more rounds than the point's are done (a stopped run, or a finished one whose
-    ``rounds`` the config raised); ``None`` otherwise (a stopped point then runs again from
-    scratch).
-    """
-    from fedavg import resume
-
-    try:
-        ckpt = resume.load(folder)
-        given = point.config.from_flat(resume.absolute_paths(point.config.to_flat()))
-        had = ckpt.run_config().replace(rounds=given.merge.rounds)
-        same = had.as_dict() == given.as_dict()  # paths made absolute in both
-    except (UserError, OSError, ValueError, KeyError, TypeError):
-        return None
-    return ckpt.round if same and ckpt.round <= given.merge.rounds else None
-
-
-def read_record(out: Path) -> dict[str, Any]:
-    """Return ``out/sweep.json`` of an earlier sweep (``{}`` if none or unreadable)."""
-    data = _read_json(out / RECORD)
-    return data if isinstance(data, dict) else {}
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _plain(obj: Any) -> Any:
-    return json.loads(json.dumps(obj))
-
-
-def _difference(recorded: Any, wanted: dict[str, Any]) -> str | None:
-    """Name the first settings that differ between two nested run configs, or ``None``.
-
-    A setting the recorded config lacks (a run made before it existed) is at its default.
-    """
-    from fedavg.config import RunConfig
-
-    if not isinstance(recorded, dict):
-        return "no settings recorded"
-    defaults = _plain(RunConfig().as_dict())
-    diffs = []
-    for section, values in _plain(wanted).items():
-        there = recorded.get(section) if isinstance(recorded.get(section), dict) else {}
-        there = {**defaults.get(section, {}), **there}
-        for key, value in values.items():
-            if there.get(key) != value:
-                diffs.append(f"{key.replace('_', '-')} {format_value(there.get(key))} there, "
-                             f"{format_value(value)} here")
-    return "; ".join(diffs[:3]) or None
 
 
 def cpu_note(points: list[Point], parallel: int, cores: int | None = None) -> str | None:
@@ -413,7 +256,7 @@ class Runner:
         record.update(status=status, exit_code=code, wall_s=round(time.monotonic() - started, 3),
                       error=None if code == 0 else last_error(self.out / name / LOG))
         if code == 0:
-            summary = _read_json(self.out / name / "summary.json") or {}
+            summary = read_json(self.out / name / "summary.json") or {}
             record["accuracy"] = summary.get("accuracy")
         self._save("running")
         self.on_event(record)

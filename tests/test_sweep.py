@@ -27,7 +27,8 @@ from fedavg.config import RunConfig
 from fedavg.errors import UserError
 from fedavg.report import Run, find_runs, write_report
 from fedavg.sweep import load_sweep, select
-from fedavg.sweep_run import KEEP_FAILED, RERUN, RESUME, RUN, SKIP, cpu_note, last_error, plan
+from fedavg.sweep_plan import KEEP_FAILED, RERUN, RESUME, RUN, SKIP, plan
+from fedavg.sweep_run import cpu_note, last_error
 
 TINY = ROOT / "experiments" / "configs" / "tiny.toml"
 
@@ -508,7 +509,7 @@ def test_points_that_train_exactly_as_another_are_named(tmp_path):
 
 def test_dry_run_finds_the_points_that_would_fail_at_their_start(tmp_path, monkeypatch):
     from fedavg import data
-    from fedavg.sweep_run import check_points
+    from fedavg.sweep_plan import check_points
 
     loads = []
     real_load = data.load
