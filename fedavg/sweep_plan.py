@@ -102,11 +102,11 @@ def plan(sweep: Sweep, out: Path, retry_failed: bool = False) -> list[Planned]:
         same = _plain(before.get("settings")) == _plain(point.settings)
         if summary is not None:
             problem = _difference(summary.get("config"), point.config.as_dict())
-            done = _resumable(folder, point) if problem else None
-            if done is not None:  # only `rounds` was raised: train on from the last round
+            done, other = _resumable(folder, point) if problem else (None, None)
+            if done is not None and done < point.config.merge.rounds:  # `rounds` raised:
                 planned.append(Planned(point, RESUME, {"round": done, "finished": True}))
-                continue
-            if problem:
+                continue  # train on from the last round
+            if problem and done is None:  # (done: the same run, a path written otherwise)
                 raise UserError(f"{folder} holds a finished run with other settings "
                                 f"({problem}); remove it or sweep into another --output")
             wall = before.get("wall_s") if same else None
@@ -119,36 +119,48 @@ def plan(sweep: Sweep, out: Path, retry_failed: bool = False) -> list[Planned]:
             from fedavg.output import RUN_FILES
 
             started = folder.is_dir() and any((folder / f).exists() for f in RUN_FILES)
-            done = _resumable(folder, point) if started else None
+            done, other = _resumable(folder, point) if started else (None, None)
+            if other:  # its finished rounds are not this point's: never thrown away
+                raise UserError(f"{folder} holds a run stopped half-way with other settings "
+                                f"({other}); remove it or sweep into another --output")
             planned.append(Planned(point, RESUME, {"round": done}) if done is not None
                            else Planned(point, RERUN if started else RUN))
     return planned
 
 
-def _resumable(folder: Path, point: Point) -> int | None:
-    """Return the last finished round of the run in ``folder``, if it can go on to this point.
+def _resumable(folder: Path, point: Point) -> tuple[int | None, str | None]:
+    """Return ``(round, None)`` if the run in ``folder`` can go on to this point, else why not.
 
-    That is when its checkpoint reads and holds this point's settings, ``rounds`` aside, and
-    no more rounds than the point's are done (a stopped run, or a finished one whose
-    ``rounds`` the config raised); ``None`` otherwise (a stopped point then runs again from
-    scratch).
+    It can when its checkpoint reads and holds this point's settings, ``rounds`` aside, and
+    no more rounds than the point's are done: ``round`` is its last finished one. A
+    checkpoint of other settings (or more rounds) gives ``(None, "what differs")``; none, or
+    one that does not read, ``(None, None)`` (nothing of it can be used).
     """
     from fedavg import resume
 
     try:
         ckpt = resume.load(folder)
         given = point.config.from_flat(resume.absolute_paths(point.config.to_flat()))
-        had = ckpt.run_config().replace(rounds=given.merge.rounds)
-        same = had.as_dict() == given.as_dict()  # paths made absolute in both
+        had = ckpt.run_config()
     except (UserError, OSError, ValueError, KeyError, TypeError):
-        return None
-    return ckpt.round if same and ckpt.round <= given.merge.rounds else None
+        return None, None
+    problem = _difference(had.replace(rounds=given.merge.rounds).as_dict(), given.as_dict())
+    if problem is None and ckpt.round > given.merge.rounds:
+        problem = f"{ckpt.round} rounds done there, {given.merge.rounds} here"
+    return (ckpt.round, None) if problem is None else (None, problem)
 
 
 def read_record(out: Path) -> dict[str, Any]:
-    """Return ``out/sweep.json`` of an earlier sweep (``{}`` if none or unreadable)."""
+    """Return ``out/sweep.json`` of an earlier sweep (``{}`` if none or unreadable).
+
+    Its ``points`` are those of its records that are objects with a name (a list).
+    """
     data = read_json(out / RECORD)
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    points = data.get("points") if isinstance(data.get("points"), list) else []
+    return {**data, "points": [p for p in points if isinstance(p, dict)
+                               and isinstance(p.get("name"), str)]}
 
 
 def read_json(path: Path) -> Any:

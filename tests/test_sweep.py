@@ -361,13 +361,54 @@ def test_plan_resumes_a_stopped_point_with_a_checkpoint_of_its_settings(tmp_path
                               strategies.get(config.merge.strategy), [ROUND_ONE], [])
         resume.save(folder, ckpt)
     (out / broken.name / resume.CHECKPOINT).write_bytes(b"not a checkpoint")
+    # a round of other settings is never thrown away (it was run again with --overwrite)
+    with pytest.raises(UserError, match=rf"{other.name} holds a run stopped half-way with "
+                                        r"other settings \(lr 0.5 there, 0.05 here\); remove "
+                                        r"it or sweep into another --output"):
+        plan(sweep, out)
+    shutil.rmtree(out / other.name)
     planned = plan(sweep, out)
     # the last one was stopped after round 1 of 9; the config now asks for 2: it goes on
-    assert [p.action for p in planned] == [RESUME, RERUN, RERUN, RESUME]
+    assert [p.action for p in planned] == [RESUME, RUN, RERUN, RESUME]
     assert planned[0].record == planned[3].record == {"round": 1}
     dry = run_cli("sweep", TINY, "--output", out, "--dry-run")
     assert dry.stdout.count("go on after round 1") == 2
-    assert dry.stdout.count("run again from scratch") == 2
+    assert dry.stdout.count("run again from scratch") == 1
+
+
+def test_a_finished_point_whose_dataset_path_is_written_otherwise_is_skipped(tmp_path,
+                                                                            monkeypatch):
+    """`./data/d.csv` for `data/d.csv` was a raised `rounds`: the resume failed every time."""
+    import torch
+
+    import strategies
+    from fedavg import resume
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "d.csv").write_text("a,label\n1,0\n2,1\n")
+    sweeps = []
+    for name, path in (("a.toml", "data/d.csv"), ("b.toml", "./data/d.csv")):
+        (tmp_path / name).write_text(f'[base]\ndataset = "{path}"\nrounds = 1\n'
+                                     '[grid]\nseed = [0]\n')
+        sweeps.append(load_sweep(tmp_path / name))
+    point = sweeps[0].points[0]
+    folder = tmp_path / "out" / point.name
+    folder.mkdir(parents=True)
+    config = point.config.from_flat(resume.absolute_paths(point.config.to_flat()))
+    resume.save(folder, resume.capture(1, {"w": torch.zeros(2)}, config,
+                                       strategies.get("fedavg"), [ROUND_ONE], []))
+    (folder / "summary.json").write_text(json.dumps({"config": point.config.as_dict()}))
+    assert [p.action for p in plan(sweeps[0], tmp_path / "out")] == [SKIP]
+    assert [p.action for p in plan(sweeps[1], tmp_path / "out")] == [SKIP]
+
+
+@pytest.mark.parametrize("record", ['{"points": null}', '{"points": "abc"}',
+                                    '{"points": [1, 2]}', '{"points": [{"name": ["x"]}]}'])
+def test_a_sweep_record_of_another_shape_is_ignored(tmp_path, record):
+    """It was a traceback (TypeError, AttributeError) in every sweep into the folder."""
+    (tmp_path / "sweep.json").write_text(record)
+    assert [p.action for p in plan(load_sweep(TINY), tmp_path)] == [RUN] * 4
 
 
 def test_points_left_out_by_only_stay_in_the_record(tmp_path):
