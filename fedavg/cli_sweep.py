@@ -7,7 +7,6 @@ folders into tables and plots (:mod:`fedavg.report`).
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -65,7 +64,7 @@ def sweep(
         _show_plan(spec, planned, out, problems)
         raise typer.Exit(1 if problems else 0)
     with guard():
-        _check_model_args(planned)
+        _check_points(planned)
     for note in (cpu_note([p.point for p in planned if p.action in STARTS], parallel),
                  _repeats_note(planned)):
         if note:
@@ -80,27 +79,20 @@ def sweep(
     raise typer.Exit(code)
 
 
-def _check_model_args(planned) -> None:
-    """Refuse a sweep one of whose points to run gives its model arguments it cannot take.
+def _check_points(planned) -> None:
+    """Refuse a sweep one of whose points to run would fail at once, maybe hours into it.
 
-    A point's run would fail at its start, maybe hours into the sweep; the dry run checks
-    each point's data and model in full.
+    A bad model or model argument, more cores per node than there are (see
+    :func:`fedavg.sweep_plan.quick_problems`); the dry run checks each point's data and
+    model in full.
     """
-    from fedavg.models import check_model_args
-    from fedavg.sweep_plan import STARTS
+    from fedavg.sweep_plan import quick_problems
 
-    seen = set()
-    for p in planned:
-        train = p.point.config.train
-        key = (train.model, json.dumps(dict(train.model_args), sort_keys=True, default=str))
-        if p.action not in STARTS or key in seen:
-            continue
-        seen.add(key)
-        try:
-            check_model_args(train.model, dict(train.model_args))
-        except UserError as exc:
-            raise UserError(f"point {p.point.name}: {exc}; fix the sweep config (--dry-run "
-                            "checks every point's data and model)") from None
+    problems = quick_problems(planned)
+    if problems:
+        name, why = next(iter(problems.items()))
+        raise UserError(f"point {name}: {why}; fix the sweep config (--dry-run checks every "
+                        "point's data and model)")
 
 
 def _repeats_note(planned) -> str | None:

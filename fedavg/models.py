@@ -165,12 +165,14 @@ def check_model_args(name: str, args: dict[str, Any]) -> None:
     Raises
     ------
     UserError
-        An argument the builder does not take (naming those it takes), a required one
-        missing, or a size argument below 1.
+        An unknown model, an argument the builder does not take (naming those it takes), a
+        required one missing, or a size argument below 1.
     """
     from fedavg import model_sources
 
     kind = model_sources.source_kind(name)
+    if kind == "registry" and name not in _MODELS and name != "auto":
+        resolve_model(name, (1,))  # its error: unknown, with the registered names
     if kind not in ("registry", "code") or (kind == "registry" and name not in _MODELS):
         return
     fn = model_sources.user_builder(name) if kind == "code" else _MODELS[name][0]

@@ -102,6 +102,21 @@ def _import_libraries(device: str) -> None:
     resolve_device(device)
 
 
+def check_resources(device: str, cpus_per_node: float, gpus_per_node: float | None) -> None:
+    """Raise the error ``fedavg simulate`` stops with at its start for these settings here.
+
+    Raises
+    ------
+    UserError
+        An unknown device, CUDA asked for on a machine without it, or more cores (or GPUs)
+        per node than this machine has.
+    """
+    from fedavg.train import resolve_device
+
+    resolve_device(device)
+    _backend_config(device, cpus_per_node, gpus_per_node, verbose=False)
+
+
 def _backend_config(device: str, cpus_per_node: float, gpus_per_node: float | None,
                     verbose: bool, ray_address: str | None = None) -> dict[str, Any]:
     import torch

@@ -54,9 +54,10 @@ def check_points(planned: list[Planned]) -> dict[str, str]:
         d = p.point.config.data
         return json.dumps([d.dataset, data_settings(d)], sort_keys=True, default=str)
 
-    problems: dict[str, str] = {}
+    problems = quick_problems(planned)
     held: dict[str, Any] = {}  # the data settings loaded now: their data, or the load's error
-    for p in sorted((p for p in planned if p.action in STARTS), key=key):
+    for p in sorted((p for p in planned if p.action in STARTS
+                     and p.point.name not in problems), key=key):
         d = p.point.config.data
         if key(p) not in held:
             held.clear()
@@ -70,6 +71,34 @@ def check_points(planned: list[Planned]) -> dict[str, str]:
             prepare(p.point.config, data=held[key(p)])
         except UserError as exc:
             problems[p.point.name] = str(exc)
+    return problems
+
+
+def quick_problems(planned: list[Planned]) -> dict[str, str]:
+    """Return ``{point name: error line}`` for the points to start that would fail at once.
+
+    From their settings alone, no data loaded: an unknown model or model arguments it
+    cannot take (:func:`fedavg.models.check_model_args`), and a device, cores or GPUs per
+    node this machine cannot give (:func:`fedavg.simulation.check_resources`).
+    """
+    from fedavg.models import check_model_args
+    from fedavg.simulation import check_resources
+
+    problems: dict[str, str] = {}
+    known: dict[str, str | None] = {}  # each check's result, by its settings
+    for p in (p for p in planned if p.action in STARTS):
+        train, given = p.point.config.train, p.point.settings
+        for check, args in ((check_model_args, (train.model, dict(train.model_args))),
+                            (check_resources, (train.device, p.point.cpus_per_node,
+                                               given.get("gpus-per-node")))):
+            key = json.dumps([check.__name__, args], sort_keys=True, default=str)
+            if key not in known:
+                try:
+                    known[key] = check(*args)
+                except UserError as exc:
+                    known[key] = str(exc)
+            if known[key] and p.point.name not in problems:
+                problems[p.point.name] = known[key]
     return problems
 
 

@@ -1220,3 +1220,23 @@ def test_a_sweep_refuses_model_arguments_its_model_cannot_take_before_any_run(tm
     check_model_args("fasttext", {"dim": 16})
     with pytest.raises(UserError, match="does not take argument 'dimm'"):
         check_model_args("fasttext", {"dimm": 16})
+
+
+@pytest.mark.parametrize("setting, said", [
+    ('model = ["mlp", "nosuchmodel"]', "unknown model 'nosuchmodel'; choose auto or one of"),
+    ("cpus-per-node = [1, 0]", "--cpus-per-node must be in (0, "),
+    ('device = ["cpu", "tpu"]', "unknown device 'tpu'; use auto, cpu, cuda or cuda:N"),
+])
+def test_a_sweep_refuses_a_point_that_would_fail_at_its_start_before_any_run(tmp_path,
+                                                                             setting, said):
+    """The first points ran, then this one failed; the dry run said every point would run."""
+    config = tmp_path / "s.toml"
+    config.write_text(f"[base]\nrounds = 1\nnum-nodes = 2\n\n[grid]\n{setting}\n")
+    res = CliRunner().invoke(app, ["sweep", str(config), "--output", str(tmp_path / "sw")])
+    assert res.exit_code == 2, res.output
+    line = assert_one_error_line(res.stderr)
+    assert line.startswith("error: point ") and said in line
+    assert not (tmp_path / "sw").exists()  # nothing ran, no folder was made
+    dry = CliRunner().invoke(app, ["sweep", str(config), "--output", str(tmp_path / "sw"),
+                                   "--dry-run"], env={"COLUMNS": "400"})
+    assert dry.exit_code == 1 and f"would fail: {said}" in dry.stdout, dry.output
