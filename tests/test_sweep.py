@@ -1237,6 +1237,6 @@ def test_a_sweep_refuses_a_point_that_would_fail_at_its_start_before_any_run(tmp
     line = assert_one_error_line(res.stderr)
     assert line.startswith("error: point ") and said in line
     assert not (tmp_path / "sw").exists()  # nothing ran, no folder was made
-    dry = CliRunner().invoke(app, ["sweep", str(config), "--output", str(tmp_path / "sw"),
-                                   "--dry-run"], env={"COLUMNS": "400"})
-    assert dry.exit_code == 1 and f"would fail: {said}" in dry.stdout, dry.output
+    dry = run_cli("sweep", config, "--output", tmp_path / "sw", "--dry-run", check=False,
+                  env={"COLUMNS": "400"})
+    assert dry.returncode == 1 and f"would fail: {said}" in dry.stdout, dry.stdout
