@@ -238,12 +238,14 @@ def write_report(runs_dir: str | Path, *, target: float = 0.9,
         A ``target`` outside (0, 1], ``runs_dir`` missing or without runs, an unwritable
         ``output``, a bad ``published`` file or ``name``.
     """
-    from fedavg import report_plots
     from fedavg.report_published import load_published, valid_name
 
     if not valid_name(name):
         raise UserError(f"--name {name!r}: give a file stem such as niid (letters, digits, "
                         "._+-; no folders, spaces or leading dot)")
+    if name == "runs":  # its runs.csv would replace the default report's table of runs
+        raise UserError("--name runs: runs.csv is the default report's table of runs; give "
+                        "another name")
     figures = load_published(published) if published is not None else None
 
     if not (isinstance(target, (int, float)) and 0 < target <= 1 and math.isfinite(target)):
@@ -252,10 +254,19 @@ def write_report(runs_dir: str | Path, *, target: float = 0.9,
     runs, notes = find_runs(root)
     out = Path(output) if output is not None else root
     try:
-        plots_dir = out / ("plots" if name == "results" else f"{name}_plots")
-        plots_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"cannot write the report into {out}: {exc.strerror}") from None
+        return _write(runs, notes, root, out, target, figures, name)
+    except OSError as exc:  # a file where a folder goes, or the other way round
+        where = f"{exc.filename}: " if exc.filename else ""
+        raise UserError(f"cannot write the report into {out}: {where}{exc.strerror}") from None
+
+
+def _write(runs: list[Run], notes: list[str], root: Path, out: Path, target: float,
+           figures, name: str) -> dict[str, Any]:
+    """Write :func:`write_report`'s files into ``out``; return its result."""
+    from fedavg import report_plots
+
+    plots_dir = out / ("plots" if name == "results" else f"{name}_plots")
+    plots_dir.mkdir(parents=True, exist_ok=True)
     keys = varying(runs)
     shown = [k for k in keys if k != "seed"]
     groups = group_runs(runs, shown)

@@ -92,7 +92,8 @@ def find_runs(root: str | Path) -> tuple[list[Run], list[str]]:
         elif len(has) == len(REQUIRED):
             try:
                 runs.append(read_run(folder, notes))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError,
+                    OverflowError) as exc:
                 notes.append(f"{folder} left out: cannot read it ({exc})")
             else:
                 if not runs[-1].curve:
@@ -133,8 +134,9 @@ def read_run(folder: Path, notes: list[str] | None = None) -> Run:
             continue
         try:
             row = json.loads(line)
-            if not math.isfinite(float(row["accuracy"])):
-                raise ValueError(row["accuracy"])
+            if not (_number(row["accuracy"]) and 0 <= row["accuracy"] <= 1
+                    and _number(row["round"]) and row["round"] == int(row["round"]) >= 1):
+                raise ValueError(line)
             by_round[int(row["round"])] = row
         except (ValueError, KeyError, TypeError, AttributeError):
             bad.append(number)
@@ -142,16 +144,28 @@ def read_run(folder: Path, notes: list[str] | None = None) -> Run:
         notes.append(f"{folder}: line(s) {', '.join(map(str, bad[:5]))} of its metrics.jsonl "
                      "are not round records; they are left out of its curve")
     rows = [by_round[r] for r in sorted(by_round)]
-    numbers = [summary["accuracy"], summary["best_accuracy"], summary["wall_s"]]
-    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in numbers):
-        raise ValueError("an accuracy or time that is not a finite number")
-    return Run(path=folder, settings=flat_settings(summary),
+    accuracies = [summary["accuracy"], summary["best_accuracy"]]
+    counts = [summary["rounds"], summary.get("num_nodes", 1)]
+    if not (all(_number(v) and 0 <= v <= 1 for v in accuracies) and _number(summary["wall_s"])
+            and all(_number(v) and v == int(v) >= 1 for v in counts)):
+        raise ValueError("its summary.json holds an accuracy outside [0, 1], a time that is "
+                         "not a finite number, or rounds or nodes that are not counts")
+    settings = flat_settings(summary)
+    if not all(v is None or _number(v) for v in (settings.get("alpha"), settings["num-nodes"])):
+        raise ValueError("its summary.json's alpha or num-nodes is not a number")
+    return Run(path=folder, settings=settings,
                accuracy=float(summary["accuracy"]),
                best_accuracy=float(summary["best_accuracy"]), rounds=int(summary["rounds"]),
                wall_s=float(summary["wall_s"]),
                curve=[(int(r["round"]), float(r["accuracy"])) for r in rows],
                round_walls=[float(r["wall_s"]) for r in rows[1:]  # not a start-up's round
-                            if r.get("wall_s") is not None and not r.get("resumed")])
+                            if _number(r.get("wall_s")) and not r.get("resumed")])
+
+
+def _number(value: Any) -> bool:
+    """Whether ``value`` is a finite JSON number (``true`` is no number here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(
+        value)
 
 
 def flat_settings(summary: dict[str, Any]) -> dict[str, Any]:

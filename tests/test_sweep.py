@@ -1240,3 +1240,53 @@ def test_a_sweep_refuses_a_point_that_would_fail_at_its_start_before_any_run(tmp
     dry = run_cli("sweep", config, "--output", tmp_path / "sw", "--dry-run", check=False,
                   env={"COLUMNS": "400"})
     assert dry.returncode == 1 and f"would fail: {said}" in dry.stdout, dry.stdout
+
+
+@pytest.mark.parametrize("file, before, after", [
+    ("metrics.jsonl", '"round": 1, "accuracy": 0.5', '"round": Infinity, "accuracy": 0.5'),
+    ("metrics.jsonl", '"round": 1, "accuracy": 0.5', '"round": 1, "accuracy": 1e308'),
+    ("summary.json", '"rounds": 1', '"rounds": Infinity'),
+    ("summary.json", '"num_nodes": 5', '"num_nodes": [5]'),
+    ("summary.json", '"num_nodes": 5', '"num_nodes": "many"'),
+    ("summary.json", '"accuracy": 0.5', '"accuracy": 5.0'),
+    ("summary.json", '"alpha": 0.5', '"alpha": [0.5]'),
+])
+def test_a_damaged_run_is_left_out_of_the_report_with_a_note(tmp_path, file, before, after):
+    """Each was a traceback (OverflowError, TypeError), a matplotlib warning, or taken."""
+    import warnings
+
+    fake_run(tmp_path / "good", [0.5, 0.9], 10.0)
+    bad = fake_run(tmp_path / "bad", [0.5], 5.0, partitioner="dirichlet")
+    text = (bad / file).read_text()
+    if file == "summary.json":
+        text = json.dumps(json.loads(text))  # on one line, as the substrings are written
+    assert before in text, text
+    (bad / file).write_text(text.replace(before, after, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no matplotlib warning either
+        result = write_report(tmp_path)
+    if file == "summary.json":  # the run is left out
+        assert result["num_runs"] == 1
+        assert any(n.startswith(f"{bad} left out: cannot read it") for n in result["notes"])
+    else:  # the round is left out of its curve
+        assert result["num_runs"] == 2
+        assert f"{bad}: line(s) 1 of its metrics.jsonl are not round records; they are left " \
+               "out of its curve" in result["notes"]
+
+
+def test_report_files_never_replace_another_reports_or_meet_a_folder(tmp_path):
+    """Neither replaces the default report's runs.csv, nor is a folder a traceback.
+
+    `--name runs` replaced it; a folder where results.md goes was an IsADirectoryError.
+    """
+    fake_run(tmp_path / "one", [0.5, 0.9], 10.0)
+    write_report(tmp_path)
+    runs_csv = (tmp_path / "runs.csv").read_text()
+    with pytest.raises(UserError, match="^--name runs: runs.csv is the default report's table"):
+        write_report(tmp_path, name="runs")
+    assert (tmp_path / "runs.csv").read_text() == runs_csv
+    (tmp_path / "r2").mkdir()
+    (tmp_path / "r2" / "results.md").mkdir()
+    with pytest.raises(UserError, match=r"^cannot write the report into .*r2: .*results.md: Is "
+                                        r"a directory$"):
+        write_report(tmp_path, output=tmp_path / "r2")
