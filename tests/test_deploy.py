@@ -390,6 +390,26 @@ def test_too_few_nodes_fails_after_wait_timeout(cluster, tmp_path):
     assert "Traceback" not in text
 
 
+def test_a_coordinator_whose_superlink_dies_fails_at_once(cluster, tmp_path):
+    """It waited for ever (Flower's retries), mid-run and while waiting for nodes."""
+    out = tmp_path / "run"
+    coord = cluster.coordinator("--rounds", "50", "--min-nodes", "1", "--insecure",
+                                "--local-epochs", "5", "--output", out)
+    cluster.node("node", "--insecure")
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text()):
+        assert time.monotonic() < deadline and coord.poll() is None, cluster.log("coordinator")
+        time.sleep(0.2)
+    link = next(int(p.split(":")[0]) for p in tagged_processes(cluster.tag)
+                if "_launch superlink" in p)
+    os.kill(link, signal.SIGKILL)
+    assert cluster.wait(coord, 60) == 1, cluster.log("coordinator")
+    text = cluster.log("coordinator")
+    assert "run failed: the SuperLink process was killed (SIGKILL) during the run; finished " \
+           f"rounds are kept in {out}; resume with: fedavg coordinator" in text, text
+    assert "Traceback" not in text and (out / "model.safetensors").exists()
+
+
 # SIGINT takes the same handler (tests/test_cli.py); test_e2e.py sends it to a simulation
 @pytest.mark.parametrize("sig", [signal.SIGTERM])
 def test_signals_stop_every_flower_process(cluster, tmp_path, sig):

@@ -367,10 +367,14 @@ def _run_rounds(link: FlowerProcess, endpoint, run_id: int, opts: _Options, prep
     token = _acquire_server_task(endpoint, run_id, link)
     try:
         progress.start()
-        flower_compat.run_server_task(endpoint, token, server)
+        flower_compat.run_server_task(endpoint, token, server, alive=link.alive)
     except (RunError, UserError):
+        if not link.alive():
+            raise RunError(f"the SuperLink process {link.ended()} during the run") from None
         raise
     except Exception as exc:
+        if not link.alive():  # what the grid's failed request comes from
+            raise RunError(f"the SuperLink process {link.ended()} during the run") from None
         if state.error is not None and isinstance(state.error, (RunError, UserError)):
             raise state.error from None
         raise RunError(f"the run failed: {str(exc).splitlines()[0] if str(exc) else exc!r}"

@@ -11,7 +11,6 @@ as the coordinator announces it) is said once; waiting for the next run is quiet
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from fedavg.deployment.processes import (
     flower_env,
     free_port,
     secret_file,
+    signal_name,
     split_address,
 )
 from fedavg.deployment.tls import CA_CERT, tls_mismatch
@@ -46,16 +46,6 @@ LOST_AFTER_S = 30.0
 #: container restarted at once): the SuperLink lets it go after two missed heartbeats. A
 #: node waits this long (s) before it calls the key in use by another node.
 KEY_IN_USE_WAIT_S = 3 * flower_compat.HEARTBEAT_S
-
-
-def _signal_name(returncode: int | None) -> str | None:
-    """``SIGKILL`` for a process killed by signal 9 (return code -9); else ``None``."""
-    if returncode is None or returncode >= 0:
-        return None
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
 
 
 def serve_node(
@@ -268,7 +258,7 @@ class _Node:
         reason, line, key_refused = self.refused or (
             flower_compat.node_refusal(" ".join(proc.lines)), "", False)
         was_connected = self.connected
-        killed = _signal_name(proc.returncode())  # by something else: we stop it only below
+        killed = signal_name(proc.returncode())  # by something else: we stop it only below
         proc.stop()
         self._close_source()
         lost = (f"this node's SuperNode process was killed ({killed})" if killed else

@@ -49,6 +49,16 @@ def die_with_parent() -> None:
         pass
 
 
+def signal_name(returncode: int | None) -> str | None:
+    """``SIGKILL`` for a process killed by signal 9 (return code -9); else ``None``."""
+    if returncode is None or returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
 class FlowerProcess:
     """A Flower SuperLink or SuperNode child: output kept and filtered, stopped on exit.
 
@@ -98,6 +108,12 @@ class FlowerProcess:
                     self.echo(line)
                 except Exception as exc:  # noqa: BLE001 - never stop reading the pipe
                     log.debug("echo: %s", exc)
+
+    def ended(self) -> str:
+        """How the process ended: ``was killed (SIGKILL)`` or ``exited with code N``."""
+        code = self.proc.poll()
+        return (f"was killed ({signal_name(code)})" if signal_name(code)
+                else f"exited with code {code}")
 
     def alive(self) -> bool:
         """Whether the process still runs."""

@@ -194,12 +194,14 @@ def run_client_task(endpoint: Endpoint, token: str, app) -> str | None:
     return failure
 
 
-def run_server_task(endpoint: Endpoint, token: str,
-                    main: Callable[[object, object], None]) -> None:
+def run_server_task(endpoint: Endpoint, token: str, main: Callable[[object, object], None],
+                    alive: Callable[[], bool] | None = None) -> None:
     """Run one ServerApp task in this process, as ``flwr-serverapp`` would.
 
     ``main(grid, context)`` is called with Flower's HTTP Grid bound to the run. The task's
-    final status (completed or failed, with the error) is pushed back either way.
+    final status (completed or failed, with the error) is pushed back either way. With
+    ``alive`` (whether the SuperLink process runs), a request to a SuperLink that has
+    stopped fails at once, where Flower's retries would wait for it for ever.
 
     Raises
     ------
@@ -220,6 +222,10 @@ def run_server_task(endpoint: Endpoint, token: str,
     grid = HttpGrid(runtime_api_address=endpoint.address, insecure=endpoint.insecure,
                     root_certificates=endpoint.root_certificates, token=token)
     runtime = grid._runtime_client  # noqa: SLF001 - as flwr-serverapp does
+    if alive is not None:
+        invoker = grid._retry_invoker  # noqa: SLF001 - the runtime client's too
+        giveup = invoker.should_giveup
+        invoker.should_giveup = lambda exc: not alive() or bool(giveup and giveup(exc))
     heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(runtime))
     heartbeat.start()
     context = None
