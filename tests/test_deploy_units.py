@@ -708,3 +708,16 @@ def test_a_void_task_never_interrupts_a_warm_node(monkeypatch):
     finally:
         client.close()
     assert interrupted == []
+
+
+def test_a_flower_log_folder_that_is_not_there_is_one_line(tmp_path, monkeypatch):
+    """FEDAVG_FLOWER_LOG naming a missing folder (or a file) was a FileNotFoundError."""
+    from fedavg.deployment.processes import FlowerProcess
+
+    (tmp_path / "file").write_text("")
+    for where, why in ((tmp_path / "gone", "No such file or directory"),
+                       (tmp_path / "file", "Not a directory")):
+        monkeypatch.setenv("FEDAVG_FLOWER_LOG", str(where))
+        with pytest.raises(UserError, match=f"^FEDAVG_FLOWER_LOG={where}: {why}; give an "
+                                            "existing folder or unset it$"):
+            FlowerProcess("superlink", ["--help"], dict(os.environ))

@@ -82,8 +82,12 @@ class FlowerProcess:
         self.echo = echo
         # FEDAVG_FLOWER_LOG=DIR keeps every line of Flower's output in DIR/<name>-<pid>.log
         log_dir = os.environ.get("FEDAVG_FLOWER_LOG")
-        self.log_file = (open(Path(log_dir) / f"{name}-{os.getpid()}.log", "a")
-                         if log_dir else None)
+        try:
+            self.log_file = (open(Path(log_dir) / f"{name}-{os.getpid()}.log", "a")
+                             if log_dir else None)
+        except OSError as exc:
+            raise UserError(f"FEDAVG_FLOWER_LOG={log_dir}: {exc.strerror}; give an existing "
+                            "folder or unset it") from None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fedavg._launch", name, *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
