@@ -188,6 +188,7 @@ class ServerRun:
         self.swa = WeightAverage() if config.merge.swa_start is not None else None
         self.stale_summary = False
         self.stale_metrics = False  # metrics.jsonl to rewrite from the checkpoint's rounds
+        self.saved_nodes: dict[str, int] = {}  # node model folder -> the node saved there
         self.stale_nodes = resume_from is not None  # a resumed run's earlier last round saved
 
     def __call__(self, grid: Grid) -> None:
@@ -304,8 +305,13 @@ class ServerRun:
         if not self.config.merge.save_node_models or server_round != self.config.merge.rounds:
             return
         pid = info["partition_id"]
-        folder = self.output / "nodes" / f"node-{pid if pid >= 0 else info['node_id']}"
-        checkpoint.save(folder, state_dict,
+        name = f"node-{pid if pid >= 0 else info['node_id']}"
+        other = self.saved_nodes.setdefault(name, info["node_id"])
+        if other != info["node_id"]:  # two nodes of one partition: both models are kept
+            self.progress.on_note(f"nodes {other} and {info['node_id']} both trained partition "
+                                  f"{pid}: its samples count twice in the merge")
+            name = f"{name}-{info['node_id']}"
+        checkpoint.save(self.output / "nodes" / name, state_dict,
                         {**self.prepared.meta, "rounds": server_round, "node": info})
 
     def drop_stale_node_models(self, last_round: int) -> None:

@@ -602,3 +602,27 @@ def test_a_resumed_coordinator_waits_for_the_runs_own_number_of_nodes(tmp_path):
     assert deploy._check_options(RunConfig(), min_nodes=4, **options).min_nodes == 4
     fresh = {**options, "resume": None, "output": tmp_path / "new"}
     assert deploy._check_options(RunConfig(), min_nodes=None, **fresh).min_nodes == 2
+
+
+def test_two_nodes_of_one_partition_keep_both_node_models_and_say_so(tmp_path):
+    """The second one's model replaced the first's in nodes/node-0, with no word."""
+    import types
+
+    from fedavg.coordinator import ServerRun
+    from fedavg.run import RunState
+
+    notes = []
+    progress = types.SimpleNamespace(on_note=notes.append)
+    run = ServerRun(RunConfig().replace(rounds=1, save_node_models=True),
+                    types.SimpleNamespace(meta={"model": None}), tmp_path, RunState(),
+                    progress=progress)
+    for node_id, value in ((7, 1.0), (8, 2.0), (7, 3.0)):  # node 7 again: its own folder
+        run.save_node_model(1, {"w": torch.full((2,), value)},
+                            {"partition_id": 0, "node_id": node_id, "num_examples": 3})
+    assert sorted(d.name for d in (tmp_path / "nodes").iterdir()) == ["node-0", "node-0-8"]
+    from safetensors.torch import load_file
+
+    assert load_file(tmp_path / "nodes/node-0/model.safetensors")["w"].tolist() == [3.0, 3.0]
+    assert load_file(tmp_path / "nodes/node-0-8/model.safetensors")["w"].tolist() == [2.0, 2.0]
+    assert notes == ["nodes 7 and 8 both trained partition 0: its samples count twice in the "
+                     "merge"]
