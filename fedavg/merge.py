@@ -129,6 +129,8 @@ def merge_models(
 
             ev = score(load_model(out, model=model), held, device=config.train.device)
             result.update({"accuracy": ev["accuracy"], "loss": ev["loss"]})
+            if ev["notes"]:  # inputs resized to the models', test samples they trained on
+                result["notes"] = [*result.get("notes", []), *ev["notes"]]
             meta["metrics"] = {"accuracy": ev["accuracy"], "loss": ev["loss"]}
             checkpoint.save_merged(out, merged, meta)
         result["wall_s"] = round(time.monotonic() - t0, 3)

@@ -544,3 +544,19 @@ def test_distillation_data_of_a_single_class_is_taken(tmp_path, node_models):
                               "--validation", str(tmp_path / "unlabelled"),
                               "--output", str(tmp_path / "v")])
     assert res.exit_code == 2 and "has a single class (['scans'])" in res.output
+
+
+def test_a_merge_scored_on_images_of_another_size_says_so(tmp_path, node_models):
+    """It printed a test accuracy with no word, where evaluate notes the resizing."""
+    from PIL import Image
+
+    folder, _ = node_models
+    for i in range(20):
+        part = tmp_path / "colour" / str(i % 2)
+        part.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (16, 16), (i * 10, 0, 0)).save(part / f"{i}.png")
+    res = runner.invoke(app, ["merge", str(folder), "--dataset", str(tmp_path / "colour"),
+                              "--output", str(tmp_path / "m")])
+    assert res.exit_code == 0, res.output
+    assert "test accuracy" in res.stdout
+    assert "note: the test split's inputs" in " ".join(res.output.split()), res.output
