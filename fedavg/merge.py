@@ -45,16 +45,35 @@ def model_dirs(paths: Sequence[str | Path]) -> list[Path]:
         found.extend(inner)
     if not found:
         raise UserError("no models to merge: pass model folders")
-    seen: dict[Path, Path] = {}
+    seen: dict[Any, Path] = {}
     for path in found:
         if path.resolve() in seen:
             raise UserError(f"{path} is given twice (also as {seen[path.resolve()]}); a model "
                             "given twice would count twice: pass each model once")
         seen[path.resolve()] = path
+        digest = _digest(path / checkpoint.WEIGHTS)  # a copy, or a link inside a folder
+        if digest in seen:
+            raise UserError(f"{path} holds the same weights as {seen[digest]} (a copy?); a model "
+                            "given twice would count twice: pass each model once")
+        seen[digest] = path
     if len(found) == 1:
         raise UserError(f"one model found ({found[0]}); a merge needs two or more: pass several "
                         "model folders, or a run's nodes/ folder (--save-node-models)")
     return found
+
+
+def _digest(path: Path) -> str:
+    """SHA-256 of a file, read in 1 MiB blocks (a file that cannot be read: its own key)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            while block := fh.read(1 << 20):
+                h.update(block)
+    except OSError:
+        return f"unreadable {path}"
+    return h.hexdigest()
 
 
 def merge_models(
@@ -73,8 +92,7 @@ def merge_models(
     models : sequence of path
         Model folders, or folders of model folders.
     output : path
-        Where the merged artifact goes (``model.safetensors``, ``model.json``,
-        ``summary.json``).
+        Where the merged artifact goes (``model.safetensors``, ``model.json``, ``summary.json``).
     config : RunConfig
         ``merge.strategy`` and its options; ``merge.validation`` / ``merge.distill_data``
         name the held-out and unlabeled datasets for data-driven strategies.
@@ -89,16 +107,16 @@ def merge_models(
     Returns
     -------
     dict
-        ``num_models``, ``strategy``, ``wall_s``, ``members`` (the model folders a greedy
-        soup or Krum kept), ``notes`` (lines on the merge, when there are any) and, with
-        ``dataset``, ``accuracy`` and ``loss``.
+        ``num_models``, ``strategy``, ``wall_s``, ``members`` (the folders a greedy soup or
+        Krum kept), ``notes`` (if any) and, with ``dataset``, ``accuracy`` and ``loss``.
 
     Raises
     ------
     UserError
-        Missing, damaged or unlike models (architecture, classes, input statistics, node
-        models mixed with others); a strategy that lacks or does not use the data given,
-        trains nodes or steps from a round's start (server optimisers); a NaN/Inf merge; a
+        Missing, damaged, repeated (the same weights twice) or unlike models (architecture,
+        classes, input statistics, node models mixed with others); a strategy that lacks or
+        does not use the data given, trains nodes or steps from a round's start (server
+        optimisers); a NaN/Inf merge; a
         bad ``dataset`` (checked first); an output folder that holds a run (without
         ``overwrite``), is an input or cannot be written; code ``model`` does not name.
     TypeError
@@ -128,9 +146,8 @@ def merge_models(
             from fedavg.inference import load_model, score
 
             ev = score(load_model(out, model=model), held, device=config.train.device)
-            result.update({"accuracy": ev["accuracy"], "loss": ev["loss"]})
-            if ev["notes"]:  # inputs resized to the models', test samples they trained on
-                result["notes"] = [*result.get("notes", []), *ev["notes"]]
+            notes = {"notes": result.get("notes", []) + ev["notes"]} if ev["notes"] else {}
+            result.update(accuracy=ev["accuracy"], loss=ev["loss"], **notes)  # inputs resized
             meta["metrics"] = {"accuracy": ev["accuracy"], "loss": ev["loss"]}
             checkpoint.save_merged(out, merged, meta)
         result["wall_s"] = round(time.monotonic() - t0, 3)

@@ -560,3 +560,23 @@ def test_a_merge_scored_on_images_of_another_size_says_so(tmp_path, node_models)
     assert res.exit_code == 0, res.output
     assert "test accuracy" in res.stdout
     assert "note: the test split's inputs" in " ".join(res.output.split()), res.output
+
+
+def test_a_copy_of_a_model_in_a_folder_is_refused_as_given_twice(tmp_path, node_models):
+    """A copy, or a link to another folder's model, was merged as one more model."""
+    import shutil
+
+    folder, _ = node_models
+    first = sorted(p for p in folder.iterdir() if p.is_dir())[0]
+    for how in ("copy", "link"):
+        models = tmp_path / how
+        shutil.copytree(folder, models)
+        if how == "copy":
+            shutil.copytree(first, models / "again")
+        else:
+            (models / "again").symlink_to(first)
+        res = runner.invoke(app, ["merge", str(models), "--output", str(tmp_path / f"m{how}")])
+        assert res.exit_code == 2, res.output
+        assert "holds the same weights as" in res.output and "pass each model once" in \
+            res.output
+        assert not (tmp_path / f"m{how}").exists()
