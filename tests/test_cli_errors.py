@@ -524,6 +524,10 @@ def test_merge_models_refuses_an_overwrite_that_is_no_bool(tmp_path, model_dir):
     (out / "model.json").write_text("{}")  # a merge someone made
     other = tmp_path / "other"
     shutil.copytree(model_dir, other)
+    from safetensors.torch import load_file, save_file
+
+    weights = other / "model.safetensors"  # another model (a copy would be refused as one)
+    save_file({k: v + 1 for k, v in load_file(weights).items()}, weights)
     with pytest.raises(TypeError, match="overwrite must be bool, got 'no'"):
         merge_models([model_dir, other], out, overwrite="no")
     assert (out / "model.json").read_text() == "{}"
