@@ -103,8 +103,7 @@ def disk_full(exc: BaseException) -> str | None:
     (Model and JSON files say it themselves: see ``checkpoint.atomic_write``.)
     """
     if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
-        where = f" {exc.filename}" if exc.filename else ""
-        return f"{where.strip() or 'a file'}: {exc.strerror}"
+        return f"{exc.filename or 'a file'}: {exc.strerror}"
     return None
 
 

@@ -88,11 +88,16 @@ def _aligned_split(source: str, data: LoadedData, flag: str, labels: bool = True
     except NoLabelColumn:
         if labels:
             raise
-        raise UserError(f"{flag} {source}: fedavg reads it as a dataset with a label column, "
-                        "whose labels it then drops; add a label column (any values)") from None
+        raise _no_label_column(flag, source) from None
     check_kind(data.input_spec(), other, f"{flag} {source}")
     return conform(other.train, f"{flag} {source}", data.input_shape,
                    other.classes if labels else None, data.classes)
+
+
+def _no_label_column(flag: str, source: str) -> UserError:
+    """Return the error for unlabeled data without a label column (the loader needs one)."""
+    return UserError(f"{flag} {source}: fedavg reads it as a dataset with a label column, "
+                     "whose labels it then drops; add a label column (any values)")
 
 
 def saved_merge_samples(source: str, meta: dict[str, Any], fraction: float, tokenizer,
@@ -123,9 +128,7 @@ def saved_merge_samples(source: str, meta: dict[str, Any], fraction: float, toke
     except NoLabelColumn:
         if not unlabeled:
             raise
-        raise UserError(f"--distill-data {source}: fedavg reads it as a dataset with a label "
-                        "column, whose labels it then drops; add a label column (any "
-                        "values)") from None
+        raise _no_label_column("--distill-data", source) from None
     check_kind(meta["input"], data, source)
     own = same_source(source, ds.get("source"))
     kept = ds.get("validation_kept")  # kept from the nodes' train split (not --validation B)

@@ -142,17 +142,25 @@ def torchvision_names() -> list[str]:
 def _torchvision_takes(name: str, builder: Callable, num_classes: int) -> Takes:
     """Return what ``get_model(name, **args)`` takes: the builder's and its class's arguments."""
     own = Takes.of(builder, f"torchvision:{name}", positional=0)
-    try:
-        with torch.device("meta"):  # a weightless copy tells the model class
-            probe = builder(weights=None, num_classes=num_classes)
-    except NotImplementedError:  # a builder that computes with tensors (regnet's widths)
-        probe = builder(weights=None, num_classes=num_classes)
+    probe = _probe(builder, num_classes)
     cls = Takes.of(type(probe).__init__, name, positional=1)
     params = inspect.signature(type(probe).__init__).parameters
     names = [n for n in (*own.names, *cls.names) if n not in ("weights", "progress",
                                                                "num_classes")
              and _settable(builder, num_classes, params.get(n))]
     return Takes(tuple(dict.fromkeys(names)))
+
+
+def _probe(builder: Callable, num_classes: int, **args: Any) -> nn.Module:
+    """Build a weightless copy of the model (meta device), which tells its class.
+
+    On the CPU for a builder that computes with tensors first (regnet's widths).
+    """
+    try:
+        with torch.device("meta"):
+            return builder(weights=None, num_classes=num_classes, **args)
+    except NotImplementedError:
+        return builder(weights=None, num_classes=num_classes, **args)
 
 
 def _settable(builder: Callable, num_classes: int, param: inspect.Parameter | None) -> bool:
@@ -162,17 +170,14 @@ def _settable(builder: Callable, num_classes: int, param: inspect.Parameter | No
     fills itself (``resnet18``'s ``block`` and ``layers``: "got multiple values"; regnet's
     ``block_params``).
     """
-    if param is None or param.default is not param.empty and "Callable" not in str(
-            param.annotation):
+    if param is None:
         return True
     if "Callable" in str(param.annotation):
         return False
+    if param.default is not param.empty:
+        return True
     try:
-        try:
-            with torch.device("meta"):
-                builder(weights=None, num_classes=num_classes, **{param.name: None})
-        except NotImplementedError:  # computes with tensors first: see _torchvision_takes
-            builder(weights=None, num_classes=num_classes, **{param.name: None})
+        _probe(builder, num_classes, **{param.name: None})
     except TypeError as exc:  # the builder sets it, or passes it where it is unknown
         return not any(said in str(exc) for said in ("multiple values", "unexpected keyword"))
     except Exception:  # noqa: BLE001 - None is no value for it; it is the caller's to give
