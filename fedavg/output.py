@@ -40,11 +40,16 @@ def default_output(prefix: str = "") -> Path:
     base = Path("runs") / (prefix + _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     for n in range(1, 1000):
         candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        RUN_OUTPUT[:] = [candidate]  # before it exists: see make_output
         try:
             candidate.mkdir(parents=True, exist_ok=False)
             return candidate
         except FileExistsError:
+            RUN_OUTPUT.clear()  # another command's
             continue
+        except BaseException:
+            RUN_OUTPUT.clear()
+            raise
     raise UserError(f"cannot find a free run folder next to {base}; pass --output")
 
 
@@ -72,9 +77,12 @@ def make_output(output: str | Path | None, *, lock: bool = False,
         it now holds a run and ``overwrite`` is false.
     """
     out = Path(output) if output is not None else default_output()
+    if not out.exists():  # recorded before it is made: a Ctrl-C or SIGTERM right after would
+        RUN_OUTPUT[:] = [out]  # otherwise leave the new folder behind, empty
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        RUN_OUTPUT.clear()
         why = exc.strerror
         if out.is_symlink() and not out.exists():  # mkdir said "File exists"
             why = (f"it links to {os.readlink(out)}, which does not exist; create that or "

@@ -211,6 +211,33 @@ def test_one_writer_per_run_folder(tmp_path):
     assert (out / "notes.tmp").exists() and (out / ".draft.x1y2.tmp").exists()
 
 
+@pytest.mark.parametrize("named", [True, False])
+def test_a_signal_right_after_the_run_folder_is_made_removes_it(tmp_path, monkeypatch, named):
+    """A SIGTERM between ``mkdir`` and the lock: the handler finds the new folder, removes it.
+
+    It was left behind, empty, when the folder was recorded only after the lock.
+    """
+    from fedavg import output
+
+    def signal_arrives(out):  # what the signal handler of cli_support.on_signal does
+        if output.RUN_OUTPUT:
+            output.remove_if_empty(output.RUN_OUTPUT[0])
+        raise KeyboardInterrupt
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(output, "RUN_OUTPUT", [])
+    monkeypatch.setattr(output, "_lock", signal_arrives)
+    with pytest.raises(KeyboardInterrupt):
+        output.make_output(tmp_path / "run" if named else None, lock=True)
+    assert list(tmp_path.iterdir()) == []  # neither run/ nor runs/<timestamp> (nor runs/)
+    kept = tmp_path / "mine"
+    kept.mkdir()  # a folder that was there before is not this command's to remove
+    output.RUN_OUTPUT[:] = []
+    with pytest.raises(KeyboardInterrupt):
+        output.make_output(kept, lock=True)
+    assert kept.is_dir()
+
+
 def test_the_resume_hint_is_only_for_this_runs_checkpoint(tmp_path, monkeypatch):
     from fedavg import cli_support
 
