@@ -176,6 +176,8 @@ def predict(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
     text: Annotated[bool, typer.Option(
         "--text", help="The inputs are texts to classify (a text model)")] = False,
+    image_column: ImageColumnOption = None,
+    text_column: TextColumnOption = None,
     model: SavedModelCodeOption = None,
 ) -> None:
     """Predict classes with a saved model."""
@@ -188,6 +190,7 @@ def predict(
         if to_file:
             files.check_predictions_output(output, model_dir, inputs)
         rows = run(model_dir, inputs, split=split, device=device, text=text, model=model,
+                   image_column=image_column, text_column=text_column,
                    on_note=lambda note: err_console.print(f"[yellow]note:[/] {note}",
                                                           highlight=False))
         if to_file:

@@ -269,6 +269,8 @@ def predict(
     on_note: Callable[[str], None] | None = None,
     text: bool = False,
     model: str | None = None,
+    image_column: str | None = None,
+    text_column: str | None = None,
 ) -> list[dict[str, Any]]:
     """Predict classes for images, folders of images, texts or datasets with a saved model.
 
@@ -298,6 +300,8 @@ def predict(
         Take every input as a text to classify (a text model only).
     model : str, optional
         For a model built by your code: that code (see :func:`load_model`).
+    image_column, text_column : str, optional
+        The input column of dataset inputs (default: the run's, where the data has it).
 
     Returns
     -------
@@ -317,9 +321,10 @@ def predict(
     net = load_model(directory, device="cpu", model=model)
     meta = net.fedavg_meta
     dev = resolve_device(device)
+    columns = {"image_column": image_column, "text_column": text_column}
     note = on_note or (lambda n: warnings.warn(n, UserWarning, stacklevel=3))
     if meta["input"].get("kind") == "text":
-        batches = _text_batches(inputs, text, split, meta, directory, note)
+        batches = _text_batches(inputs, text, split, meta, directory, note, columns)
     elif text:
         kind = meta["input"].get("kind", "image")
         raise UserError(f"this model takes {kind} inputs, not text: pass " + (
@@ -327,8 +332,8 @@ def predict(
     else:
         items = collect(inputs)
         batches = [_image_batch([p for kind, p in items if kind == "image"], meta, note)]
-        batches += [_dataset_batch(source, split, meta, note) for kind, source in items
-                    if kind == "dataset"]
+        batches += [_dataset_batch(source, split, meta, note, columns=columns)
+                    for kind, source in items if kind == "dataset"]
     return [row for b in batches if b is not None
             for row in _rows(net, *b, meta, batch_size=batch_size, device=dev, note=note)]
 
@@ -368,7 +373,8 @@ def _image_batch(images: list[Path], meta: dict[str, Any], on_note: Callable[[st
 
 
 def _text_batches(inputs: Sequence[str], literal: bool, split: str, meta: dict[str, Any],
-                  directory: str | Path, on_note: Callable[[str], None]) -> list:
+                  directory: str | Path, on_note: Callable[[str], None],
+                  columns: dict[str, str]) -> list:
     """Tokenize texts (and load datasets) for a text model: ``[(x, names), ...]``."""
     from fedavg.text import from_spec, text_inputs
 
@@ -380,18 +386,21 @@ def _text_batches(inputs: Sequence[str], literal: bool, split: str, meta: dict[s
     items = text_inputs(inputs, literal)
     texts = [t for kind, t in items if kind == "text"]
     batches = [(tokenizer.encode(texts), texts)] if texts else []
-    return batches + [_dataset_batch(source, split, meta, on_note, tokenizer)
+    return batches + [_dataset_batch(source, split, meta, on_note, tokenizer, columns)
                       for kind, source in items if kind == "dataset"]
 
 
 def _dataset_batch(source: str, split: str, meta: dict[str, Any],
-                   on_note: Callable[[str], None], tokenizer: Any = "hashed"):
+                   on_note: Callable[[str], None], tokenizer: Any = "hashed",
+                   columns: dict[str, str] | None = None):
     """Load the ``split`` of a dataset, checked against the model's inputs: ``(x, names)``.
 
     A single table (one file, one split) given to a tabular model is predicted whole, row
-    by row, and needs no label column.
+    by row, and needs no label column. ``columns``: the user's input column, if any.
     """
     args = saved_load_args(meta, source, whole=True)
+    if columns and any(columns.values()):  # the user's choice over the run's
+        args.update(columns, feature_columns=None)
     features = args.get("feature_columns")
     if features and (rows := _table_rows(source, features)) is not None:
         return rows

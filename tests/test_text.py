@@ -412,7 +412,7 @@ def test_text_that_is_not_utf8_is_one_line(tmp_path):
 
 
 def test_evaluate_takes_a_text_column_of_another_dataset(tmp_path):
-    """`evaluate` had no --text-column, though its errors told users to pass one."""
+    """`evaluate` and `predict` had no --text-column, though errors told users to pass one."""
     import pandas as pd
     from typer.testing import CliRunner
 
@@ -439,8 +439,15 @@ def test_evaluate_takes_a_text_column_of_another_dataset(tmp_path):
     assert evaluate_model(folder, str(named))["loss"] == pytest.approx(own["loss"], rel=1e-5)
     from fedavg.inference import predict
 
-    assert [r["prediction"] for r in predict(folder, [str(named)])] == \
-        [r["prediction"] for r in predict(folder, [str(AG_NEWS)])]
+    expected = [r["prediction"] for r in predict(folder, [str(AG_NEWS)])]
+    assert [r["prediction"] for r in predict(folder, [str(named)])] == expected
+    assert [r["prediction"] for r in predict(folder, [str(table)])] != expected  # "note"
+    assert [r["prediction"] for r in predict(folder, [str(table)], text_column="story")] == \
+        expected
+    res = CliRunner().invoke(app, ["predict", str(folder), str(table), "--text-column",
+                                   "story", "--output", "-"])
+    assert res.exit_code == 0, res.output
+    assert [line.split(",")[1] for line in res.stdout.splitlines()[1:]] == expected
     res = CliRunner().invoke(app, ["evaluate", str(folder), "--dataset", str(table),
                                    "--text-column", "story", "--json"])
     assert res.exit_code == 0, res.output
