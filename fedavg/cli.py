@@ -288,7 +288,7 @@ def node(
         help="Exit after one run (default: serve runs until stopped)")] = False,
     max_wait_time: Annotated[Optional[float], typer.Option(
         help="Give up after this many seconds without reaching the coordinator: at the start "
-             "(default: keep retrying) and, with --once, during a run (default: 30)")] = None,
+             "(default: keep retrying) and, with --once, once connected (default: 30)")] = None,
     model: Annotated[Optional[str], typer.Option(
         help="Model code of yours this node may run: the coordinator's --model "
              "module:function or file.py:function (a file: this machine's copy)")] = None,

@@ -491,6 +491,25 @@ def test_node_gives_up_clearly_when_the_coordinator_is_gone(cluster, tmp_path):
     PrivateDir("fedavg-coordinator-").cleanup()
 
 
+def test_once_node_gives_up_when_the_coordinator_stops_before_its_run(cluster, tmp_path):
+    """A ``--once`` node whose coordinator stops before round 1 exits 1 after 30 s.
+
+    It connected while the coordinator waited for more nodes. It retried for ever, and a
+    compose stack of such nodes never ended.
+    """
+    coord = cluster.coordinator("--rounds", "2", "--min-nodes", "2", "--insecure",
+                                "--output", tmp_path / "run")
+    node = cluster.node("node", "--insecure", "--once")
+    cluster.wait_for("node", "connected to")
+    coord.send_signal(signal.SIGTERM)
+    assert cluster.wait(coord, 60) == 130, cluster.log("coordinator")
+    assert cluster.wait(node, 90) == 1, cluster.log("node")
+    text = cluster.log("node")
+    assert f"lost the coordinator at {cluster.address} before its run started " \
+        "(unreachable for 30 s)" in text, text
+    assert "Traceback" not in text
+
+
 def test_text_across_machines_and_a_node_with_images(cluster, tmp_path):
     """AG News over the deployment engine; a node holding images says so in one line."""
     from conftest import SHARED_DATA

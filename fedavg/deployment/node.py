@@ -411,10 +411,11 @@ class _Node:
         """Serve runs until ``--once`` ends or an error; return the number of tasks run."""
         self.start_supernode()
         while True:
-            if self.runs and self._unreachable_too_long():
-                raise RunError(f"lost the coordinator at {self.superlink} during run "
-                               f"{', '.join(map(str, self.runs))} (unreachable for "
-                               f"{self.lost_after_s:g} s)")
+            if (self.runs or self.connected) and self._unreachable_too_long():
+                when = (f"during run {', '.join(map(str, self.runs))}" if self.runs else
+                        "before its run started")  # connected, then the coordinator went
+                raise RunError(f"lost the coordinator at {self.superlink} {when} "
+                               f"(unreachable for {self.lost_after_s:g} s)")
             if self._stopped():
                 self.handle_stop()
                 continue
