@@ -487,6 +487,7 @@ def test_a_key_refused_before_the_coordinator_registered_it_is_tried_again(tmp_p
 
     from fedavg import flower_compat
     from fedavg.deployment import node as node_module
+    from fedavg.deployment import supernode
 
     node, said = _node(tmp_path, once=False)
     node.certs, node.auth_key = tmp_path, tmp_path / "node-0.key"
@@ -516,7 +517,7 @@ def test_a_key_refused_before_the_coordinator_registered_it_is_tried_again(tmp_p
     assert starts == [1, 1, 1, 1] and slept == [2.0, 2.0]
     assert len(said) == 2 and "still holds this node's key as connected" in said[1] \
         and "waiting up to 30 s" in said[1]
-    node.key_in_use_since -= node_module.KEY_IN_USE_WAIT_S  # still refused after the wait
+    node.key_in_use_since -= supernode.KEY_IN_USE_WAIT_S  # still refused after the wait
     refused()
     with pytest.raises(UserError, match="a node with this key is already connected"):
         node.handle_stop()
@@ -658,13 +659,39 @@ def test_the_end_of_run_announcement_makes_no_call_after_it_returns(task_identit
 
 
 def test_a_once_nodes_wait_for_a_lost_coordinator_is_max_wait_time_or_30_s(tmp_path):
-    from fedavg.deployment.node import LOST_AFTER_S, _Node
+    from fedavg.deployment.node import _Node
+    from fedavg.deployment.supernode import LOST_AFTER_S
 
     def node(max_wait_time):
         return _Node("127.0.0.1:9092", [], None, None, True, max_wait_time, print, tmp_path)
 
     assert LOST_AFTER_S == 30.0 and node(None).lost_after_s == 30.0
     assert node(5.0).lost_after_s == 5.0
+
+
+def test_a_connection_attempt_that_hangs_gives_up_near_max_wait_time(tmp_path):
+    """The node stops waiting 5 s past --max-wait-time, counted from the SuperNode's start.
+
+    Flower checks the limit between attempts only, and an attempt on a server that accepts
+    and never answers hangs 30 s (65 s for 10, measured).
+    """
+    from fedavg.deployment.node import _Node
+
+    node = _Node("127.0.0.1:9092", [], None, None, False, 10.0, print, tmp_path)
+    assert node._overdue() is None  # no SuperNode yet
+    node.on_line("INFO :      Starting Flower SuperNode")
+    assert node._overdue() is None  # just started
+    node.connecting_since -= 14.0
+    assert node._overdue() is None  # within 10 s + 5 s
+    node.connecting_since -= 2.0
+    assert node._overdue() == ("could not reach the coordinator at 127.0.0.1:9092 within "
+                               "--max-wait-time 10 s")
+    node.connected = True  # connected in time: the limit is for reaching it
+    assert node._overdue() is None
+    unlimited = _Node("127.0.0.1:9092", [], None, None, False, None, print, tmp_path)
+    unlimited.on_line("INFO :      Starting Flower SuperNode")
+    unlimited.connecting_since -= 3600.0
+    assert unlimited._overdue() is None  # without --max-wait-time: retry for ever
 
 
 class _HeartbeatClient:

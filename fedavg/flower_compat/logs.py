@@ -103,7 +103,8 @@ class SuperNodeLine:
     is retried after so many seconds); ``reconnected``: one succeeded after failures;
     ``node_id``: the SuperLink registered the node; ``dropped``: the server closed the
     connection unanswered (TLS against plain HTTP?); ``gave_up``: the SuperNode stopped
-    retrying (``--max-wait-time``); ``notable``: worth showing as :attr:`message`.
+    retrying (``--max-wait-time``); ``started``: the SuperNode is up and starts connecting;
+    ``notable``: worth showing as :attr:`message`.
     """
 
     text: str
@@ -116,6 +117,7 @@ class SuperNodeLine:
     node_id: str | None = None
     dropped: bool = False
     gave_up: bool = False
+    started: bool = False
     notable: bool = False
 
     @property
@@ -139,6 +141,7 @@ def parse_supernode_line(line: str) -> SuperNodeLine:
         node_id=line.rsplit(":", 1)[-1].strip() if "SuperNode ID" in line else None,
         dropped="disconnected without sending a response" in line,
         gave_up="Giving up" in line,
+        started="Starting Flower SuperNode" in line,
         notable=bool(_NOTABLE.search(line)),
     )
 
