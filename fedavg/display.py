@@ -155,29 +155,6 @@ def _figure(value: float | None) -> str:
     return "nan" if value is None else f"{value:.4f}"
 
 
-def rounds_table(rounds: list[dict[str, Any]]):
-    """Return a rich Table of per-round metrics (one row per ``metrics.jsonl`` entry)."""
-    from rich.table import Table
-
-    table = Table(title="rounds", title_justify="left")
-    swa = any(r.get("merged_accuracy") is not None for r in rounds)
-    for col in ("round", "accuracy", "loss", "train loss", "nodes", "wall s"):
-        table.add_column(col, justify="right")
-    if swa:  # accuracy is the weight average's from --swa-start on
-        table.add_column("round's model", justify="right")
-    for r in rounds:
-        tl = r.get("train_loss")
-        nodes = f"{r['num_nodes']}" + (f" ({r['num_failed']} failed)" if r.get("num_failed")
-                                       else "")
-        row = [str(r["round"]), _figure(r["accuracy"]), _figure(r["loss"]),
-               "-" if tl is None else _figure(tl), nodes, f"{r['wall_s']:.2f}"]
-        if swa:
-            m = r.get("merged_accuracy")
-            row.append("-" if m is None else f"{m:.4f}")
-        table.add_row(*row)
-    return table
-
-
 def predictions_table(rows: list[dict[str, Any]], shown: int = 50):
     """Return a rich table of the first ``shown`` predictions: input, class, confidence."""
     from rich.markup import escape

@@ -412,10 +412,7 @@ def finish(state: RunState, prepared: Prepared, config: RunConfig, out: Path, st
                        wall_s=round(wall, 3), num_nodes=num_nodes, failures=state.failures,
                        run_id=run_id, startup_s=_startup(state))
     write_summary(result, prepared, config)
-    if console is not None:
-        from fedavg.display import rounds_table
-
-        console.print(rounds_table(result.rounds))
+    if console is not None:  # each round was printed as it ended
         console.print(f"[bold green]done[/] in {wall:.1f} s: test accuracy "
                       f"[bold]{last.accuracy:.4f}[/], loss {last.loss:.4f}; model saved in "
                       f"[bold]{out}[/]", soft_wrap=True)
