@@ -284,6 +284,10 @@ def test_node_partition_matches_simulate(tmp_path):
     (["node", "--insecure", "--device", "cuda:1"], "cuda"),
     (["node", "--insecure", "--gpus", "0,1"], "--gpus lists GPU 0 but this machine has 0"),
     (["node", "--certs", "/nonexistent"], "lacks ca.crt"),
+    (["node", "--certs", "/etc/passwd"],  # the CA certificate file, say, not its folder
+     "--certs takes a folder (made by `fedavg certs DIR`), not the file /etc/passwd: pass "
+     "--certs /etc"),
+    (["coordinator", "--certs", "/etc/passwd"], "not the file /etc/passwd"),
     (["certs", "/dev/null/x"], "cannot create /dev/null/x"),
     (["certs", "out", "--nodes", "-1"], "--nodes must be in 0..10000, got -1"),
     (["certs", "out", "--nodes", "100000000"], "--nodes must be in 0..10000, got 100000000"),
