@@ -362,7 +362,8 @@ def test_wrong_certificate_and_unknown_key_are_refused(cluster, certs, tmp_path)
     unknown = cluster.node("unknown", "--certs", certs, "--auth-key", other / "node-0.key")
     no_key = cluster.node("no_key", "--certs", certs)
     plain = cluster.node("plain", "--insecure")
-    for proc, words in ((wrong_ca, "TLS certificate"), (unknown, "refused this node's key"),
+    for proc, words in ((wrong_ca, "TLS certificate is not signed by"),
+                        (unknown, "refused this node's key"),
                         (no_key, "only accepts known nodes"),
                         (plain, "uses TLS: pass --certs DIR")):
         assert cluster.wait(proc) == 2, cluster.log(proc.name)

@@ -609,6 +609,56 @@ def test_a_tls_mismatch_is_told_apart_from_an_absent_coordinator(tmp_path):
     assert tls_mismatch("127.0.0.1", free_port(), insecure=True) is None
 
 
+def test_a_refused_certificate_says_whether_its_signer_or_its_name_is_wrong(tmp_path):
+    """The node's TLS refusal named both causes; it now says which, and the names held."""
+    import socket
+    import ssl
+    import threading
+
+    from fedavg.certs import make_certs
+    from fedavg.deployment.tls import certificate_problem
+
+    make_certs(tmp_path / "c")
+    make_certs(tmp_path / "other")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(tmp_path / "c" / "coordinator.crt", tmp_path / "c" / "coordinator.key")
+
+    def serve(sock):
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:  # closed: the test is over
+                return
+            try:
+                context.wrap_socket(conn, server_side=True).close()
+            except (OSError, ssl.SSLError):
+                pass
+            finally:
+                conn.close()
+
+    ca, other = tmp_path / "c" / "ca.crt", tmp_path / "other" / "ca.crt"
+    for ip in ("127.0.0.1", "127.0.0.2"):  # the second is loopback too, not in the certificate
+        with socket.socket() as server:
+            server.bind((ip, 0))
+            server.listen()
+            port = server.getsockname()[1]
+            threading.Thread(target=serve, args=(server,), daemon=True).start()
+            if ip == "127.0.0.1":
+                assert certificate_problem(ip, port, ca) is None
+                assert certificate_problem("localhost", port, ca) is None
+                assert certificate_problem(ip, port, other) == (
+                    f"the coordinator's TLS certificate is not signed by {other}: use the "
+                    "ca.crt of the coordinator's `fedavg certs` folder")
+            else:
+                said = certificate_problem(ip, port, ca)
+                assert said.startswith("the coordinator's TLS certificate names localhost, ")
+                assert said.endswith(", 127.0.0.1, ::1, not 127.0.0.2: dial one of those, or "
+                                     "remake its certificates with `fedavg certs DIR --host "
+                                     "127.0.0.2` (the nodes then need the new ca.crt)")
+            server.shutdown(socket.SHUT_RDWR)
+    assert certificate_problem("127.0.0.1", port, ca) is None  # nobody there: no finding
+
+
 @pytest.mark.parametrize("tls, insecure, words", [
     (True, True, "uses TLS: pass --certs DIR (holding its ca.crt) instead of --insecure"),
     (False, False, "does not use TLS: pass --insecure on the node, or start the coordinator "

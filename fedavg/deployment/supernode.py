@@ -24,7 +24,7 @@ from fedavg.deployment.processes import (
     signal_name,
     split_address,
 )
-from fedavg.deployment.tls import CA_CERT, tls_mismatch
+from fedavg.deployment.tls import CA_CERT, certificate_problem, tls_mismatch
 from fedavg.errors import RunError, UserError
 
 log = logging.getLogger("fedavg")
@@ -175,6 +175,9 @@ class SuperNode:
             return
         if reason:
             log.debug("refusal line: %s", line)
+            if reason == flower_compat.TLS_REFUSAL and self.certs is not None:
+                host, port = split_address(self.superlink, "--coordinator")
+                reason = certificate_problem(host, port, self.certs / CA_CERT) or reason
             raise UserError(f"refused by {self.superlink}: {reason}")
         if was_connected and not self.once:
             if not self.waiting:  # else the end of the run was said already

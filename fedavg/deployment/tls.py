@@ -191,3 +191,53 @@ def tls_mismatch(host: str, port: int, insecure: bool) -> str | None:
         return (f"the coordinator at {address} does not use TLS: pass --insecure on the "
                 f"node, or start the coordinator with --certs{other}")
     return None
+
+
+def certificate_problem(host: str, port: int, ca_file: Path,
+                        timeout_s: float = 3.0) -> str | None:
+    """Say which part of the coordinator's TLS certificate a node at ``host`` cannot use.
+
+    The node's TLS handshake failed; this one tells an unknown signer (another ``ca.crt``)
+    from a certificate that does not name ``host`` (the address the node dials), and lists
+    the names it does hold.
+
+    Returns
+    -------
+    str or None
+        What to change; ``None`` when the certificate verifies and names ``host``, or the
+        coordinator cannot be reached.
+    """
+    import ipaddress
+    import socket
+    import ssl
+
+    from cryptography import x509
+
+    context = ssl.create_default_context(cafile=str(ca_file))
+    context.check_hostname = False  # the chain is still verified; the name is checked below
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock, \
+                context.wrap_socket(sock, server_hostname=host) as tls:
+            der = tls.getpeercert(binary_form=True)
+    except ssl.SSLCertVerificationError:
+        return (f"the coordinator's TLS certificate is not signed by {ca_file}: use the "
+                "ca.crt of the coordinator's `fedavg certs` folder")
+    except (OSError, ValueError):
+        return None
+    try:
+        sans = x509.load_der_x509_certificate(der).extensions.get_extension_for_class(
+            x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return None
+    names = [str(n) for n in sans.get_values_for_type(x509.DNSName)]
+    ips = sans.get_values_for_type(x509.IPAddress)
+    try:
+        if ipaddress.ip_address(host) in ips:
+            return None
+    except ValueError:  # a host name
+        if host.lower() in (n.lower() for n in names):
+            return None
+    held = ", ".join(names + [str(ip) for ip in ips]) or "no address"
+    return (f"the coordinator's TLS certificate names {held}, not {host}: dial one of those, "
+            f"or remake its certificates with `fedavg certs DIR --host {host}` (the nodes "
+            "then need the new ca.crt)")

@@ -53,6 +53,7 @@ from fedavg.flower_compat.launch import (
 )
 from fedavg.flower_compat.logs import (
     KEY_HINT,
+    TLS_REFUSAL,
     SuperNodeLine,
     error_summary,
     is_certificate_failure,
@@ -79,6 +80,7 @@ __all__ = [
     "HEARTBEAT_S",
     "IDLE_POLL_S",
     "KEY_HINT",
+    "TLS_REFUSAL",
     "PULL_BACKOFF_S",
     "NodeContexts",
     "QUEUE_WAIT_S",

@@ -10,11 +10,12 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+#: A node's refusal for a TLS certificate it cannot verify (signer or name).
+TLS_REFUSAL = ("the coordinator's TLS certificate is not signed by --certs/ca.crt or does not "
+               "name this address; use the ca.crt of the coordinator's `fedavg certs` folder")
 _REFUSED = (
     (re.compile(r"CERTIFICATE_VERIFY_FAILED|certificate verify failed|unknown ca|"
-                r"hostname mismatch|IP address mismatch", re.I),
-     "the coordinator's TLS certificate is not signed by --certs/ca.crt or does not name "
-     "this address; use the ca.crt of the coordinator's `fedavg certs` folder"),
+                r"hostname mismatch|IP address mismatch", re.I), TLS_REFUSAL),
     (re.compile(r"SuperNodes must be registered", re.I),
      "the coordinator only accepts known nodes: pass --auth-key with a node key listed in "
      "its --auth-keys"),
