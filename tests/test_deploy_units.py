@@ -108,8 +108,16 @@ def test_node_refusals_are_recognised():
     assert "only accepts known nodes: pass --auth-key" in node_refusal(
         "[code: 2001] SuperNode authentication is enabled. All SuperNodes must be registered")
     assert "refused this node's key" in node_refusal("[code: 2004] Failed to activate SuperNode.")
+    # an HTTP server that is no SuperLink (`python -m http.server`, measured), or a 404
+    assert node_refusal("Server error '501 Unsupported method ('POST')' for url "
+                        "'http://127.0.0.1:44683/v1/fleet/register-node'") == (
+        "the server there answered HTTP 501 (Unsupported method ('POST')) to the node: it is "
+        "no fedavg coordinator, or one of another Flower version; fix --coordinator")
+    assert "answered HTTP 404 (Not Found)" in node_refusal(
+        "Client error '404 Not Found' for url 'http://10.0.0.9:9092/v1/fleet/register-node'")
     for harmless in ("Uvicorn running on http://127.0.0.1:40372", "SuperNode ID: 4031403",
-                     "Connection attempt failed, retrying in 0.40 seconds"):
+                     "Connection attempt failed, retrying in 0.40 seconds",
+                     "Server error '503 Service Unavailable' for url 'http://a:1/v1/x'"):
         assert node_refusal(harmless) is None
 
 

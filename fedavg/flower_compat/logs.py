@@ -36,11 +36,20 @@ _RETRY = re.compile(r"Connection attempt failed, retrying in ([\d.]+)")
 _NOTABLE = re.compile(r"Connection successful|Giving up|could not establish|Errno")
 
 
+#: An HTTP server's answer to the SuperNode's first request (httpx's wording), where that
+#: answer means "no SuperLink of this Flower version here".
+_NOT_A_SUPERLINK = re.compile(r"(?:Server|Client) error '(400|404|405|501) (.*?)' for url")
+
+
 def node_refusal(line: str) -> str | None:
     """Say clearly why the coordinator refused the node, if a SuperNode output line says so."""
     for pattern, reason in _REFUSED:
         if pattern.search(line):
             return reason
+    if answer := _NOT_A_SUPERLINK.search(line):
+        return (f"the server there answered HTTP {answer.group(1)} ({answer.group(2)}) to the "
+                "node: it is no fedavg coordinator, or one of another Flower version; fix "
+                "--coordinator")
     return None
 
 
