@@ -40,8 +40,8 @@ def sweep(
              "e.g. --only strategy=fedprox")] = None,
 ) -> None:
     """Run every point of a sweep config as its own `fedavg simulate`; resumable."""
-    from fedavg.sweep import load_sweep, select
-    from fedavg.sweep_plan import STARTS, plan
+    from fedavg.sweep import load_sweep
+    from fedavg.sweep_plan import STARTS, plan, select
     from fedavg.sweep_run import Runner, check_sweep_folder, cpu_note, locked
 
     out = output if output is not None else Path("runs") / config.stem

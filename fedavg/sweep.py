@@ -165,8 +165,10 @@ def load_sweep(path: str | Path) -> Sweep:
         raise UserError(f"{path}: no points: add a [grid] table of lists or [[points]] tables")
     configs = [_run_config(s) for s in settings]
     effective = [effective_settings(s, c) for s, c in zip(settings, configs)]
-    varying = _varying(settings, effective)
-    names = point_names(effective, [k for k in varying if k not in SIMULATE_OPTIONS])
+    named = [effective_settings(s, c, strategy_defaults=False)
+             for s, c in zip(settings, configs)]
+    varying = _varying(settings, named)
+    names = point_names(named, [k for k in varying if k not in SIMULATE_OPTIONS])
     _validate(path, names, configs)
     points = [Point(name, s, config) for name, s, config in zip(names, settings, configs)]
     origins = [f"grid point {p.name}" for p in points[:len(combos)]]
@@ -318,9 +320,20 @@ def _run_config(settings: dict[str, Any]) -> RunConfig:
     return RunConfig.from_flat({k: v for k, v in settings.items() if k not in SIMULATE_OPTIONS})
 
 
-def effective_settings(settings: dict[str, Any], config: RunConfig) -> dict[str, Any]:
-    """Return every setting's value for a point: given, or its default (None: unset)."""
+def effective_settings(settings: dict[str, Any], config: RunConfig,
+                       strategy_defaults: bool = True) -> dict[str, Any]:
+    """Return every setting's value for a point: given, or its default (None: unset).
+
+    With ``strategy_defaults``, the point's strategy's options count with their defaults:
+    ``mu = 0.01`` written out for ``fedprox`` is the run that leaves it out. (Point names
+    leave them out, as they did before these counted.)
+    """
+    import strategies
+
     out = {k: v for k, v in config.to_flat().items()}
+    cls = strategies.available().get(config.merge.strategy)
+    for option in getattr(cls, "options", ()) if strategy_defaults else ():
+        out.setdefault(option.name.replace("_", "-"), option.default)
     if out.get(MODEL_ARGS) is not None:  # JSON text in the flat config
         out[MODEL_ARGS] = dict(config.train.model_args)
     out.update({k: settings.get(k, default) for k, default in SIMULATE_OPTIONS.items()})
@@ -343,7 +356,7 @@ def point_names(effective: list[dict[str, Any]], varying: list[str]) -> list[str
     """
     names = []
     for e in effective:
-        parts = [f"{key}={_safe(e[key])}" for key in varying if e.get(key) is not None]
+        parts = [f"{key}={name_part(e[key])}" for key in varying if e.get(key) is not None]
         names.append("_".join(parts) or "base")
     counts = {n: names.count(n) for n in names}
     for i, (name, e) in enumerate(zip(names, effective)):
@@ -353,7 +366,8 @@ def point_names(effective: list[dict[str, Any]], varying: list[str]) -> list[str
     return names
 
 
-def _safe(value: Any) -> str:
+def name_part(value: Any) -> str:
+    """Write ``value`` as a point name writes it (a path: its last part)."""
     text = format_value(value)
     if isinstance(value, str) and ("/" in text or "\\" in text):
         text = re.split(r"[/\\]", text.rstrip("/\\"))[-1] or text
@@ -391,60 +405,3 @@ def _no_repeats(path: Path, origins: list[str], effective: list[dict[str, Any]])
             raise UserError(f"{path}: {origin} has the same settings as {seen[key]}; remove "
                             "one of them")
         seen[key] = origin
-
-
-def select(spec: Sweep, only: list[str]) -> Sweep:
-    """Keep the points whose settings match every ``KEY=VALUE`` of ``only``.
-
-    A point's value of ``KEY`` is the one it runs with, given or default; ``VALUE`` is
-    compared as written on a command line (:func:`format_value`) or in point names (a path's
-    last part: ``dataset=cifar10``). Point names stay those of
-    the whole sweep, so a later run of all the points finds these finished.
-
-    Parameters
-    ----------
-    spec : Sweep
-        The loaded sweep.
-    only : list of str
-        ``KEY=VALUE`` filters, all of which must match (``partitioner=dirichlet``).
-
-    Returns
-    -------
-    Sweep
-        ``spec`` with the matching points (all of them when ``only`` is empty).
-
-    Raises
-    ------
-    UserError
-        A filter without ``=``, a key that no point has, or no point matching them all.
-    """
-    points = list(spec.points)
-    for item in only:
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("_", "-")
-        if not sep or not key:
-            raise UserError(f"--only {item!r}: write KEY=VALUE, e.g. --only strategy=fedprox")
-        values = [_point_value(p, key) for p in spec.points]
-        if all(v is None for v in values):
-            raise UserError(f"--only {item!r}: no point of {spec.path} sets {key!r}")
-        points = [p for p in points if _matches(_point_value(p, key), value.strip())]
-    if not points:
-        raise UserError(f"--only {' '.join(only)}: no point of {spec.path} matches; "
-                        "see them with --dry-run")
-    return Sweep(spec.path, tuple(points), spec.varying)
-
-
-def _point_value(point: Point, key: str) -> Any:
-    return effective_settings(point.settings, point.config).get(key)
-
-
-def _matches(value: Any, wanted: str) -> bool:
-    """Whether ``wanted`` (a command-line text) names ``value``: ``2`` matches ``2.0``."""
-    if value is None:
-        return False
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            return float(wanted) == float(value)
-        except ValueError:
-            return False
-    return wanted in (format_value(value), _safe(value))

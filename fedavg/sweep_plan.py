@@ -5,7 +5,8 @@ one (stopped half-way) goes on from its last round (``--resume``) when its check
 and holds the same settings, else runs again from scratch (``--overwrite``) when nothing of
 it can be used; one that failed in an earlier sweep stays failed unless ``retry_failed``. A
 point's folder holding a run with other settings (finished or stopped) is refused, never
-replaced. :func:`check_points` tells, before anything runs, which points would fail.
+replaced. :func:`check_points` tells, before anything runs, which points would fail;
+:func:`select` keeps the points that ``--only`` names.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fedavg.errors import UserError
-from fedavg.sweep import Point, Sweep, format_value
+from fedavg.sweep import Point, Sweep, effective_settings, format_value, name_part
 
 RECORD = "sweep.json"
 
@@ -223,3 +224,60 @@ def _difference(recorded: Any, wanted: dict[str, Any]) -> str | None:
                 diffs.append(f"{key.replace('_', '-')} {format_value(there.get(key))} there, "
                              f"{format_value(value)} here")
     return "; ".join(diffs[:3]) or None
+
+
+def select(spec: Sweep, only: list[str]) -> Sweep:
+    """Keep the points whose settings match every ``KEY=VALUE`` of ``only``.
+
+    A point's value of ``KEY`` is the one it runs with, given or default; ``VALUE`` is
+    compared as written on a command line (:func:`format_value`) or in point names (a path's
+    last part: ``dataset=cifar10``). Point names stay those of
+    the whole sweep, so a later run of all the points finds these finished.
+
+    Parameters
+    ----------
+    spec : Sweep
+        The loaded sweep.
+    only : list of str
+        ``KEY=VALUE`` filters, all of which must match (``partitioner=dirichlet``).
+
+    Returns
+    -------
+    Sweep
+        ``spec`` with the matching points (all of them when ``only`` is empty).
+
+    Raises
+    ------
+    UserError
+        A filter without ``=``, a key that no point has, or no point matching them all.
+    """
+    points = list(spec.points)
+    for item in only:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("_", "-")
+        if not sep or not key:
+            raise UserError(f"--only {item!r}: write KEY=VALUE, e.g. --only strategy=fedprox")
+        values = [_point_value(p, key) for p in spec.points]
+        if all(v is None for v in values):
+            raise UserError(f"--only {item!r}: no point of {spec.path} sets {key!r}")
+        points = [p for p in points if _matches(_point_value(p, key), value.strip())]
+    if not points:
+        raise UserError(f"--only {' '.join(only)}: no point of {spec.path} matches; "
+                        "see them with --dry-run")
+    return Sweep(spec.path, tuple(points), spec.varying)
+
+
+def _point_value(point: Point, key: str) -> Any:
+    return effective_settings(point.settings, point.config).get(key)
+
+
+def _matches(value: Any, wanted: str) -> bool:
+    """Whether ``wanted`` (a command-line text) names ``value``: ``2`` matches ``2.0``."""
+    if value is None:
+        return False
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return float(wanted) == float(value)
+        except ValueError:
+            return False
+    return wanted in (format_value(value), name_part(value))

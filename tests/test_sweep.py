@@ -26,8 +26,8 @@ from fedavg.cli import app
 from fedavg.config import RunConfig
 from fedavg.errors import UserError
 from fedavg.report import Run, find_runs, write_report
-from fedavg.sweep import load_sweep, select
-from fedavg.sweep_plan import KEEP_FAILED, RERUN, RESUME, RUN, SKIP, plan
+from fedavg.sweep import load_sweep
+from fedavg.sweep_plan import KEEP_FAILED, RERUN, RESUME, RUN, SKIP, plan, select
 from fedavg.sweep_run import cpu_note, last_error
 
 TINY = ROOT / "experiments" / "configs" / "tiny.toml"
@@ -83,6 +83,11 @@ BAD = [
      "[[points]] entry 3 (seed=1_"),
     ("[[points]]\nseed = 1\n[[points]]\nseed = 2\n[[points]]\nseed = 1\n",
      "has the same settings as [[points]] entry 1 (seed=1_"),
+    # a strategy option spelled out at its default is the run that leaves it out
+    ("[base]\nstrategy = \"fedprox\"\n[[points]]\nseed = 0\n[[points]]\nmu = 0.01\n",
+     "[[points]] entry 2 (mu=0.01) has the same settings"),
+    ("[base]\nstrategy = \"fedprox\"\n[[points]]\nseed = 0\n[[points]]\nmu = 0.01\n",
+     "has the same settings as [[points]] entry 1 (base)"),
     ("[grid\nseed = [0]\n", "is not valid TOML"),
     # every invalid point is named, grouped by what is wrong with it
     ("[grid]\nalpha = [0.5, -1.0]\nseed = [0, 1, 2, 3]\n",
@@ -246,6 +251,19 @@ def test_only_keeps_matching_points_by_value_or_name_part():
                           (["strategy=moon"], "no point")):
         with pytest.raises(UserError, match=message):
             select(spec, only)
+
+
+def test_only_matches_a_strategy_option_left_at_its_default(tmp_path):
+    """A point's value is the one it runs with: fedprox without mu runs with mu 0.01."""
+    spec = load_sweep(toml(tmp_path, """
+[grid]
+strategy = ["fedavg", "fedprox"]
+[[points]]
+strategy = "fedprox"
+mu = 0.1
+"""))
+    assert [p.name for p in select(spec, ["mu=0.01"]).points] == ["strategy=fedprox"]
+    assert [p.name for p in select(spec, ["mu=0.1"]).points] == ["strategy=fedprox_mu=0.1"]
 
 
 def test_grid_and_points_together_and_only_varying_keys_in_names(tmp_path):
