@@ -164,6 +164,10 @@ def test_flower_internals_are_the_ones_we_patch():
         "    assert (d['initial_backoff'], d['backoff_cap'], d['max_tries_per_object'],\n"
         "            d['max_time']) == (0.05, 0.2, None, 7200), d\n"
         "assert auto_init_hook.enable_auto_connect is False\n"
+        "from flwr.supercore.retry import make_simple_http_retry_invoker\n"
+        "waits = make_simple_http_retry_invoker().wait_gen_factory()\n"
+        "delays = [next(waits) for _ in range(12)]  # Flower's: 1, 2, 4 ... then 20\n"
+        "assert max(delays) == 4 and delays[:3] == [1, 2, 4], delays\n"
         "print('ok')\n"
     )
     # in a fresh interpreter: the patches are process-wide

@@ -27,7 +27,8 @@ _SOURCES = {
                                         "os.kill(os.getpid(), signal.SIGINT)",
                                         "Connection successful after",
                                         "Connection attempt failed, retrying in %.2f seconds",
-                                        "Giving up reconnection"),
+                                        "Giving up reconnection",
+                                        "exponential(max_delay=MAX_RETRY_DELAY)"),
     "flwr.supercore.error.catalog": ("All SuperNodes must be registered",
                                      "Failed to activate SuperNode."),
     "flwr.server.superlink.linkstate.in_memory_linkstate": (

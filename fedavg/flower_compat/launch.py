@@ -1,7 +1,8 @@
 """The SuperLink's and SuperNode's entry points, and the patches a SuperNode runs with.
 
 The SuperNode polls the SuperLink every 3 s and waits 0.5 s for a ClientApp's reply (both
-fixed in code), sends heartbeats every 30 s, and Flower's object pulls first retry after 1 s:
+fixed in code), sends heartbeats every 30 s, retries a connection up to 20 s apart, and
+Flower's object pulls first retry after 1 s:
 :func:`patch_supernode` and :func:`patch_pull_backoff` shorten these in this process.
 """
 
@@ -20,6 +21,9 @@ REPLY_WAIT_S = 0.02
 #: 0.2 s of its arrival, instead of within up to 10 s).
 PULL_BACKOFF_S = 0.05
 PULL_BACKOFF_CAP_S = 0.2
+#: Longest wait (s) between a SuperNode's connection attempts, instead of Flower's 20: a
+#: node started before its coordinator (a compose stack) joins within this long of it.
+CONNECT_RETRY_CAP_S = 4
 #: Seconds between a SuperNode's heartbeats (Flower: 30). The SuperLink counts a node as
 #: gone after two missed beats, so a crashed machine leaves its round within ~20 s.
 HEARTBEAT_S = 10
@@ -61,9 +65,11 @@ class _FastTime:
 def patch_supernode() -> None:
     """Shorten this (SuperNode) process's fixed idle poll (3 s) and reply wait (0.5 s).
 
-    Heartbeats are also sent every :data:`HEARTBEAT_S` seconds.
+    Heartbeats are also sent every :data:`HEARTBEAT_S` seconds, and connection attempts
+    retried at most :data:`CONNECT_RETRY_CAP_S` seconds apart.
     """
     from flwr.supercore import heartbeat
+    from flwr.supercore.retry import http_retry
     from flwr.supernode import fleet_http_connection as fhc
     from flwr.supernode import start_client_internal as sci
 
@@ -72,6 +78,7 @@ def patch_supernode() -> None:
         sci.time = _FastTime(time)
     fhc.HEARTBEAT_DEFAULT_INTERVAL = HEARTBEAT_S  # announced to the SuperLink
     heartbeat.HEARTBEAT_DEFAULT_INTERVAL = HEARTBEAT_S  # and kept by the sender
+    http_retry.MAX_RETRY_DELAY = CONNECT_RETRY_CAP_S  # read by each new retry invoker
 
 
 def patch_pull_backoff() -> None:
