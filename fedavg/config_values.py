@@ -19,6 +19,17 @@ from fedavg.errors import UserError
 MODEL_ARGS = "model-args"
 
 
+def format_value(value: Any) -> str:
+    """Return a setting's value as written on a command line (``0.5``, ``true``, ``mnist``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, dict):  # model-args
+        return ",".join(f"{k}={format_value(v)}" for k, v in value.items())
+    return str(value)
+
+
 def convert(key: str, value: Any, f: dataclasses.Field, hint: Any) -> Any:
     """Return ``value`` as the field's type: strict (no silent truncation, no empty names)."""
     kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)

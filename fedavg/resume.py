@@ -29,8 +29,8 @@ from typing import Any, Iterable
 import torch
 
 from fedavg.config import RunConfig
+from fedavg.config_values import format_value
 from fedavg.errors import UserError
-from fedavg.resume_checks import shown
 
 CHECKPOINT = "checkpoint.safetensors"
 FORMAT = "fedavg-checkpoint/1"
@@ -359,9 +359,9 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
                     "; only --rounds (and --round-timeout, --device, --max-update-norm) may "
                     "change: start a new run with another --output for other settings")
             flag = "model-arg" if key == "model-args" else key  # the option's own name
-            given = (f"--{flag} {shown(asked[key])}" if asked.get(key) is not None
+            given = (f"--{flag} {format_value(asked[key])}" if asked.get(key) is not None
                      else f"leaving out --{flag}")
-            had = (f"the run's {shown(saved[key])}" if saved.get(key) is not None
+            had = (f"the run's {format_value(saved[key])}" if saved.get(key) is not None
                    else f"the run, which had no --{flag}")
             raise UserError(f"--resume {where}: {given} differs from {had}{hint}")
     # every round done but no summary.json (stopped while finishing), or one that does not

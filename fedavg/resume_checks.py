@@ -6,14 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fedavg.config_values import format_value
 from fedavg.errors import UserError
-
-
-def shown(value: Any) -> str:
-    """Return a setting's value as written on a command line (``true``, ``0.5``)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
 
 
 def check_same_data(output, input_spec: dict, dataset: dict | None = None) -> None:
@@ -86,5 +80,6 @@ def check_same_model(output: Path, spec: dict[str, Any] | None) -> None:
     b, n = flat(before), flat(now)
     key = next(k for k in sorted(set(b) | set(n)) if b.get(k) != n.get(k))
     raise UserError(f"{output} was trained with model {spec['name']} built with {key} = "
-                    f"{shown(b.get(key))}, which is now {shown(n.get(key))} (its files or "
-                    "--model-arg changed): restore them to resume, or start a new run")
+                    f"{format_value(b.get(key))}, which is now {format_value(n.get(key))} "
+                    "(its files or --model-arg changed): restore them to resume, or start a "
+                    "new run")

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from fedavg.config import RunConfig
-from fedavg.config_values import MODEL_ARGS
+from fedavg.config_values import MODEL_ARGS, format_value
 from fedavg.errors import UserError
 
 #: Options of ``fedavg simulate`` that are not run settings, with their defaults.
@@ -115,17 +115,6 @@ class Sweep:
         first = self.points[0].settings
         return {k: v for k, v in first.items() if k not in self.varying
                 and all(p.settings.get(k) == v for p in self.points)}
-
-
-def format_value(value: Any) -> str:
-    """Return a setting's value as written on a command line (``0.5``, ``true``, ``mnist``)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, dict):  # model-args
-        return ",".join(f"{k}={format_value(v)}" for k, v in value.items())
-    return str(value)
 
 
 def load_sweep(path: str | Path) -> Sweep:
