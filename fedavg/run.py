@@ -278,6 +278,9 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
                                  pretrained=t.pretrained, kind=data.kind)
         # fail early on shapes the model cannot take; say how its inputs are adapted
         built = spec.build()
+        from fedavg.train import check_batch_size
+
+        check_batch_size(built, t.batch_size)  # BatchNorm needs two samples a batch
         data.notes.extend(spec.check(built))
         data.notes.extend(_strategy_notes(strategy, built, config))
     meta = _metadata(config, data, spec, validation, distill_x)
@@ -313,9 +316,7 @@ def _coverage_notes(data: LoadedData, parts: list[np.ndarray], partitioner: str)
 def _strategy_notes(strategy, model, config: RunConfig) -> list[str]:
     """Return the strategy's notes on the model and node settings (``UserError``: unusable)."""
     import strategies
-    from fedavg.train import check_batch_size
 
-    check_batch_size(model, config.train.batch_size)
     note = strategy.nodes_note(config.nodes_per_round)
     try:
         return strategy.check_setup(model, asdict(config.train)) + (
