@@ -70,7 +70,13 @@ def sweep(
         if note:
             err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     with guard(), locked(out):
-        planned = plan(spec, out, retry_failed)  # again, now that no other sweep can write
+        planned = plan(spec, out, retry_failed, move=True)  # again, now that no other
+        # sweep can write; runs of renamed points move to their new folders
+        for p in planned:
+            if "renamed_from" in p.record:
+                err_console.print(f"[yellow]note:[/] {escape(p.record['renamed_from'])} holds "
+                                  f"the run of point {escape(p.point.name)}: renamed to it",
+                                  highlight=False)
         chosen = {p.point.name for p in planned}
         left_out = [p for p in plan(whole, out, retry_failed) if p.point.name not in chosen]
         runner = Runner(spec, planned, out, parallel, left_out=left_out)
@@ -133,6 +139,9 @@ def _show_plan(spec, planned, out: Path, problems: dict[str, str]) -> None:
                   for key in spec.varying]
         said = escape(_SAID["extend" if p.record.get("finished") else p.action]
                       .format(**p.record))
+        if "renamed_from" in p.record:
+            said += escape(f"; its run is in {p.record['renamed_from']}, renamed to "
+                           f"{p.point.name} when the sweep runs")
         if p.point.name in problems:
             said = f"[red]would fail: {escape(problems[p.point.name])}[/]"
         table.add_row(escape(p.point.name), *map(escape, values), said)

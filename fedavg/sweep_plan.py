@@ -103,8 +103,13 @@ def quick_problems(planned: list[Planned]) -> dict[str, str]:
     return problems
 
 
-def plan(sweep: Sweep, out: Path, retry_failed: bool = False) -> list[Planned]:
+def plan(sweep: Sweep, out: Path, retry_failed: bool = False,
+         move: bool = False) -> list[Planned]:
     """Decide per point: run it, resume it, run it again from scratch, skip or keep it failed.
+
+    A point without a folder whose run is in a folder no point is named by (a config edit
+    renamed the points: a new varying key) takes that run: its record's ``renamed_from``
+    names the folder, which ``move`` renames to the point's (else it is read where it is).
 
     Parameters
     ----------
@@ -114,6 +119,8 @@ def plan(sweep: Sweep, out: Path, retry_failed: bool = False) -> list[Planned]:
         The sweep's folder (``DIR``); point ``p`` runs in ``out / p.name``.
     retry_failed : bool
         Run the points an earlier sweep recorded as failed again.
+    move : bool
+        Rename the folders of renamed points' runs (the sweep holds the folder's lock).
 
     Raises
     ------
@@ -121,41 +128,77 @@ def plan(sweep: Sweep, out: Path, retry_failed: bool = False) -> list[Planned]:
         A point's folder is a file or holds a finished run with other settings.
     """
     earlier = {r.get("name"): r for r in read_record(out).get("points", [])}
-    planned = []
+    planned: list[Planned] = []
+    taken = {point.name for point in sweep.points}
     for point in sweep.points:
         folder = out / point.name
         if folder.exists() and not folder.is_dir():
             raise UserError(f"{folder} is a file where point {point.name}'s run folder "
                             "goes: move it away or sweep into another --output")
-        summary = read_json(folder / "summary.json")
-        before = earlier.get(point.name, {})
-        same = _plain(before.get("settings")) == _plain(point.settings)
-        if summary is not None:
-            problem = _difference(summary.get("config"), point.config.as_dict())
-            done, other = _resumable(folder, point) if problem else (None, None)
-            if done is not None and done < point.config.merge.rounds:  # `rounds` raised:
-                planned.append(Planned(point, RESUME, {"round": done, "finished": True}))
-                continue  # train on from the last round
-            if problem and done is None:  # (done: the same run, a path written otherwise)
-                raise UserError(f"{folder} holds a finished run with other settings "
-                                f"({problem}); remove it or sweep into another --output")
-            wall = before.get("wall_s") if same else None
-            planned.append(Planned(point, SKIP, {"wall_s": wall if wall is not None
-                                                 else summary.get("wall_s")}))
-        elif same and before.get("status") == "failed" and not retry_failed:
-            planned.append(Planned(point, KEEP_FAILED, {
-                k: before.get(k) for k in ("exit_code", "error", "wall_s")}))
-        else:
-            from fedavg.output import RUN_FILES
-
-            started = folder.is_dir() and any((folder / f).exists() for f in RUN_FILES)
-            done, other = _resumable(folder, point) if started else (None, None)
-            if other:  # its finished rounds are not this point's: never thrown away
-                raise UserError(f"{folder} holds a run stopped half-way with other settings "
-                                f"({other}); remove it or sweep into another --output")
-            planned.append(Planned(point, RESUME, {"round": done}) if done is not None
-                           else Planned(point, RERUN if started else RUN))
+        found = None if folder.exists() else _renamed(out, point, taken)
+        if found is not None:
+            taken.add(found.name)
+            if move:
+                found.rename(folder)
+            else:
+                folder = found  # read where it is: a dry run moves nothing
+        _plan_point(planned, point, folder, earlier, retry_failed)
+        if found is not None:
+            planned[-1].record["renamed_from"] = found.name
     return planned
+
+
+def _plan_point(planned: list[Planned], point: Point, folder: Path,
+                earlier: dict[str, Any], retry_failed: bool) -> None:
+    """Append what :func:`plan` does with ``point``, whose run is in ``folder``."""
+    summary = read_json(folder / "summary.json")
+    before = earlier.get(point.name, {})
+    same = _plain(before.get("settings")) == _plain(point.settings)
+    if summary is not None:
+        problem = _difference(summary.get("config"), point.config.as_dict())
+        done, other = _resumable(folder, point) if problem else (None, None)
+        if done is not None and done < point.config.merge.rounds:  # `rounds` raised:
+            planned.append(Planned(point, RESUME, {"round": done, "finished": True}))
+            return  # train on from the last round
+        if problem and done is None:  # (done: the same run, a path written otherwise)
+            raise UserError(f"{folder} holds a finished run with other settings "
+                            f"({problem}); remove it or sweep into another --output")
+        wall = before.get("wall_s") if same else None
+        planned.append(Planned(point, SKIP, {"wall_s": wall if wall is not None
+                                             else summary.get("wall_s")}))
+    elif same and before.get("status") == "failed" and not retry_failed:
+        planned.append(Planned(point, KEEP_FAILED, {
+            k: before.get(k) for k in ("exit_code", "error", "wall_s")}))
+    else:
+        from fedavg.output import RUN_FILES
+
+        started = folder.is_dir() and any((folder / f).exists() for f in RUN_FILES)
+        done, other = _resumable(folder, point) if started else (None, None)
+        if other:  # its finished rounds are not this point's: never thrown away
+            raise UserError(f"{folder} holds a run stopped half-way with other settings "
+                            f"({other}); remove it or sweep into another --output")
+        planned.append(Planned(point, RESUME, {"round": done}) if done is not None
+                       else Planned(point, RERUN if started else RUN))
+
+
+def _renamed(out: Path, point: Point, taken: set[str]) -> Path | None:
+    """Return the folder in ``out`` named by no point (``taken``) holding ``point``'s run.
+
+    Its ``summary.json`` records the point's settings, or (stopped half-way) its checkpoint
+    can go on to the point (:func:`_resumable`); ``None`` when there is none.
+    """
+    for folder in sorted(out.iterdir()) if out.is_dir() else ():
+        if folder.name in taken or not folder.is_dir() or folder.is_symlink():
+            continue
+        summary = read_json(folder / "summary.json")
+        if summary is not None:
+            if isinstance(summary, dict) and \
+                    _difference(summary.get("config"), point.config.as_dict()) is None:
+                return folder
+        elif (folder / "checkpoint.safetensors").is_file() and \
+                _resumable(folder, point)[0] is not None:
+            return folder
+    return None
 
 
 def _resumable(folder: Path, point: Point) -> tuple[int | None, str | None]:

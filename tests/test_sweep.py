@@ -474,6 +474,47 @@ def _finish_with_checkpoint(folder: Path, config: RunConfig) -> None:
                                        []))
 
 
+def test_runs_of_points_a_config_edit_renamed_are_found_and_moved(tmp_path):
+    """A new varying key renames every point: their runs were trained again.
+
+    The old sweep varied the seed only; the new one the strategy too, at fedavg in every
+    old run. A finished run and one stopped half-way are found in their old folders (the
+    dry run reads them there) and moved to the new names when the sweep runs.
+    """
+    old = load_sweep(toml(tmp_path, '[base]\ndataset = "digits"\nnum-nodes = 3\n'
+                                    'rounds = 2\n[grid]\nseed = [0, 1]\n', "old.toml"))
+    new = load_sweep(TINY)
+    out = tmp_path / "out"
+    seed0, seed1 = old.points
+    assert (seed0.name, seed1.name) == ("seed=0", "seed=1")
+    _finish(out / seed0.name, seed0.config)
+    half = seed1.config.replace(rounds=2)  # stopped after round 1 of 2
+    (out / seed1.name).mkdir()
+    import torch
+
+    import strategies
+    from fedavg import resume
+
+    resume.save(out / seed1.name, resume.capture(
+        1, {"w": torch.zeros(2)}, half.from_flat(resume.absolute_paths(half.to_flat())),
+        strategies.get("fedavg"), [ROUND_ONE], []))
+    (out / "notes").mkdir()  # the user's folder: no run, left alone
+    dry = {p.point.name: p for p in plan(new, out)}
+    assert [n for n, p in dry.items() if "renamed_from" in p.record] == [
+        "strategy=fedavg_seed=0", "strategy=fedavg_seed=1"]
+    assert dry["strategy=fedavg_seed=0"].action == SKIP
+    assert dry["strategy=fedavg_seed=0"].record["renamed_from"] == "seed=0"
+    assert (dry["strategy=fedavg_seed=1"].action, dry["strategy=fedavg_seed=1"].record) == (
+        RESUME, {"round": 1, "renamed_from": "seed=1"})
+    assert {p.action for n, p in dry.items() if "fedavgm" in n} == {RUN}
+    assert sorted(f.name for f in out.iterdir()) == ["notes", "seed=0", "seed=1"]  # unmoved
+    moved = {p.point.name: p.action for p in plan(new, out, move=True)}
+    assert sorted(f.name for f in out.iterdir()) == [
+        "notes", "strategy=fedavg_seed=0", "strategy=fedavg_seed=1"]
+    assert moved["strategy=fedavg_seed=0"] == SKIP and moved["strategy=fedavg_seed=1"] == RESUME
+    assert [p.record for p in plan(new, out)][:2] == [{"wall_s": 5.0}, {"round": 1}]
+
+
 def test_plan_refuses_a_finished_run_with_other_settings(tmp_path):
     sweep = load_sweep(TINY)
     point, other = sweep.points[:2]
