@@ -106,10 +106,12 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Return detached copies of every parameter entry of ``model``'s state dict.
 
     Frozen parameters and second names of a shared one included: the state-dict entries a
-    coordinator counts as parameters (every floating entry that is not a buffer).
+    coordinator counts as parameters (every floating entry that is not a buffer). An
+    integer parameter (never trained) is left out.
     """
     return {name: p.detach().clone()
-            for name, p in model.named_parameters(remove_duplicate=False)}
+            for name, p in model.named_parameters(remove_duplicate=False)
+            if p.is_floating_point()}
 
 
 def fitting(arrays: Mapping[str, torch.Tensor] | None, like: Mapping[str, torch.Tensor],

@@ -205,3 +205,36 @@ def test_frozen_and_shared_parameters_have_variates_on_both_sides():
     server.begin(reference, context=ctx(1))
     server.add_reply(model.state_dict(), 8, "n", arrays=update.arrays)
     server.result()
+
+
+class WithCounter(nn.Module):
+    """A linear layer and an integer parameter (a step counter kept as a parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.steps = nn.Parameter(torch.zeros(3, dtype=torch.int32), requires_grad=False)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_an_integer_parameter_has_no_variate_on_either_side():
+    """The node's variate held it and the server's did not: every node's round failed."""
+    torch.manual_seed(0)
+    model = WithCounter()
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    server = strategies.get("scaffold")
+    sent = server.to_nodes(reference)[SERVER_VARIATE]
+    assert set(sent) == {"lin.weight", "lin.bias"}
+    rule = ScaffoldNode({})
+    rule.begin(model, {SERVER_VARIATE: sent}, None)  # was MergeError: ... has no 'steps'
+    spec = {"kind": "tabular", "mean": [0.0] * 3, "std": [1.0] * 3, "scale": 1.0}
+    train(model, torch.randn(8, 3).numpy(), torch.randint(0, 2, (8,)).numpy(), spec,
+          epochs=1, batch_size=4, lr=0.1, momentum=0.0, rule=rule)
+    update = rule.finish(model)
+    assert set(update.arrays[VARIATE_CHANGE]) == {"lin.weight", "lin.bias"}
+    server.begin(reference, context=ctx(1))
+    server.add_reply(model.state_dict(), 8, "n", arrays=update.arrays)
+    merged = server.result().state_dict
+    assert torch.equal(merged["steps"], torch.zeros(3, dtype=torch.int32))
