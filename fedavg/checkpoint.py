@@ -111,6 +111,21 @@ def storable(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def tensor_digest(tensors: Mapping[str, torch.Tensor], text: str = "") -> str:
+    """Return the checksum of saved models and checkpoints (SHA-256, hex).
+
+    It covers ``text`` and every tensor's name, dtype, shape and bytes: a flipped bit shows.
+    """
+    import hashlib
+
+    h = hashlib.sha256(text.encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
+    return h.hexdigest()
+
+
 def save(directory: str | Path, state_dict: Mapping[str, torch.Tensor],
          meta: dict[str, Any]) -> Path:
     """Save weights and metadata into ``directory``.
@@ -140,7 +155,8 @@ def save(directory: str | Path, state_dict: Mapping[str, torch.Tensor],
 
     save_for(meta.get("input", {}), directory)  # a text model's tokenizer.json, first
     atomic_write(directory / WEIGHTS,
-                  lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
+                  lambda tmp: save_file(tensors, tmp, metadata={
+                      "format": FORMAT, "sha256": tensor_digest(tensors)}))
     write_json(directory / META, meta)
     return directory
 
@@ -333,8 +349,7 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         Missing folder or files, unreadable or corrupt weights or metadata (one line naming
         the file and the problem), or weights holding NaN or infinite values.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError, safe_open
 
     directory = Path(directory)
     if directory.is_file():
@@ -360,13 +375,18 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     if problem:
         raise UserError(f"{meta_path}: {problem}; the artifact is damaged")
     try:
-        state_dict = load_file(str(weights))
+        with safe_open(str(weights), framework="pt") as fh:
+            sha = (fh.metadata() or {}).get("sha256")  # none in models saved before it was
+            state_dict = {k: fh.get_tensor(k) for k in fh.keys()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(
             f"{weights} is not a readable safetensors file ({first[:160]}); the artifact is "
             "damaged: re-run or use another checkpoint"
         ) from None
+    if sha is not None and sha != tensor_digest(state_dict):
+        raise UserError(f"{weights} is damaged (its contents do not match its SHA-256 "
+                        "checksum): re-run or use another checkpoint")
     bad = _nonfinite(state_dict)
     if bad is not None:
         raise UserError(f"{weights}: tensor {bad!r} holds NaN or infinite values (training "

@@ -134,7 +134,7 @@ def save(folder: str | Path, ckpt: Checkpoint) -> Path:
     """Write ``folder/checkpoint.safetensors`` atomically; return its path."""
     from safetensors.torch import save_file
 
-    from fedavg.checkpoint import atomic_write, storable
+    from fedavg.checkpoint import atomic_write, storable, tensor_digest
 
     tensors = {f"model.{k}": v for k, v in storable(ckpt.model).items()}
     plain = {}
@@ -155,21 +155,9 @@ def save(folder: str | Path, ckpt: Checkpoint) -> Path:
              "python_random": ckpt.python_random}
     path = Path(folder) / CHECKPOINT
     meta = {"format": FORMAT, "state": json.dumps(state)}
-    meta["sha256"] = _digest(tensors, meta["state"])
+    meta["sha256"] = tensor_digest(tensors, meta["state"])
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
     return path
-
-
-def _digest(tensors: dict[str, torch.Tensor], state: str) -> str:
-    """SHA-256 of the state JSON and every tensor's name and bytes (a flipped bit shows)."""
-    import hashlib
-
-    h = hashlib.sha256(state.encode())
-    for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
-    return h.hexdigest()
 
 
 def _not_a_run(folder: Path) -> str:
@@ -192,6 +180,8 @@ def load(folder: str | Path) -> Checkpoint:
     """
     from safetensors import SafetensorError, safe_open
 
+    from fedavg.checkpoint import tensor_digest
+
     folder = Path(folder)
     path = folder / CHECKPOINT
     if folder.is_file():
@@ -207,7 +197,7 @@ def load(folder: str | Path) -> Checkpoint:
         if meta.get("format") != FORMAT:
             raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
         # checkpoints written before the checksum existed have none to check
-        if "sha256" in meta and meta["sha256"] != _digest(tensors, meta["state"]):
+        if "sha256" in meta and meta["sha256"] != tensor_digest(tensors, meta["state"]):
             raise ValueError("its contents do not match its SHA-256 checksum")
         state = json.loads(meta["state"])
         ckpt = _from_parts(state, tensors)

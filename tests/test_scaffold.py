@@ -216,6 +216,7 @@ class WithCounter(nn.Module):
         self.steps = nn.Parameter(torch.zeros(3, dtype=torch.int32), requires_grad=False)
 
     def forward(self, x):
+        """Apply the linear layer (the counter takes no part)."""
         return self.lin(x)
 
 
