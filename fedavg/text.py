@@ -116,6 +116,10 @@ class FileTokenizer:
         Tokens per text; >= 1.
     source : str
         Where it came from, for messages.
+    pad_id : int, optional
+        The id that pads (a saved run's); default: the tokenizer's pad token (``[PAD]``,
+        ``<pad>``), or, without one, an id of ours one past its vocabulary, which the
+        models then ignore: no word is taken for padding.
 
     Raises
     ------
@@ -125,7 +129,8 @@ class FileTokenizer:
 
     kind = "file"
 
-    def __init__(self, json_text: str, max_length: int = 256, source: str = "") -> None:
+    def __init__(self, json_text: str, max_length: int = 256, source: str = "",
+                 pad_id: int | None = None) -> None:
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -142,7 +147,8 @@ class FileTokenizer:
         self.json_text, self.max_length, self.source = json_text, int(max_length), source
         self.sha256 = hashlib.sha256(json_text.encode()).hexdigest()
         _KNOWN[self.sha256] = json_text
-        self.pad_id = self._pad_id()
+        self._ids = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.pad_id = self._pad_id() if pad_id is None else int(pad_id)
         special = {t.content for t in self._tok.get_added_tokens_decoder().values()
                    if t.special}
         words = set(self._tok.get_vocab(with_added_tokens=True)) - special
@@ -162,12 +168,12 @@ class FileTokenizer:
             found = self._tok.token_to_id(name)
             if found is not None:
                 return int(found)
-        return 0
+        return self._ids  # no pad token: one id past the vocabulary, no real token's
 
     @property
     def vocab_size(self) -> int:
-        """Number of distinct ids, added tokens included."""
-        return int(self._tok.get_vocab_size(with_added_tokens=True))
+        """Number of distinct ids, added tokens (and a pad id of ours, if any) included."""
+        return max(self._ids, self.pad_id + 1)
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         """Tokenize ``texts`` into an ``(N, max_length)`` int64 array padded with ``pad_id``."""
@@ -306,7 +312,9 @@ def from_spec(spec: dict[str, Any], folder: str | Path | None = None) -> Tokeniz
     except (OSError, UnicodeDecodeError):
         raise UserError(f"{path} is missing or unreadable: the model's tokenizer is kept "
                         "there; copy the whole run folder") from None
-    tok = FileTokenizer(text, int(spec["max_length"]), source=str(path))
+    pad = spec.get("pad_id")  # a run before pads past the vocabulary: its own (id 0)
+    tok = FileTokenizer(text, int(spec["max_length"]), source=str(path),
+                        pad_id=pad if isinstance(pad, int) else None)
     if tok.sha256 != spec.get("sha256") or tok.vocab_size != spec.get("vocab_size"):
         raise UserError(f"{path} differs from the tokenizer the model was trained with "
                         "(SHA-256 mismatch); the artifact is damaged")
@@ -315,7 +323,7 @@ def from_spec(spec: dict[str, Any], folder: str | Path | None = None) -> Tokeniz
 
 def same_tokenization(a: dict[str, Any], b: dict[str, Any]) -> str | None:
     """Say how two tokenizer specs would tokenize differently, or ``None`` when alike."""
-    keys = ("kind", "buckets", "ngrams", "max_length", "sha256")
+    keys = ("kind", "buckets", "ngrams", "max_length", "sha256", "pad_id")
     diff = [k for k in keys if a.get(k) != b.get(k)]
     if not diff:
         return None

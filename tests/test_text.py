@@ -82,6 +82,28 @@ def test_file_tokenizer_pads_with_its_pad_id_and_round_trips(tmp_path):
         from_spec(tok.spec(), run)
 
 
+def test_a_tokenizer_without_a_pad_token_pads_with_an_id_of_its_own(tmp_path):
+    """Id 0 padded, and is a real word (here [UNK]): the models ignored that word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.train_from_iterator(["oil price up", "team wins cup"],
+                            trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    path = tmp_path / "nopad.json"
+    raw.save(str(path))
+    tok = make_tokenizer(str(path), max_length=4)
+    words = raw.get_vocab_size(with_added_tokens=True)  # 7: [UNK] and six words
+    assert (tok.pad_id, tok.vocab_size) == (words, words + 1)  # one past the vocabulary
+    oil = raw.token_to_id("oil")
+    assert tok.encode(["oil zebra"]).tolist() == [[oil, 0, words, words]]  # zebra: [UNK]
+    tok.save(tmp_path / "run")
+    again = from_spec(tok.spec(), tmp_path / "run")
+    assert (again.pad_id, again.vocab_size) == (words, words + 1)
+    old = {**tok.spec(), "pad_id": 0, "vocab_size": words}  # a run saved before: kept as it was
+    assert from_spec(old, tmp_path / "run").encode(["oil"]).tolist() == [[oil, 0, 0, 0]]
+
+
 def test_a_transformers_tokenizer_folder_tokenizes_as_transformers_does(tmp_path):
     from transformers import AutoTokenizer, BertTokenizer
 
