@@ -313,6 +313,9 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
                    may_change: Iterable[str] = MAY_CHANGE) -> RunConfig:
     """Return the settings a resumed run goes on with, checked against the checkpoint.
 
+    A file tokenizer is the run folder's copy (``tokenizer.json``), the original file
+    being possibly moved or changed; ``--tokenizer`` naming that copy is the run's.
+
     Parameters
     ----------
     ckpt : Checkpoint
@@ -336,6 +339,9 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
     saved = _option_defaults(absolute_paths(ckpt.run_config().to_flat()))
     asked = _option_defaults(absolute_paths(config.to_flat()))
     allowed = set(may_change)
+    own = Path(where) / "tokenizer.json"  # the run's copy of its tokenizer file: the same
+    if own.is_file() and asked.get("tokenizer") == str(own.resolve()):  # file (SHA-256
+        asked["tokenizer"] = saved.get("tokenizer")  # checked), with which it goes on
     from fedavg.model_sources import names_same_code
 
     if isinstance(asked.get("model"), str) and isinstance(saved.get("model"), str) and \
@@ -365,6 +371,8 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
                  f">= {ckpt.round} ({ckpt.round} finishes it there, more trains longer)")
         raise UserError(f"--resume {where}: the run has finished {ckpt.round} round(s); pass "
                         f"--rounds N with N {least}")
+    if config.data.tokenizer != "hashed" and own.is_file():  # the original may be gone
+        config = config.replace(tokenizer=str(own.resolve()))
     return config
 
 

@@ -195,6 +195,30 @@ def test_local_data_paths_are_kept_absolute(tmp_path, monkeypatch):
                                                               rounds=3), "run")
 
 
+def test_a_resume_takes_the_run_folders_copy_of_its_tokenizer_file(tmp_path, monkeypatch):
+    """The run's --tokenizer file may be changed or gone; the run goes on with its copy.
+
+    The copy was refused as another --tokenizer, though the error told users to pass it.
+    """
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tok.json").write_text("{}")  # the file the run was started with
+    ckpt = resume.capture(1, {"a": torch.zeros(1)}, RunConfig().replace(tokenizer="tok.json"),
+                          strategies.get("fedavg"), [rec(1)], [])
+    run = tmp_path / "run"
+    run.mkdir()
+    copy = run / "tokenizer.json"
+    copy.write_text("{}")  # as the run saved it (the data check compares the SHA-256)
+    (tmp_path / "tok.json").unlink()
+    goes_on = resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=2), str(run))
+    assert goes_on.data.tokenizer == str(copy.resolve())
+    named = ckpt.run_config().replace(rounds=2, tokenizer=str(copy))  # as the error says
+    assert resume.resumed_config(ckpt, named, str(run)).data.tokenizer == str(copy.resolve())
+    with pytest.raises(UserError, match="--tokenizer .*other.json differs from the run's"):
+        (tmp_path / "other.json").write_text("{}")
+        resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=2, tokenizer="other.json"),
+                              str(run))
+
+
 def test_one_writer_per_run_folder(tmp_path):
     from fedavg.output import make_output, release_output
 
