@@ -11,11 +11,11 @@ import numpy as np
 import torch
 
 from fedavg import checkpoint
-from fedavg.columns import check_numeric, saved_load_args
+from fedavg.columns import saved_load_args
 from fedavg.data import BUILTIN, check_kind, conform, decode_images, load
 from fedavg.errors import NoLabelColumn, UserError
 from fedavg.images import fit_images, fitted_note
-from fedavg.inputs import check_inputs, collect, input_notes
+from fedavg.inputs import check_inputs, collect, input_notes, table_rows, text_table_rows
 from fedavg.models import build_model
 from fedavg.overlap import overlap_note
 from fedavg.text import model_tokenizer
@@ -402,11 +402,15 @@ def _dataset_batch(source: str, split: str, meta: dict[str, Any],
     if columns and any(columns.values()):  # the user's choice over the run's
         args.update(columns, feature_columns=None)
     features = args.get("feature_columns")
-    if features and (rows := _table_rows(source, features)) is not None:
+    if features and (rows := table_rows(source, features)) is not None:
         return rows
     try:
         data = load(source, tokenizer=tokenizer, **args)
     except NoLabelColumn:
+        if meta["input"].get("kind") == "text" and (rows := text_table_rows(
+                source, tokenizer, args.get("text_column") or args.get("input_hint"),
+                given=bool(columns and columns.get("text_column")))) is not None:
+            return rows  # a single table of texts without labels: every row
         raise UserError(f"{source}: a dataset input needs a label column (its {split} split "
                         "is predicted); give unlabelled inputs as image files or folders, or "
                         "as a .txt file of texts, one per line") from None
@@ -420,29 +424,3 @@ def _dataset_batch(source: str, split: str, meta: dict[str, Any],
     if data.splits["test"] is data.splits["train"]:  # one split, used whole: rows in order
         return part.x, [f"{source}#row{i}" for i in range(len(part))]
     return part.x, [f"{source}#{split}[{i}]" for i in range(len(part))]
-
-
-def _table_rows(source: str, features: list[str]):
-    """Return every row of a one-split table as ``(x, names)``; ``None`` for other data.
-
-    Names are ``source#row<i>``, ``i`` counting data rows from 0.
-
-    Raises
-    ------
-    UserError
-        The table lacks one of the model's ``features`` columns.
-    """
-    from fedavg.datasources import input_array, open_source
-
-    dsdict = open_source(source)
-    if len(dsdict) != 1:
-        return None
-    table = next(iter(dsdict.values()))
-    have = table.features  # a deep copy on every access
-    missing = [c for c in features if c not in have]
-    if missing:
-        raise UserError(f"{source} lacks the feature column(s) {', '.join(missing)} that the "
-                        f"model takes ({', '.join(features)})")
-    check_numeric(have, features, source)
-    x = input_array(table, features, source)
-    return x, [f"{source}#row{i}" for i in range(len(x))]

@@ -127,3 +127,64 @@ def input_notes(images: Sequence[str | Path], shape: tuple[int, ...]) -> list[st
             notes.append(f"{len(found)} of {len(images)} image(s) {change} (e.g. {found[0]}); "
                          "predictions may be unreliable: use images like the training data")
     return notes
+
+
+def table_rows(source: str, features: list[str]):
+    """Return every row of a one-split table as ``(x, names)``; ``None`` for other data.
+
+    Names are ``source#row<i>``, ``i`` counting data rows from 0.
+
+    Raises
+    ------
+    UserError
+        The table lacks one of the model's ``features`` columns.
+    """
+    from fedavg.columns import check_numeric
+    from fedavg.datasources import input_array, open_source
+
+    dsdict = open_source(source)
+    if len(dsdict) != 1:
+        return None
+    table = next(iter(dsdict.values()))
+    have = table.features  # a deep copy on every access
+    missing = [c for c in features if c not in have]
+    if missing:
+        raise UserError(f"{source} lacks the feature column(s) {', '.join(missing)} that the "
+                        f"model takes ({', '.join(features)})")
+    check_numeric(have, features, source)
+    x = input_array(table, features, source)
+    return x, [f"{source}#row{i}" for i in range(len(x))]
+
+
+def text_table_rows(source: str, tokenizer: Any, column: str | None, given: bool = False):
+    """Return every row of a one-split table of texts as ``(ids, names)``; ``None`` else.
+
+    The texts are ``column``'s where the table has it (``given``: the user's
+    ``--text-column``, which it must have), else its first column of text. Names are
+    ``source#row<i>``. A table without labels is predicted this way.
+
+    Raises
+    ------
+    UserError
+        ``given`` and the table has no such column, or it holds no text.
+    """
+    from fedavg.columns import is_text
+    from fedavg.datasources import open_source
+
+    dsdict = open_source(source)
+    if len(dsdict) != 1:
+        return None
+    table = next(iter(dsdict.values()))
+    features = table.features
+    if given and column not in features:
+        raise UserError(f"--text-column {column}: {source} has no such column; columns are: "
+                        f"{', '.join(features)}")
+    if given and not is_text(features[column]):
+        raise UserError(f"--text-column {column}: it holds {features[column]}, not text")
+    if column not in features or not is_text(features[column]):
+        column = next((c for c, f in features.items() if is_text(f)), None)
+    if column is None:
+        raise UserError(f"{source} has no column of text for this text model (columns: "
+                        f"{', '.join(features)})")
+    texts = ["" if t is None else str(t) for t in table[column]]
+    return tokenizer.encode(texts), [f"{source}#row{i}" for i in range(len(texts))]

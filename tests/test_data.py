@@ -770,7 +770,8 @@ def test_labels_that_differ_only_in_case_or_spaces_are_noted(tmp_path):
 
 
 def test_a_saved_tabular_model_on_other_tables_label_hint_and_stray_strings(tmp_path):
-    from fedavg.inference import _table_rows, evaluation_data
+    from fedavg.inference import evaluation_data
+    from fedavg.inputs import table_rows
 
     rows = ["f1,f2,grade"] + [f"{i},{-i},{'lo' if i < 10 else 'hi'}" for i in range(20)]
     (tmp_path / "g.csv").write_text("\n".join(rows) + "\n")
@@ -784,7 +785,7 @@ def test_a_saved_tabular_model_on_other_tables_label_hint_and_stray_strings(tmp_
     bad = rows[:5] + ["5,?,lo"] + rows[6:]
     (tmp_path / "bad.csv").write_text("\n".join(bad) + "\n")
     for call in (lambda: evaluation_data(meta, tmp_path, str(tmp_path / "bad.csv")),
-                 lambda: _table_rows(str(tmp_path / "bad.csv"), ["f1", "f2"])):
+                 lambda: table_rows(str(tmp_path / "bad.csv"), ["f1", "f2"])):
         with pytest.raises(UserError, match=r"column\(s\) f2 of \S+bad.csv do not hold numbers "
                                             r"only \(f2 reads as text\), but the model takes "
                                             r"them as numeric features"):

@@ -470,6 +470,18 @@ def test_evaluate_takes_a_text_column_of_another_dataset(tmp_path):
                                    "story", "--output", "-"])
     assert res.exit_code == 0, res.output
     assert [line.split(",")[1] for line in res.stdout.splitlines()[1:]] == expected
+    unlabelled = tmp_path / "unlabelled.csv"  # was: "a dataset input needs a label column"
+    pd.read_csv(table).drop(columns="label").to_csv(unlabelled, index=False)
+    assert [r["prediction"] for r in predict(folder, [str(unlabelled)],
+                                             text_column="story")] == expected
+    assert [r["input"] for r in predict(folder, [str(unlabelled)], text_column="story")][:2] \
+        == [f"{unlabelled}#row0", f"{unlabelled}#row1"]
+    named_unlabelled = tmp_path / "named_unlabelled.csv"  # the run's column, "text": taken
+    pd.read_csv(named).drop(columns="label").to_csv(named_unlabelled, index=False)
+    assert [r["prediction"] for r in predict(folder, [str(named_unlabelled)])] == expected
+    with pytest.raises(UserError, match="--text-column nope: .* has no such column; columns "
+                                        "are: note, story"):
+        predict(folder, [str(unlabelled)], text_column="nope")
     res = CliRunner().invoke(app, ["evaluate", str(folder), "--dataset", str(table),
                                    "--text-column", "story", "--json"])
     assert res.exit_code == 0, res.output
