@@ -74,7 +74,8 @@ def simulate(
         config = None if resume is not None else RunConfig().replace(**settings, **chosen)
     # Stop Ray at once on a signal. (Raising KeyboardInterrupt instead can deadlock inside
     # Flower's worker pool.)
-    on_signal(lambda: interrupted(RUN_OUTPUT[0] if RUN_OUTPUT else output), abort_active_runs)
+    on_signal(lambda: interrupted(RUN_OUTPUT[0] if RUN_OUTPUT else output or resume),
+              abort_active_runs)  # (a resume stopped while it loads: its rounds are kept)
     with guard():
         run(config, output=output, console=console, verbose=verbose,
             cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, overwrite=overwrite,

@@ -6,6 +6,8 @@ import os
 import re
 import shlex
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -217,6 +219,35 @@ def test_a_resume_takes_the_run_folders_copy_of_its_tokenizer_file(tmp_path, mon
         (tmp_path / "other.json").write_text("{}")
         resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=2, tokenizer="other.json"),
                               str(run))
+
+
+STOPPED_WHILE_LOADING = """
+import os, signal, sys, time
+import fedavg.simulation
+
+def loading(*args, **kwargs):  # a Ctrl-C while the resumed run loads its data
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(30)
+
+fedavg.simulation.simulate = loading
+from fedavg.cli import main
+sys.argv = ["fedavg", "simulate", "--resume", sys.argv[1], "--rounds", "60"]
+main()
+"""
+
+
+def test_a_resume_stopped_before_its_folder_opens_keeps_and_names_its_rounds(tmp_path):
+    """It said "nothing of this run was saved" of a run whose rounds are all there."""
+    run = tmp_path / "run"
+    run.mkdir()
+    resume.save(run, resume.capture(2, {"a": torch.zeros(1)}, RunConfig().replace(rounds=2),
+                                    strategies.get("fedavg"), [rec(1), rec(2)], []))
+    res = subprocess.run([sys.executable, "-c", STOPPED_WHILE_LOADING, str(run)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 130, res.stderr[-2000:]
+    assert f"interrupted: finished rounds are kept in {run}; resume with: fedavg simulate " \
+        f"--rounds 60 --resume {run}" in " ".join(res.stderr.split()), res.stderr[-2000:]
+    assert (run / "checkpoint.safetensors").is_file()
 
 
 def test_one_writer_per_run_folder(tmp_path):
