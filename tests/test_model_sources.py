@@ -486,6 +486,7 @@ def test_a_module_builder(tmp_path, monkeypatch):
     (TIED_SOURCE, "FILE:raises", "failed: ValueError: no model for you"),
     (TIED_SOURCE, "FILE:", "name the builder function after the colon"),
     (None, "FILE:build", "does not exist here: put the file there"),
+    (None, "DIR:build", "DIR is a folder: name the .py file that holds the builder"),
     ("import sys\nsys.exit(3)\n", "FILE:build", "called sys.exit(3); model code must not exit"),
     ("import sys\ndef build(shape, k):\n    sys.exit('no')\n", "FILE:build",
      "called sys.exit('no')"),
@@ -500,7 +501,8 @@ def test_bad_user_code_is_one_line(tmp_path, source, name, words):
     if source is not None:
         path.write_text(source)
     (tmp_path / "models.txt").write_text(TIED_SOURCE)
-    words = words.replace("FILE", str(path)).replace("TXT", str(tmp_path / "models.txt"))
+    words = words.replace("FILE", str(path)).replace("TXT", str(tmp_path / "models.txt")) \
+        .replace("DIR", str(tmp_path))
     if name.startswith("TWO"):  # as a node loads the coordinator's weights
         from fedavg.model_sources import first_line
 
@@ -514,8 +516,8 @@ def test_bad_user_code_is_one_line(tmp_path, source, name, words):
             "RuntimeError: Error(s) in loading state_dict for Linear: size mismatch")
         return
     with pytest.raises(UserError) as exc:
-        build_model(name.replace("FILE", str(path)).replace("TXT", str(tmp_path / "models.txt")),
-                    (1, 8, 8), 10)
+        build_model(name.replace("FILE", str(path)).replace("TXT", str(tmp_path / "models.txt"))
+                    .replace("DIR", str(tmp_path)), (1, 8, 8), 10)
     assert words in _one_line(exc)
 
 
@@ -1075,6 +1077,10 @@ def test_weights_nodes_cannot_send_are_refused_at_the_start():
     half = nn.Sequential(nn.Flatten(), nn.Linear(64, 10).to(torch.bfloat16))
     with pytest.raises(UserError, match=r"has bfloat16 weights \(1\.weight\).*float32"):
         check_output(half, (1, 8, 8), 10, "half")
+    double = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double()  # was torch's "mat1
+    with pytest.raises(UserError, match=r"has float64 weights \(1\.weight\), but its inputs "
+                                        r"come as float32: build it in float32"):  # and mat2"
+        check_output(double, (1, 8, 8), 10, "double")
 
     class Extra(nn.Sequential):
         def get_extra_state(self):

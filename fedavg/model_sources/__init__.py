@@ -300,6 +300,11 @@ def check_output(model: nn.Module, input_shape: tuple[int, ...], num_classes: in
         raise UserError(f"model {what} has bfloat16 weights ({bf16}), which Flower's arrays "
                         "cannot carry: keep them in float32 (torch.autocast computes in "
                         "bfloat16)")
+    f64 = next((k for k, t in state.items() if t.dtype == torch.float64), None)
+    if f64 is not None:
+        raise UserError(f"model {what} has float64 weights ({f64}), but its inputs come as "
+                        "float32: build it in float32 (call .float() on it, or leave "
+                        "torch's default dtype as it is)")
     odd = next((k for k, t in state.items()
                 if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
     if odd is not None:

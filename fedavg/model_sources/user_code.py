@@ -66,6 +66,9 @@ def _import(where: str, is_file: bool, name: str) -> ModuleType:
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module raised
             raise UserError(_failed(f"importing {where} (model {name})", exc)) from None
     path = Path(where).expanduser().resolve()
+    if path.is_dir():
+        raise UserError(f"the model is built by {name}, but {path} is a folder: name the .py "
+                        "file that holds the builder (--model FOLDER/FILE.py:FUNCTION)")
     if not path.is_file():
         raise UserError(f"the model is built by {name}, but {path} does not exist here: put "
                         "the file there, or pass --model with its path")
