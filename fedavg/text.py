@@ -364,7 +364,7 @@ def text_inputs(inputs: Sequence[str], literal: bool) -> list[tuple[str, str]]:
                             "--text, a .txt file (one text per line) or a dataset")
         if path.is_file() and path.suffix.lower() == ".txt":
             try:
-                lines = [ln.strip() for ln in path.read_text().splitlines()]
+                lines = [ln.strip() for ln in path.read_text(encoding="utf-8-sig").splitlines()]
             except (OSError, UnicodeDecodeError) as exc:
                 raise UserError(f"cannot read {raw} as text: {exc}") from None
             if not any(lines):

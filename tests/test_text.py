@@ -489,3 +489,13 @@ def test_evaluate_takes_a_text_column_of_another_dataset(tmp_path):
     res = CliRunner().invoke(app, ["evaluate", str(folder), "--dataset", str(table),
                                    "--text-column", "nope"])
     assert res.exit_code == 2 and "--text-column" in res.output and "story" in res.output
+
+
+def test_a_txt_file_with_a_byte_order_mark_reads_its_first_text_as_written(tmp_path):
+    """Notepad's UTF-8 files start with a byte order mark; it was kept in the first text."""
+    from fedavg.text import text_inputs
+
+    path = tmp_path / "news.txt"
+    path.write_bytes("oil price up\n\nteam wins\n".encode("utf-8-sig"))
+    assert text_inputs([str(path)], literal=False) == [("text", "oil price up"),
+                                                       ("text", "team wins")]
