@@ -318,7 +318,7 @@ def node(
                                insecure=insecure, auth_key=auth_key, once=once,
                                max_wait_time=max_wait_time, model=model, threads=threads,
                                console=console)
-                console.print(f"node done: {n} task(s) run")
+                console.print(f"node done: {n} task(s) run (the run's end notice is one)")
     except typer.Exit as exc:
         code = exc.exit_code
     # A task abandoned when its coordinator vanished may still block in Flower's transfer

@@ -80,7 +80,8 @@ def resolve_model(name: str, input_shape: tuple[int, ...], kind: str | None = No
         if name.endswith(".py"):
             raise UserError(f"--model {name}: name the builder function in it too, "
                             f"{name}:FUNCTION (e.g. {name}:build)")
-        raise UserError(f"unknown model {name!r}; choose auto or one of: {', '.join(_MODELS)}")
+        raise UserError(f"unknown model {name!r}; choose auto or one of: {', '.join(_MODELS)}; "
+                        "or torchvision:NAME, hf:PATH, FILE.py:FUNCTION (see fedavg models)")
     if kind not in _MODELS[name][2]:
         fits = [n for n, (_, _, kinds) in _MODELS.items() if kind in kinds]
         raise UserError(f"model {name!r} takes {' or '.join(_MODELS[name][2])} inputs, and "

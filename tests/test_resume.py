@@ -614,6 +614,7 @@ def test_coordinator_resumes_with_new_nodes_and_more_rounds(runs, tmp_path):
     nodes2 = [runs.node(f"m{i}", "--insecure", "--partition-id", i, "--num-partitions", 2,
                            "--once") for i in range(2)]
     assert runs.wait(coord2) == 0, runs.log("coordinator2")
+    assert f"resuming {out} after round 2 of 3" in runs.log("coordinator2")  # as simulate says
     for n in nodes2:
         assert runs.wait(n, 60) == 0
     rounds = rounds_of(out)

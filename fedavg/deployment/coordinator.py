@@ -209,6 +209,9 @@ def _run(opts: _Options, prepared, state, console, trackers) -> tuple[Path, int]
                              echo=_superlink_echo(say, opts.verbose))
         out, run_id = _submit(link, opts, home, opts.output, say)
         show_plan(console, prepared, opts.config, table=False)
+        if opts.resume_from is not None:
+            say(f"resuming {out} after round {opts.resume_from.round} of "
+                f"{opts.config.merge.rounds}")
         say(f"run {run_id}: model [bold]{prepared.spec.name}[/], strategy "
             f"[bold]{opts.config.merge.strategy}[/], {opts.config.merge.rounds} "
             f"round{'' if opts.config.merge.rounds == 1 else 's'}"
