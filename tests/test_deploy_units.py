@@ -430,8 +430,18 @@ def test_a_serving_node_waits_quietly_after_a_run(tmp_path):
     assert said == []
     node.on_line("INFO :      SuperNode ID: 42")
     node.on_line(RETRY)
-    assert said[0] == "connected to 127.0.0.1:9 as node [bold]42[/]"
-    assert "cannot reach the coordinator" in said[1]
+    node.on_line(RETRY)  # connected once: the loss is said once, not at every retry
+    assert said == ["connected to 127.0.0.1:9 as node [bold]42[/]",
+                    "[yellow]node:[/] lost the coordinator at 127.0.0.1:9; retrying until it "
+                    "is back"]
+    node.on_line("INFO : Connection successful after 3.45 seconds and 4 tries.")
+    node.on_line(RETRY)  # back, then lost again: said again
+    assert said[-1].startswith("[yellow]node:[/] lost the coordinator") and len(said) == 4
+    once, told = _node(tmp_path, once=True)
+    once.on_line("INFO :      SuperNode ID: 43")
+    once.on_line(RETRY)
+    assert told[-1] == "[yellow]node:[/] lost the coordinator at 127.0.0.1:9; retrying for " \
+        "up to 30 s"
 
 
 def test_a_once_node_exits_with_the_reason_of_a_failed_run(tmp_path, monkeypatch):

@@ -65,6 +65,7 @@ class SuperNode:
         self.refused: tuple[str, str, bool] | None = None  # reason, line, key refused
         self.exit: int | None = None
         self.unreachable_since: float | None = None
+        self.lost_said = False  # "lost the coordinator" said since the last connection
         self.connecting_since: float | None = None  # the SuperNode's start
 
     def start_supernode(self) -> None:
@@ -101,7 +102,7 @@ class SuperNode:
             self.unreachable_since = self.unreachable_since or time.monotonic()
             self._check_tls()
         elif ev.reconnected:
-            self.unreachable_since = None
+            self.unreachable_since, self.lost_said = None, False
         if self.certs is None and ev.dropped and not self.hinted:
             self.hinted = True
             self.say("[yellow]node:[/] the coordinator closed the connection: if it uses TLS, "
@@ -111,9 +112,14 @@ class SuperNode:
             self.say(f"connected to {self.superlink} as node [bold]{escape(ev.node_id)}[/]")
         elif self.quiet or self.waiting or self.refused is not None:
             return
-        elif ev.retry_in_s is not None:
+        elif ev.retry_in_s is not None and not self.connected:
             self.say(f"[yellow]node:[/] cannot reach the coordinator at {self.superlink}; "
                      f"retrying in {ev.retry_in_s:.1f} s")
+        elif ev.retry_in_s is not None and not self.lost_said:  # once, not at every retry
+            self.lost_said = True
+            self.say(f"[yellow]node:[/] lost the coordinator at {self.superlink}; retrying "
+                     + (f"for up to {self.lost_after_s:g} s" if self.once else
+                        "until it is back"))
         elif ev.notable:
             self.say(f"[yellow]node:[/] {escape(ev.message)}")
 
