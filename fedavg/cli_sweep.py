@@ -51,7 +51,8 @@ def sweep(
         whole = load_sweep(config)
         spec = select(whole, only or [])
         check_sweep_folder(out)
-        planned = plan(spec, out, retry_failed)
+        names = [p.name for p in whole.points]
+        planned = plan(spec, out, retry_failed, names=names)
     if dry_run:
         from fedavg.sweep_plan import check_points
 
@@ -70,8 +71,8 @@ def sweep(
         if note:
             err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     with guard(), locked(out):
-        planned = plan(spec, out, retry_failed, move=True)  # again, now that no other
-        # sweep can write; runs of renamed points move to their new folders
+        planned = plan(spec, out, retry_failed, move=True, names=names)  # again, now that no
+        # other sweep can write; runs of renamed points move to their new folders
         for p in planned:
             if "renamed_from" in p.record:
                 err_console.print(f"[yellow]note:[/] {escape(p.record['renamed_from'])} holds "

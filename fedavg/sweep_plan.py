@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from fedavg.errors import UserError
 from fedavg.sweep import Point, Sweep, effective_settings, format_value, name_part
@@ -103,13 +103,14 @@ def quick_problems(planned: list[Planned]) -> dict[str, str]:
     return problems
 
 
-def plan(sweep: Sweep, out: Path, retry_failed: bool = False,
-         move: bool = False) -> list[Planned]:
+def plan(sweep: Sweep, out: Path, retry_failed: bool = False, move: bool = False,
+         names: Iterable[str] = ()) -> list[Planned]:
     """Decide per point: run it, resume it, run it again from scratch, skip or keep it failed.
 
-    A point without a folder whose run is in a folder no point is named by (a config edit
-    renamed the points: a new varying key) takes that run: its record's ``renamed_from``
-    names the folder, which ``move`` renames to the point's (else it is read where it is).
+    A point without a folder whose run is in the folder of a point of the earlier sweep
+    (``sweep.json``) that no point is named by now (a config edit renamed the points: a new
+    varying key) takes that run: its record's ``renamed_from`` names the folder, which
+    ``move`` renames to the point's (else it is read where it is).
 
     Parameters
     ----------
@@ -121,6 +122,9 @@ def plan(sweep: Sweep, out: Path, retry_failed: bool = False,
         Run the points an earlier sweep recorded as failed again.
     move : bool
         Rename the folders of renamed points' runs (the sweep holds the folder's lock).
+    names : iterable of str
+        The names of every point of the config, ``sweep`` being some of them (``--only``):
+        their folders are never taken by another point.
 
     Raises
     ------
@@ -129,13 +133,14 @@ def plan(sweep: Sweep, out: Path, retry_failed: bool = False,
     """
     earlier = {r.get("name"): r for r in read_record(out).get("points", [])}
     planned: list[Planned] = []
-    taken = {point.name for point in sweep.points}
+    taken = {point.name for point in sweep.points} | set(names)
     for point in sweep.points:
         folder = out / point.name
-        if folder.exists() and not folder.is_dir():
-            raise UserError(f"{folder} is a file where point {point.name}'s run folder "
-                            "goes: move it away or sweep into another --output")
-        found = None if folder.exists() else _renamed(out, point, taken)
+        if (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+            what = "a link to nowhere" if not folder.exists() else "a file"
+            raise UserError(f"{folder} is {what} where point {point.name}'s run folder goes: "
+                            "move it away or sweep into another --output")
+        found = None if folder.exists() else _renamed(out, point, set(earlier) - taken)
         if found is not None:
             taken.add(found.name)
             if move:
@@ -181,21 +186,22 @@ def _plan_point(planned: list[Planned], point: Point, folder: Path,
                        else Planned(point, RERUN if started else RUN))
 
 
-def _renamed(out: Path, point: Point, taken: set[str]) -> Path | None:
-    """Return the folder in ``out`` named by no point (``taken``) holding ``point``'s run.
+def _renamed(out: Path, point: Point, old: set[str]) -> Path | None:
+    """Return the folder, of the earlier sweep's points ``old``, holding ``point``'s run.
 
-    Its ``summary.json`` records the point's settings, or (stopped half-way) its checkpoint
-    can go on to the point (:func:`_resumable`); ``None`` when there is none.
+    Its ``summary.json`` records the point's settings, or its checkpoint can go on to the
+    point (:func:`_resumable`: a path written otherwise, rounds raised, stopped half-way);
+    ``None`` when there is none. A folder the sweep never made is never taken.
     """
-    for folder in sorted(out.iterdir()) if out.is_dir() else ():
-        if folder.name in taken or not folder.is_dir() or folder.is_symlink():
+    for folder in (out / name for name in sorted(old)):
+        if folder.parent != out or folder.name in (".", "..") or folder.is_symlink() \
+                or not folder.is_dir():
             continue
         summary = read_json(folder / "summary.json")
-        if summary is not None:
-            if isinstance(summary, dict) and \
-                    _difference(summary.get("config"), point.config.as_dict()) is None:
-                return folder
-        elif (folder / "checkpoint.safetensors").is_file() and \
+        if isinstance(summary, dict) and \
+                _difference(summary.get("config"), point.config.as_dict()) is None:
+            return folder
+        if (folder / "checkpoint.safetensors").is_file() and \
                 _resumable(folder, point)[0] is not None:
             return folder
     return None
@@ -248,20 +254,35 @@ def _plain(obj: Any) -> Any:
     return json.loads(json.dumps(obj))
 
 
+def _option_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """Return a nested run config with its strategy's options at their defaults where unset."""
+    import strategies
+
+    merge = config.get("merge") if isinstance(config.get("merge"), dict) else {}
+    given = merge.get("options") if isinstance(merge.get("options"), dict) else {}
+    cls = strategies.available().get(merge.get("strategy"))
+    options = {o.name: o.default for o in getattr(cls, "options", ())}
+    options.update({k: v for k, v in given.items() if v is not None})
+    return {**config, "merge": {**merge, "options": options}}
+
+
 def _difference(recorded: Any, wanted: dict[str, Any]) -> str | None:
     """Name the first settings that differ between two nested run configs, or ``None``.
 
-    A setting the recorded config lacks (a run made before it existed) is at its default.
+    A setting the recorded config lacks (a run made before it existed) is at its default,
+    and so is a strategy option (``mu = 0.01`` for ``fedprox`` is the run that leaves it out).
     """
     from fedavg.config import RunConfig
 
     if not isinstance(recorded, dict):
         return "no settings recorded"
     defaults = _plain(RunConfig().as_dict())
+    had = {s: {**d, **(recorded[s] if isinstance(recorded.get(s), dict) else {})}
+           for s, d in defaults.items()}
+    had, wanted = _option_defaults(_plain(had)), _option_defaults(_plain(wanted))
     diffs = []
-    for section, values in _plain(wanted).items():
-        there = recorded.get(section) if isinstance(recorded.get(section), dict) else {}
-        there = {**defaults.get(section, {}), **there}
+    for section, values in wanted.items():
+        there = had.get(section, {})
         for key, value in values.items():
             if there.get(key) != value:
                 diffs.append(f"{key.replace('_', '-')} {format_value(there.get(key))} there, "

@@ -499,6 +499,9 @@ def test_runs_of_points_a_config_edit_renamed_are_found_and_moved(tmp_path):
         1, {"w": torch.zeros(2)}, half.from_flat(resume.absolute_paths(half.to_flat())),
         strategies.get("fedavg"), [ROUND_ONE], []))
     (out / "notes").mkdir()  # the user's folder: no run, left alone
+    shutil.copytree(out / seed0.name, out / "my_best")  # the user's copy: never taken
+    (out / "sweep.json").write_text(json.dumps({"points": [{"name": "seed=0"},
+                                                           {"name": "seed=1"}]}))
     dry = {p.point.name: p for p in plan(new, out)}
     assert [n for n, p in dry.items() if "renamed_from" in p.record] == [
         "strategy=fedavg_seed=0", "strategy=fedavg_seed=1"]
@@ -507,12 +510,43 @@ def test_runs_of_points_a_config_edit_renamed_are_found_and_moved(tmp_path):
     assert (dry["strategy=fedavg_seed=1"].action, dry["strategy=fedavg_seed=1"].record) == (
         RESUME, {"round": 1, "renamed_from": "seed=1"})
     assert {p.action for n, p in dry.items() if "fedavgm" in n} == {RUN}
-    assert sorted(f.name for f in out.iterdir()) == ["notes", "seed=0", "seed=1"]  # unmoved
+    assert sorted(f.name for f in out.iterdir()) == [  # a dry run moves nothing
+        "my_best", "notes", "seed=0", "seed=1", "sweep.json"]
+    # --only: a folder named by a point left out is that point's, never another's
+    kept = plan(select(new, ["strategy=fedavg", "seed=0"]), out, names=["seed=0"])
+    assert [(p.action, p.record) for p in kept] == [(RUN, {})]
     moved = {p.point.name: p.action for p in plan(new, out, move=True)}
     assert sorted(f.name for f in out.iterdir()) == [
-        "notes", "strategy=fedavg_seed=0", "strategy=fedavg_seed=1"]
+        "my_best", "notes", "strategy=fedavg_seed=0", "strategy=fedavg_seed=1", "sweep.json"]
     assert moved["strategy=fedavg_seed=0"] == SKIP and moved["strategy=fedavg_seed=1"] == RESUME
     assert [p.record for p in plan(new, out)][:2] == [{"wall_s": 5.0}, {"round": 1}]
+
+
+def test_a_renamed_point_is_found_with_rounds_raised_and_its_default_option_written(tmp_path):
+    """Rounds raised and ``mu = 0.01`` written out with the rename: found and trained on.
+
+    It was trained anew; in place, it was refused ("options  there, mu=0.01 here").
+    """
+    old = load_sweep(toml(tmp_path, '[base]\ndataset = "digits"\nstrategy = "fedprox"\n'
+                                    'rounds = 1\n[grid]\nseed = [0, 1]\n', "old.toml"))
+    new = load_sweep(toml(tmp_path, '[base]\ndataset = "digits"\nstrategy = "fedprox"\n'
+                                    'rounds = 2\nmu = 0.01\n[grid]\nlr = [0.05, 0.1]\n',
+                                    "new.toml"))
+    out = tmp_path / "out"
+    _finish_with_checkpoint(out / "seed=0", old.points[0].config)
+    (out / "sweep.json").write_text(json.dumps({"points": [{"name": "seed=0"},
+                                                           {"name": "seed=1"}]}))
+    assert [(p.point.name, p.action, p.record) for p in plan(new, out)] == [
+        ("lr=0.05", RESUME, {"round": 1, "finished": True, "renamed_from": "seed=0"}),
+        ("lr=0.1", RUN, {})]
+    same = load_sweep(toml(tmp_path, '[base]\ndataset = "digits"\nstrategy = "fedprox"\n'
+                                     'rounds = 1\nmu = 0.01\n[grid]\nseed = [0, 1]\n',
+                                     "same.toml"))
+    assert plan(same, out)[0].action == SKIP  # in place: mu written out is the same run
+    (out / "lr=0.1").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(UserError, match=r"lr=0.1 is a link to nowhere where point lr=0.1's "
+                                        r"run folder goes"):
+        plan(new, out)
 
 
 def test_plan_refuses_a_finished_run_with_other_settings(tmp_path):
