@@ -313,8 +313,8 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
                    may_change: Iterable[str] = MAY_CHANGE) -> RunConfig:
     """Return the settings a resumed run goes on with, checked against the checkpoint.
 
-    A file tokenizer is the run folder's copy (``tokenizer.json``), the original file
-    being possibly moved or changed; ``--tokenizer`` naming that copy is the run's.
+    ``--tokenizer`` naming the run folder's copy of its tokenizer file (``tokenizer.json``)
+    is the run's tokenizer (the original may have moved or changed).
 
     Parameters
     ----------
@@ -330,7 +330,8 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
     Raises
     ------
     UserError
-        A setting other than ``may_change`` differs (naming it and both values), or the
+        A setting other than ``may_change`` differs (naming it and both values), the
+        run's tokenizer file is gone (naming its copy), or the
         rounds asked for are already done (a run stopped after its last round but before
         its ``summary.json`` is not: resuming it with the same rounds finishes it).
     """
@@ -371,8 +372,10 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
                  f">= {ckpt.round} ({ckpt.round} finishes it there, more trains longer)")
         raise UserError(f"--resume {where}: the run has finished {ckpt.round} round(s); pass "
                         f"--rounds N with N {least}")
-    if config.data.tokenizer != "hashed" and own.is_file():  # the original may be gone
-        config = config.replace(tokenizer=str(own.resolve()))
+    path = Path(config.data.tokenizer).expanduser()
+    if config.data.tokenizer != "hashed" and own.is_file() and not path.exists():
+        raise UserError(f"--resume {where}: the run's tokenizer {path} is gone: copy "
+                        f"{own} (the run's copy) there, or pass --tokenizer {own}")
     return config
 
 

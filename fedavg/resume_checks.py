@@ -35,9 +35,10 @@ def check_same_data(output, input_spec: dict, dataset: dict | None = None) -> No
         return
     diff = same_tokenization(saved.get("tokenizer", {}), input_spec["tokenizer"])
     if diff:
-        raise UserError(f"{output} was trained on texts tokenized otherwise ({diff}); resume "
-                        f"with the tokenizer it was trained with (a copy is {output}/"
-                        "tokenizer.json for a file tokenizer)")
+        copy = Path(output) / "tokenizer.json"
+        fix = (f"copy {copy} (the run's copy) back over that file, or pass --tokenizer "
+               f"{copy}" if copy.is_file() else "resume with the tokenizer it was trained with")
+        raise UserError(f"{output} was trained on texts tokenized otherwise ({diff}); {fix}")
 
 
 def check_same_model(output: Path, spec: dict[str, Any] | None) -> None:

@@ -197,10 +197,11 @@ def test_local_data_paths_are_kept_absolute(tmp_path, monkeypatch):
                                                               rounds=3), "run")
 
 
-def test_a_resume_takes_the_run_folders_copy_of_its_tokenizer_file(tmp_path, monkeypatch):
-    """The run's --tokenizer file may be changed or gone; the run goes on with its copy.
+def test_a_resume_whose_tokenizer_file_is_gone_names_the_runs_copy(tmp_path, monkeypatch):
+    """The run's --tokenizer file gone: the error names the run folder's copy.
 
-    The copy was refused as another --tokenizer, though the error told users to pass it.
+    ``--tokenizer`` may name that copy (it was refused as another tokenizer). The run's
+    setting stays the original path when the file is there (a sweep compares it).
     """
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tok.json").write_text("{}")  # the file the run was started with
@@ -210,11 +211,15 @@ def test_a_resume_takes_the_run_folders_copy_of_its_tokenizer_file(tmp_path, mon
     run.mkdir()
     copy = run / "tokenizer.json"
     copy.write_text("{}")  # as the run saved it (the data check compares the SHA-256)
+    there = resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=2), str(run))
+    assert there.data.tokenizer == str(tmp_path / "tok.json")  # not rewritten to the copy
     (tmp_path / "tok.json").unlink()
-    goes_on = resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=2), str(run))
-    assert goes_on.data.tokenizer == str(copy.resolve())
+    with pytest.raises(UserError, match=rf"the run's tokenizer {tmp_path}/tok.json is gone: "
+                                        rf"copy {copy} \(the run's copy\) there, or pass "
+                                        rf"--tokenizer {copy}"):
+        resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=2), str(run))
     named = ckpt.run_config().replace(rounds=2, tokenizer=str(copy))  # as the error says
-    assert resume.resumed_config(ckpt, named, str(run)).data.tokenizer == str(copy.resolve())
+    assert resume.resumed_config(ckpt, named, str(run)).data.tokenizer == str(copy)
     with pytest.raises(UserError, match="--tokenizer .*other.json differs from the run's"):
         (tmp_path / "other.json").write_text("{}")
         resume.resumed_config(ckpt, ckpt.run_config().replace(rounds=2, tokenizer="other.json"),
