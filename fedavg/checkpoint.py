@@ -150,13 +150,14 @@ def save(directory: str | Path, state_dict: Mapping[str, torch.Tensor],
 
     directory = Path(directory)
     tensors = storable(state_dict)
-    meta = {"format": FORMAT, **meta}
+    digest = tensor_digest(tensors)  # in both files: a weights file from elsewhere shows
+    meta = {"format": FORMAT, **meta, "weights_sha256": digest}
     from fedavg.text import save_for
 
     save_for(meta.get("input", {}), directory)  # a text model's tokenizer.json, first
     atomic_write(directory / WEIGHTS,
-                  lambda tmp: save_file(tensors, tmp, metadata={
-                      "format": FORMAT, "sha256": tensor_digest(tensors)}))
+                  lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT,
+                                                                "sha256": digest}))
     write_json(directory / META, meta)
     return directory
 
@@ -384,9 +385,13 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
             f"{weights} is not a readable safetensors file ({first[:160]}); the artifact is "
             "damaged: re-run or use another checkpoint"
         ) from None
-    if sha is not None and sha != tensor_digest(state_dict):
+    digest = tensor_digest(state_dict) if sha or meta.get("weights_sha256") else None
+    if sha is not None and sha != digest:
         raise UserError(f"{weights} is damaged (its contents do not match its SHA-256 "
                         "checksum): re-run or use another checkpoint")
+    if meta.get("weights_sha256") not in (None, digest):
+        raise UserError(f"{weights} holds other weights than {meta_path} describes (another "
+                        "run's model file?): put back this run's model.safetensors")
     bad = _nonfinite(state_dict)
     if bad is not None:
         raise UserError(f"{weights}: tensor {bad!r} holds NaN or infinite values (training "

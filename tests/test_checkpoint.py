@@ -58,7 +58,16 @@ def test_flipped_weight_bytes_are_refused_and_old_models_still_load(tmp_path):
     with pytest.raises(UserError, match=r"model.safetensors is damaged \(its contents do not "
                                         r"match its SHA-256 checksum\): re-run or use another"):
         checkpoint.load(tmp_path)
+    other = tmp_path / "other"  # another run's model file copied in: scored with no word
+    checkpoint.save(other, build_model("cnn-cifar", (3, 32, 32), 4).state_dict(), META)
+    path.write_bytes((other / "model.safetensors").read_bytes())
+    with pytest.raises(UserError, match=r"model.safetensors holds other weights than .*"
+                                        r"model.json describes \(another run's model file\?\)"):
+        checkpoint.load(tmp_path)
     save_file(checkpoint.storable(sd), str(path), metadata={"format": checkpoint.FORMAT})
+    meta = json.loads((tmp_path / "model.json").read_text())
+    del meta["weights_sha256"]
+    (tmp_path / "model.json").write_text(json.dumps(meta))
     loaded, _ = checkpoint.load(tmp_path)  # saved before models had a checksum: no check
     assert all(torch.equal(loaded[k], v) for k, v in sd.items())
 
