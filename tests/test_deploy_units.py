@@ -282,7 +282,8 @@ def test_node_partition_matches_simulate(tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["coordinator", "--rounds", "1"], "TLS is on by default"),
     (["coordinator", "--insecure", "--certs", "."], "either --certs or --insecure"),
-    (["coordinator", "--certs", "/nonexistent"], "lacks ca.crt"),
+    (["coordinator", "--certs", "/nonexistent"], "--certs /nonexistent: no such folder; make "
+                                                  "one with `fedavg certs /nonexistent`"),
     (["coordinator", "--insecure", "--address", "localhost"], "is not host:port"),
     (["coordinator", "--insecure", "--min-nodes", "0"], "--min-nodes must be at least 1"),
     (["coordinator", "--insecure", "--min-nodes", "2", "--min-nodes-per-round", "3"],
@@ -295,7 +296,8 @@ def test_node_partition_matches_simulate(tmp_path):
      "unknown dataset 'no-such-user/no-such-data'"),
     (["node", "--insecure", "--device", "cuda:1"], "cuda"),
     (["node", "--insecure", "--gpus", "0,1"], "--gpus lists GPU 0 but this machine has 0"),
-    (["node", "--certs", "/nonexistent"], "lacks ca.crt"),
+    (["node", "--certs", "/nonexistent"], "no such folder"),
+    (["node", "--certs", "/"], "--certs / lacks ca.crt"),
     (["node", "--certs", "/etc/passwd"],  # the CA certificate file, say, not its folder
      "--certs takes a folder (made by `fedavg certs DIR`), not the file /etc/passwd: pass "
      "--certs /etc"),

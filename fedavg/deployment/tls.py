@@ -40,6 +40,9 @@ def resolve_certs(certs: Path | None, insecure: bool, role: str) -> Path | None:
     if certs is None:
         raise UserError(f"TLS is on by default: pass --certs DIR (make one with `fedavg certs "
                         f"DIR`), or --insecure to run the {role} without TLS")
+    if not certs.exists():
+        raise UserError(f"--certs {certs}: no such folder; make one with `fedavg certs "
+                        f"{certs}`")
     if certs.is_file():
         raise UserError(f"--certs takes a folder (made by `fedavg certs DIR`), not the file "
                         f"{certs}: pass --certs {certs.parent}")
