@@ -144,7 +144,11 @@ def plan(sweep: Sweep, out: Path, retry_failed: bool = False, move: bool = False
         if found is not None:
             taken.add(found.name)
             if move:
-                found.rename(folder)
+                try:
+                    found.rename(folder)
+                except OSError as exc:
+                    raise UserError(f"cannot rename {found} to {folder} (it holds the run "
+                                    f"of point {point.name}): {exc.strerror}") from None
             else:
                 folder = found  # read where it is: a dry run moves nothing
         _plan_point(planned, point, folder, earlier, retry_failed)
