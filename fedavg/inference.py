@@ -395,8 +395,9 @@ def _dataset_batch(source: str, split: str, meta: dict[str, Any],
                    columns: dict[str, str] | None = None):
     """Load the ``split`` of a dataset, checked against the model's inputs: ``(x, names)``.
 
-    A single table (one file, one split) given to a tabular model is predicted whole, row
-    by row, and needs no label column. ``columns``: the user's input column, if any.
+    A single table (one file, one split) given to a tabular model, or to a text model and
+    without a label column, is predicted whole, row by row. ``columns``: the user's input
+    column, if any.
     """
     args = saved_load_args(meta, source, whole=True)
     if columns and any(columns.values()):  # the user's choice over the run's
