@@ -150,14 +150,13 @@ def save(directory: str | Path, state_dict: Mapping[str, torch.Tensor],
 
     directory = Path(directory)
     tensors = storable(state_dict)
-    digest = tensor_digest(tensors)  # in both files: a weights file from elsewhere shows
-    meta = {"format": FORMAT, **meta, "weights_sha256": digest}
+    # pinned in model.json (safetensors writes metadata keys in no fixed order: one key only)
+    meta = {"format": FORMAT, **meta, "weights_sha256": tensor_digest(tensors)}
     from fedavg.text import save_for
 
     save_for(meta.get("input", {}), directory)  # a text model's tokenizer.json, first
     atomic_write(directory / WEIGHTS,
-                  lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT,
-                                                                "sha256": digest}))
+                  lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
     write_json(directory / META, meta)
     return directory
 
@@ -350,7 +349,8 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         Missing folder or files, unreadable or corrupt weights or metadata (one line naming
         the file and the problem), or weights holding NaN or infinite values.
     """
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
 
     directory = Path(directory)
     if directory.is_file():
@@ -376,22 +376,18 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     if problem:
         raise UserError(f"{meta_path}: {problem}; the artifact is damaged")
     try:
-        with safe_open(str(weights), framework="pt") as fh:
-            sha = (fh.metadata() or {}).get("sha256")  # none in models saved before it was
-            state_dict = {k: fh.get_tensor(k) for k in fh.keys()}
+        state_dict = load_file(str(weights))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(
             f"{weights} is not a readable safetensors file ({first[:160]}); the artifact is "
             "damaged: re-run or use another checkpoint"
         ) from None
-    digest = tensor_digest(state_dict) if sha or meta.get("weights_sha256") else None
-    if sha is not None and sha != digest:
-        raise UserError(f"{weights} is damaged (its contents do not match its SHA-256 "
-                        "checksum): re-run or use another checkpoint")
-    if meta.get("weights_sha256") not in (None, digest):
-        raise UserError(f"{weights} holds other weights than {meta_path} describes (another "
-                        "run's model file?): put back this run's model.safetensors")
+    pinned = meta.get("weights_sha256")  # none in models saved before it was
+    if pinned is not None and pinned != tensor_digest(state_dict):
+        raise UserError(f"{weights} does not match the SHA-256 that {meta_path} records: it "
+                        "is damaged, or another run's model file: put back this run's, or "
+                        "re-run")
     bad = _nonfinite(state_dict)
     if bad is not None:
         raise UserError(f"{weights}: tensor {bad!r} holds NaN or infinite values (training "

@@ -46,23 +46,29 @@ def test_corrupt_weights(tmp_path):
 
 
 def test_flipped_weight_bytes_are_refused_and_old_models_still_load(tmp_path):
-    """Bytes changed inside the weights (the header intact) were scored with no word."""
+    """Bytes changed inside the weights (the header intact) were scored with no word.
+
+    The model file itself stays byte-for-byte the same for the same weights (a resumed run
+    equals an unbroken one): the checksum is in model.json.
+    """
     from safetensors.torch import save_file
 
     sd = build_model("cnn-cifar", (3, 32, 32), 4).state_dict()
     checkpoint.save(tmp_path, sd, META)
     path = tmp_path / "model.safetensors"
+    checkpoint.save(tmp_path / "again", sd, META)
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == path.read_bytes()
     data = bytearray(path.read_bytes())
     data[-2000:-1000] = bytes(b ^ 0x5A for b in data[-2000:-1000])
     path.write_bytes(bytes(data))
-    with pytest.raises(UserError, match=r"model.safetensors is damaged \(its contents do not "
-                                        r"match its SHA-256 checksum\): re-run or use another"):
+    with pytest.raises(UserError, match=r"model.safetensors does not match the SHA-256 that "
+                                        r".*model.json records: it is damaged, or another"):
         checkpoint.load(tmp_path)
     other = tmp_path / "other"  # another run's model file copied in: scored with no word
     checkpoint.save(other, build_model("cnn-cifar", (3, 32, 32), 4).state_dict(), META)
     path.write_bytes((other / "model.safetensors").read_bytes())
-    with pytest.raises(UserError, match=r"model.safetensors holds other weights than .*"
-                                        r"model.json describes \(another run's model file\?\)"):
+    with pytest.raises(UserError, match=r"does not match the SHA-256 .*another run's model "
+                                        r"file: put back this run's"):
         checkpoint.load(tmp_path)
     save_file(checkpoint.storable(sd), str(path), metadata={"format": checkpoint.FORMAT})
     meta = json.loads((tmp_path / "model.json").read_text())
