@@ -63,17 +63,14 @@ def model_dirs(paths: Sequence[str | Path]) -> list[Path]:
 
 
 def _digest(path: Path) -> str:
-    """SHA-256 of a file, read in 1 MiB blocks (a file that cannot be read: its own key)."""
+    """SHA-256 of a file (a file that cannot be read: its own key)."""
     import hashlib
 
-    h = hashlib.sha256()
     try:
         with open(path, "rb") as fh:
-            while block := fh.read(1 << 20):
-                h.update(block)
+            return hashlib.file_digest(fh, "sha256").hexdigest()
     except OSError:
         return f"unreadable {path}"
-    return h.hexdigest()
 
 
 def merge_models(

@@ -116,8 +116,8 @@ class FlowerProcess:
     def ended(self) -> str:
         """How the process ended: ``was killed (SIGKILL)`` or ``exited with code N``."""
         code = self.proc.poll()
-        return (f"was killed ({signal_name(code)})" if signal_name(code)
-                else f"exited with code {code}")
+        name = signal_name(code)
+        return f"was killed ({name})" if name else f"exited with code {code}"
 
     def alive(self) -> bool:
         """Whether the process still runs."""

@@ -29,6 +29,8 @@ _SOURCES = {
                                         "Connection attempt failed, retrying in %.2f seconds",
                                         "Giving up reconnection",
                                         "exponential(max_delay=MAX_RETRY_DELAY)"),
+    "flwr.superlink.grid.http_grid": ("self._retry_invoker = make_simple_http_retry_invoker()",
+                                      "retry_invoker=self._retry_invoker,"),
     "flwr.supercore.error.catalog": ("All SuperNodes must be registered",
                                      "Failed to activate SuperNode."),
     "flwr.server.superlink.linkstate.in_memory_linkstate": (
@@ -108,8 +110,9 @@ def check_flower_internals() -> None:
     if not isinstance(getattr(HttpGrid, "_runtime_client", None), property):
         raise RuntimeError("flwr.superlink.grid.HttpGrid._runtime_client is gone")
     invoker = make_simple_http_retry_invoker()
-    if not all(hasattr(invoker, a) for a in ("max_tries", "max_time")):
-        raise RuntimeError("Flower's HTTP retry invoker has no max_tries / max_time any more")
+    if not all(hasattr(invoker, a) for a in ("max_tries", "max_time", "should_giveup")):
+        raise RuntimeError("Flower's HTTP retry invoker has no max_tries / max_time / "
+                           "should_giveup any more")
 
 
 def _check_key_check() -> None:
