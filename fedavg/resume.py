@@ -340,7 +340,9 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
     saved = _option_defaults(absolute_paths(ckpt.run_config().to_flat()))
     asked = _option_defaults(absolute_paths(config.to_flat()))
     allowed = set(may_change)
-    own = Path(where) / "tokenizer.json"  # the run's copy of its tokenizer file: the same
+    from fedavg.text import TOKENIZER_FILE
+
+    own = Path(where) / TOKENIZER_FILE  # the run's copy of its tokenizer file: the same
     if own.is_file() and asked.get("tokenizer") == str(own.resolve()):  # file (SHA-256
         asked["tokenizer"] = saved.get("tokenizer")  # checked), with which it goes on
     from fedavg.model_sources import names_same_code

@@ -19,7 +19,7 @@ def check_same_data(output, input_spec: dict, dataset: dict | None = None) -> No
         Other train or test sample counts than the saved model's ``dataset`` entry (another
         file at the data's path), or another tokenizer (file, buckets, length).
     """
-    from fedavg.text import same_tokenization
+    from fedavg.text import TOKENIZER_FILE, same_tokenization
 
     try:
         saved_meta = json.loads((output / "model.json").read_text())
@@ -35,7 +35,7 @@ def check_same_data(output, input_spec: dict, dataset: dict | None = None) -> No
         return
     diff = same_tokenization(saved.get("tokenizer", {}), input_spec["tokenizer"])
     if diff:
-        copy = Path(output) / "tokenizer.json"
+        copy = Path(output) / TOKENIZER_FILE
         fix = (f"copy {copy} (the run's copy) back over that file, or pass --tokenizer "
                f"{copy}" if copy.is_file() else "resume with the tokenizer it was trained with")
         raise UserError(f"{output} was trained on texts tokenized otherwise ({diff}); {fix}")
