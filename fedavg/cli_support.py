@@ -196,6 +196,21 @@ def _stdout_closed() -> bool:
         return False
 
 
+def _flush_stdout() -> None:
+    """Write out what ``print`` left buffered; into a closed pipe, drop it quietly.
+
+    Without this the interpreter flushes it at exit, after this module's handling, and a
+    closed pipe there is "Exception ignored ... BrokenPipeError" and exit code 120.
+    """
+    try:
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):  # the reader has gone, or stdout is closed
+        try:  # what is still buffered goes nowhere, not into a second failed flush at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+
+
 def run_app(app: typer.Typer) -> None:
     """Run ``app`` as the console script: a usage mistake is one line and exit code 2.
 
@@ -232,6 +247,7 @@ def run_app(app: typer.Typer) -> None:
     except click.Abort:
         err_console.print("aborted")
         code = 1
+    _flush_stdout()
     # The command is done: a Ctrl-C while the interpreter shuts down ends it at once, not
     # with a traceback from inside torch's exit hooks.
     signal.signal(signal.SIGINT, signal.SIG_DFL)

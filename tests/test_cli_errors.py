@@ -189,8 +189,13 @@ def test_subprocess_missing_image_in_subfolder(tmp_path, model_dir):
                                   ["evaluate", "{model}", "--dataset", "digits"],  # rich
                                   ["strategies"]])
 def test_subprocess_output_into_a_closed_pipe_is_quiet(tmp_path, model_dir, args):
-    """``fedavg ... | head -1``: the reader leaves early; no traceback, exit code 0."""
+    """``fedavg ... | head -1``: the reader leaves early; no traceback, exit code 0.
+
+    Buffered output, as in a user's shell: with ``PYTHONUNBUFFERED`` set, ``print`` wrote at
+    once and hid a closed pipe met only by the interpreter's last flush (exit code 120).
+    """
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_DATASETS_OFFLINE": "1"}
+    env.pop("PYTHONUNBUFFERED", None)
     args = [a.format(model=model_dir) for a in args]
     proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", *args], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
