@@ -331,6 +331,7 @@ def predict(
             "image files, folders or a dataset" if kind == "image" else "a dataset (a table)"))
     else:
         items = collect(inputs)
+        _note_unused_columns(items, columns, note)
         batches = [_image_batch([p for kind, p in items if kind == "image"], meta, note)]
         batches += [_dataset_batch(source, split, meta, note, columns=columns)
                     for kind, source in items if kind == "dataset"]
@@ -384,10 +385,20 @@ def _text_batches(inputs: Sequence[str], literal: bool, split: str, meta: dict[s
                 "leave --text out to classify the lines of a .txt file")
     tokenizer = from_spec(meta["input"]["tokenizer"], directory)
     items = text_inputs(inputs, literal)
+    _note_unused_columns(items, columns, on_note)
     texts = [t for kind, t in items if kind == "text"]
     batches = [(tokenizer.encode(texts), texts)] if texts else []
     return batches + [_dataset_batch(source, split, meta, on_note, tokenizer, columns)
                       for kind, source in items if kind == "dataset"]
+
+
+def _note_unused_columns(items: list, columns: dict[str, str | None],
+                         on_note: Callable[[str], None]) -> None:
+    """Say so when an input column is given but no input is a dataset (nothing uses it)."""
+    given = [f"--{name.replace('_', '-')}" for name, value in columns.items() if value]
+    if given and not any(kind == "dataset" for kind, _ in items):
+        on_note(f"{' and '.join(given)} only chooses the input column of dataset inputs; "
+                "none of these inputs is one, so it is not used")
 
 
 def _dataset_batch(source: str, split: str, meta: dict[str, Any],

@@ -482,6 +482,13 @@ def test_evaluate_takes_a_text_column_of_another_dataset(tmp_path):
     with pytest.raises(UserError, match="--text-column nope: .* has no such column; columns "
                                         "are: note, story"):
         predict(folder, [str(unlabelled)], text_column="nope")
+    notes = []  # with no dataset input nothing takes the column: said, not silent
+    predict(folder, ["oil prices rise"], text=True, text_column="story", on_note=notes.append)
+    assert notes == ["--text-column only chooses the input column of dataset inputs; none of "
+                     "these inputs is one, so it is not used"]
+    notes.clear()
+    predict(folder, [str(unlabelled)], text_column="story", on_note=notes.append)
+    assert notes == []
     res = CliRunner().invoke(app, ["evaluate", str(folder), "--dataset", str(table),
                                    "--text-column", "story", "--json"])
     assert res.exit_code == 0, res.output
