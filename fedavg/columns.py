@@ -92,8 +92,10 @@ def detect_columns(features, source: str, image_column: str | None = None,
         _check_column(features, partition_by, "--partition-by", source)
     if label in image:
         flag = "--text-column" if text_column is not None else "--image-column"
-        raise UserError(f"column {label!r} is both the input and the label; pass another "
-                        f"{flag} or --label-column")
+        # a guessed label that is the named input: the data has no other label column
+        error = UserError if label_column is not None else NoLabelColumn
+        raise error(f"column {label!r} is both the input and the label; pass another "
+                    f"{flag} or --label-column")
     return label, image
 
 

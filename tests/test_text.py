@@ -482,6 +482,10 @@ def test_evaluate_takes_a_text_column_of_another_dataset(tmp_path):
     with pytest.raises(UserError, match="--text-column nope: .* has no such column; columns "
                                         "are: note, story"):
         predict(folder, [str(unlabelled)], text_column="nope")
+    headed = tmp_path / "headed.csv"  # the texts under a label's name: named, they are input
+    pd.DataFrame({"class": pd.read_csv(unlabelled)["story"]}).to_csv(headed, index=False)
+    assert [r["prediction"] for r in predict(folder, [str(headed)], text_column="class")] == \
+        expected  # was: "column 'class' is both the input and the label; pass ... --label-column"
     notes = []  # with no dataset input nothing takes the column: said, not silent
     predict(folder, ["oil prices rise"], text=True, text_column="story", on_note=notes.append)
     assert notes == ["--text-column only chooses the input column of dataset inputs; none of "
