@@ -91,7 +91,7 @@ def guard(interrupted: str = "interrupted"):
         from fedavg.output import RUN_OUTPUT
 
         hint = resume_hint(RUN_OUTPUT[0], exc.resume_without) if RUN_OUTPUT else None
-        err_console.print(f"[bold red]run failed:[/] {escape(one_line(str(exc)))}"
+        err_console.print(f"[bold red]{exc.label}:[/] {escape(one_line(str(exc)))}"
                           + (f"; {escape(hint)}" if hint else ""), highlight=False,
                           soft_wrap=True)
         raise typer.Exit(1) from None

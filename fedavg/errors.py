@@ -23,11 +23,20 @@ class RunError(Exception):
 
     ``resume_without`` names the options (``--max-update-norm``) that caused the failure:
     the printed resume command leaves them out, since with them it would fail the same way.
+    The CLI prints it after ``label``.
     """
+
+    label = "run failed"
 
     def __init__(self, message: str = "", *, resume_without: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.resume_without = resume_without
+
+
+class Unreachable(RunError):
+    """A node that never reached its coordinator: it joined no run, so no run failed."""
+
+    label = "error"
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:

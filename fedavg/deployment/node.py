@@ -26,7 +26,7 @@ from fedavg.deployment.node_options import (
 )
 from fedavg.deployment.processes import PrivateDir, split_address
 from fedavg.deployment.supernode import SuperNode
-from fedavg.errors import RunError
+from fedavg.errors import RunError, Unreachable
 
 log = logging.getLogger("fedavg")
 
@@ -215,8 +215,8 @@ class _Node(SuperNode):
         """Serve runs until ``--once`` ends or an error; return the number of tasks run."""
         self.start_supernode()
         while True:
-            if why := self._overdue():
-                raise RunError(why)
+            if why := self._overdue():  # never connected: it joined no run to fail
+                raise (RunError if self.runs or self.connected else Unreachable)(why)
             if self._stopped():
                 self.handle_stop()
                 continue

@@ -25,7 +25,7 @@ from fedavg.deployment.processes import (
     split_address,
 )
 from fedavg.deployment.tls import CA_CERT, certificate_problem, tls_mismatch
-from fedavg.errors import RunError, UserError
+from fedavg.errors import RunError, Unreachable, UserError
 
 log = logging.getLogger("fedavg")
 
@@ -67,6 +67,7 @@ class SuperNode:
         self.unreachable_since: float | None = None
         self.lost_said = False  # "lost the coordinator" said since the last connection
         self.connecting_since: float | None = None  # the SuperNode's start
+        self.gave_up = False  # Flower's "Giving up": its lines after it say no more than ours
 
     def start_supernode(self) -> None:
         """Start a SuperNode (on a free local port for its runtime API)."""
@@ -94,6 +95,7 @@ class SuperNode:
             self.exit = ev.exit_code  # Flower is shutting the SuperNode down
         if ev.started:
             self.connecting_since = time.monotonic()
+        self.gave_up = self.gave_up or ev.gave_up
         if ev.refusal:
             if self.refused is None:
                 self.refused = (ev.refusal, line.strip()[:200], ev.key_refused)
@@ -110,7 +112,7 @@ class SuperNode:
         if ev.node_id is not None:
             self.connected, self.waiting, self.key_in_use_since = True, False, None
             self.say(f"connected to {self.superlink} as node [bold]{escape(ev.node_id)}[/]")
-        elif self.quiet or self.waiting or self.refused is not None:
+        elif self.quiet or self.waiting or self.refused is not None or self.gave_up:
             return
         elif ev.retry_in_s is not None and not self.connected:
             self.say(f"[yellow]node:[/] cannot reach the coordinator at {self.superlink}; "
@@ -199,7 +201,7 @@ class SuperNode:
         if self.refused is not None:
             raise UserError(f"refused by {self.superlink}: {self.refused[0]}")
         if any(flower_compat.parse_supernode_line(ln).gave_up for ln in proc.lines):
-            raise RunError(f"could not reach the coordinator at {self.superlink} within "
+            raise Unreachable(f"could not reach the coordinator at {self.superlink} within "
                            f"--max-wait-time {self.max_wait_time:g} s")
         raise RunError(f"the SuperNode stopped: {proc.last_error()}")
 
