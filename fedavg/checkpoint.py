@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
+from fedavg.config_values import finite_number
 from fedavg.errors import DISK_ERRNOS, RunError, UserError
 
 WEIGHTS = "model.safetensors"
@@ -197,10 +198,6 @@ def split_members(state_dict: Mapping[str, torch.Tensor], count: int) -> list[di
     return members
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
-
-
 #: The kinds of input a model description may name (``input.kind``).
 INPUT_KINDS = ("image", "tabular", "text")
 
@@ -240,7 +237,7 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
     if meta.get("kind") == "ensemble":
         weights = meta.get("member_weights")
         if not isinstance(weights, list) or not weights or \
-                not all(_is_number(w) and math.isfinite(w) and w >= 0 for w in weights) \
+                not all(finite_number(w) and w >= 0 for w in weights) \
                 or not sum(weights) > 0:
             return "'member_weights' must be a list of numbers >= 0 with a positive sum"
     return None
@@ -248,13 +245,13 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
 
 def _scale_problem(spec: dict[str, Any]) -> str | None:
     """Return what is wrong with an image or tabular input normalisation, or ``None``."""
-    if not _is_number(spec.get("scale")) or spec["scale"] <= 0:
+    if not finite_number(spec.get("scale")) or spec["scale"] <= 0:
         return "'input.scale' must be a number > 0"
     width = spec["shape"][0]
     for key in ("mean", "std"):
         values = spec.get(key)
         if not isinstance(values, list) or len(values) != width or \
-                not all(_is_number(v) for v in values):
+                not all(finite_number(v) for v in values):
             return f"'input.{key}' must hold {width} numbers"
     if not all(v > 0 for v in spec["std"]):
         return "'input.std' values must be > 0"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import typing
 from typing import Any, Mapping
@@ -17,6 +18,12 @@ from fedavg.errors import UserError
 
 #: The flat key of the model's builder arguments (one JSON object in Flower's run config).
 MODEL_ARGS = "model-args"
+
+
+def finite_number(value: Any) -> bool:
+    """Whether ``value`` (read from JSON) is a finite number: ``true`` is none, nor NaN or inf."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value)
 
 
 def format_value(value: Any) -> str:

@@ -9,12 +9,12 @@ a note (:func:`find_runs`).
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedavg.config_values import finite_number
 from fedavg.errors import UserError
 
 REQUIRED = ("summary.json", "model.json", "metrics.jsonl")
@@ -134,8 +134,8 @@ def read_run(folder: Path, notes: list[str] | None = None) -> Run:
             continue
         try:
             row = json.loads(line)
-            if not (_number(row["accuracy"]) and 0 <= row["accuracy"] <= 1
-                    and _number(row["round"]) and row["round"] == int(row["round"]) >= 1):
+            if not (finite_number(row["accuracy"]) and 0 <= row["accuracy"] <= 1
+                    and finite_number(row["round"]) and row["round"] == int(row["round"]) >= 1):
                 raise ValueError(line)
             by_round[int(row["round"])] = row
         except (ValueError, KeyError, TypeError, AttributeError):
@@ -146,12 +146,14 @@ def read_run(folder: Path, notes: list[str] | None = None) -> Run:
     rows = [by_round[r] for r in sorted(by_round)]
     accuracies = [summary["accuracy"], summary["best_accuracy"]]
     counts = [summary["rounds"], summary.get("num_nodes", 1)]
-    if not (all(_number(v) and 0 <= v <= 1 for v in accuracies) and _number(summary["wall_s"])
-            and all(_number(v) and v == int(v) >= 1 for v in counts)):
+    if not (all(finite_number(v) and 0 <= v <= 1 for v in accuracies)
+            and finite_number(summary["wall_s"])
+            and all(finite_number(v) and v == int(v) >= 1 for v in counts)):
         raise ValueError("its summary.json holds an accuracy outside [0, 1], a time that is "
                          "not a finite number, or rounds or nodes that are not counts")
     settings = flat_settings(summary)
-    if not all(v is None or _number(v) for v in (settings.get("alpha"), settings["num-nodes"])):
+    if not all(v is None or finite_number(v)
+               for v in (settings.get("alpha"), settings["num-nodes"])):
         raise ValueError("its summary.json's alpha or num-nodes is not a number")
     return Run(path=folder, settings=settings,
                accuracy=float(summary["accuracy"]),
@@ -159,13 +161,7 @@ def read_run(folder: Path, notes: list[str] | None = None) -> Run:
                wall_s=float(summary["wall_s"]),
                curve=[(int(r["round"]), float(r["accuracy"])) for r in rows],
                round_walls=[float(r["wall_s"]) for r in rows[1:]  # not a start-up's round
-                            if _number(r.get("wall_s")) and not r.get("resumed")])
-
-
-def _number(value: Any) -> bool:
-    """Whether ``value`` is a finite JSON number (``true`` is no number here)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(
-        value)
+                            if finite_number(r.get("wall_s")) and not r.get("resumed")])
 
 
 def flat_settings(summary: dict[str, Any]) -> dict[str, Any]:

@@ -115,3 +115,12 @@ def test_validate_checks_the_strategys_own_options(settings, words):
     config = RunConfig().replace(**settings)
     with pytest.raises(UserError, match=re.escape(words)):
         config.validate()
+
+
+def test_finite_number_takes_only_finite_json_numbers():
+    """Model files' and summaries' numbers: one rule for checkpoint and report."""
+    from fedavg.config_values import finite_number
+
+    assert all(finite_number(v) for v in (0, -3, 1.5, 1e308))
+    assert not any(finite_number(v) for v in (True, False, float("nan"), float("inf"),
+                                              -float("inf"), "1", None, [1]))
