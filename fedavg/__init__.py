@@ -14,6 +14,7 @@ Python API (the CLI is a thin layer over it)::
     fedavg.predict("runs/demo", ["digit.png"])           # [{"prediction": "7", ...}]
 """
 
+import functools
 import logging
 import time
 from importlib import import_module
@@ -46,8 +47,30 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+#: The functions whose errors name Python arguments (``mu``) instead of CLI flags (``--mu``).
+_FUNCTIONS = ("simulate", "load_model", "evaluate_model", "predict", "merge_models")
+
+
 def __getattr__(name: str) -> Any:
     # Lazy: `import fedavg` stays cheap; torch and flwr load on first use.
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'fedavg' has no attribute {name!r}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'fedavg' has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name]), name)
+    if name in _FUNCTIONS:
+        value = globals()[name] = _python_errors(value)
+    return value
+
+
+def _python_errors(function):
+    """Wrap ``function``: its ``UserError`` messages name Python arguments, not CLI flags."""
+    from fedavg.errors import UserError, python_names
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except UserError as exc:
+            exc.args = (python_names(str(exc)),)
+            raise
+
+    return call

@@ -5,6 +5,7 @@ Anything else is a bug and keeps its traceback.
 """
 
 import errno
+import re
 
 #: What a full, read-only or forbidden place to write says (errno).
 DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EFBIG)
@@ -50,3 +51,15 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
         return type(exc).__name__[:limit]
     return (" ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1
             else lines[0])[:limit]
+
+
+_FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+
+
+def python_names(message: str) -> str:
+    """Name settings in ``message`` as Python arguments: ``--label-column`` as ``label_column``.
+
+    For errors raised through the Python API (``fedavg.simulate(mu=...)``), whose messages
+    are written for the CLI.
+    """
+    return _FLAG.sub(lambda m: m.group(1).replace("-", "_"), message)

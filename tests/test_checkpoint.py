@@ -172,8 +172,8 @@ def test_a_run_finished_by_another_command_meanwhile_is_not_replaced(tmp_path, m
         return prepared
 
     monkeypatch.setattr(run, "prepare", prepare_while_another_run_finishes)
-    with pytest.raises(UserError, match="already holds a run; choose another --output or pass "
-                                        "--overwrite"):
+    with pytest.raises(UserError, match="already holds a run; choose another output or pass "
+                                        "overwrite"):  # the Python API's names
         fedavg.simulate(fedavg.RunConfig().replace(rounds=1, num_nodes=2), output=out,
                         console=None)
     assert (out / "model.safetensors").read_bytes() == b"the other run's model"

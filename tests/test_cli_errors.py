@@ -588,3 +588,24 @@ def test_the_library_logs_nothing_unless_the_program_sets_up_logging():
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=TIMEOUT)
     assert proc.returncode == 0 and proc.stdout == "done\n"
     assert proc.stderr == ""
+
+
+def test_the_python_api_names_python_arguments_not_cli_flags(tmp_path, monkeypatch):
+    """`fedavg.simulate(mu=0.1)` said "does not take --mu"; the CLI keeps its flags."""
+    import fedavg
+    from fedavg.errors import UserError, python_names
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as caught:
+        fedavg.simulate(strategy="fedavg", mu=0.1)
+    assert str(caught.value) == "strategy fedavg does not take mu (it takes no options)"
+    with pytest.raises(UserError, match=r"^alpha must be > 0 \(got -1.0\)"):
+        fedavg.simulate(partitioner="dirichlet", alpha=-1)
+    assert python_names("pass --label-column or --text-column, not -x or a--b") == \
+        "pass label_column or text_column, not -x or a--b"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_cli_names_its_flags(invoke):
+    code, stderr = invoke("simulate", "--strategy", "fedavg", "--mu", "0.1")
+    assert code == 2 and "does not take --mu" in assert_one_error_line(stderr)

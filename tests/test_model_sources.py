@@ -601,8 +601,8 @@ def test_a_saved_model_never_imports_the_code_it_names_by_itself(tmp_path, monke
             "input": {"shape": [1, 8, 8], "dtype": "uint8", "scale": 1 / 255, "mean": [0.3],
                       "std": [0.4]}}
     checkpoint.save(tmp_path / "run", {k: torch.zeros(s) for k, s in shapes.items()}, meta)
-    words = (f"the model in {tmp_path / 'run'} is built by code, {code}:build: pass --model "
-             f"{code}:build (in Python: model=) to run it, if you trust that code")
+    words = (f"the model in {tmp_path / 'run'} is built by code, {code}:build: pass model "
+             f"{code}:build to run it, if you trust that code")  # the Python API's names
     with pytest.raises(UserError, match=re.escape(words)):
         fedavg.load_model(tmp_path / "run")
     for args in (("evaluate", tmp_path / "run"), ("predict", tmp_path / "run", "digits"),
@@ -897,7 +897,7 @@ def test_merging_models_built_by_user_code_needs_the_code_named(invoke, tmp_path
                         {**meta, "model": spec.as_dict(), "num_examples": 10})
     args = ("merge", tmp_path / "a", tmp_path / "b", "--output", tmp_path / "m")
     code, _, err = invoke(*args)
-    assert code == 2 and f"pass --model {user_file}:build (in Python: model=) to run it" in \
+    assert code == 2 and f"pass --model {user_file}:build to run it" in \
         assert_one_error_line(err)
     assert not (tmp_path / "m").exists()
     code, out, err = invoke(*args, "--model", f"{user_file}:build", "--dataset", "digits")

@@ -253,7 +253,7 @@ def saved_model_name(saved: str, allowed: str | None, where: str) -> str:
         return str(allowed)
     given = f" (--model {allowed} is other code)" if allowed else ""
     raise UserError(f"the model in {where} is built by code, {saved}{given}: pass --model "
-                    f"{saved} (in Python: model=) to run it, if you trust that code (a saved "
+                    f"{saved} to run it, if you trust that code (a saved "
                     "model's own description never makes fedavg import code)")
 
 
