@@ -53,13 +53,17 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
             else lines[0])[:limit]
 
 
+_SETTING = re.compile(r"setting '([a-z][a-z0-9-]*)'")
 _FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
 
 
 def python_names(message: str) -> str:
     """Name settings in ``message`` as Python arguments: ``--label-column`` as ``label_column``.
 
+    A TOML key (``setting 'num-nodes'``) is named so too.
+
     For errors raised through the Python API (``fedavg.simulate(mu=...)``), whose messages
     are written for the CLI.
     """
+    message = _SETTING.sub(lambda m: f"setting '{m.group(1).replace('-', '_')}'", message)
     return _FLAG.sub(lambda m: m.group(1).replace("-", "_"), message)

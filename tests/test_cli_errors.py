@@ -603,9 +603,21 @@ def test_the_python_api_names_python_arguments_not_cli_flags(tmp_path, monkeypat
         fedavg.simulate(partitioner="dirichlet", alpha=-1)
     assert python_names("pass --label-column or --text-column, not -x or a--b") == \
         "pass label_column or text_column, not -x or a--b"
+    with pytest.raises(UserError, match=r"^setting 'num_nodes' expects int, got 3.5"):
+        fedavg.simulate(num_nodes=3.5)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_the_cli_names_its_flags(invoke):
     code, stderr = invoke("simulate", "--strategy", "fedavg", "--mu", "0.1")
     assert code == 2 and "does not take --mu" in assert_one_error_line(stderr)
+
+
+def test_a_model_too_big_for_memory_says_so(invoke):
+    """It said the model 'cannot take inputs of shape (1, 8, 8)', quoting torch's allocator."""
+    code, stderr = invoke("simulate", "--model", "mlp", "--model-arg", "hidden=10000000",
+                          "--rounds", "1")
+    line = assert_one_error_line(stderr)
+    assert code == 2 and "model 'mlp' with {'hidden': 10000000} is too big to build: one of " \
+        "its tensors needs" in line and "choose smaller --model-arg values" in line, line
+    assert "shape" not in line and "alloc_cpu" not in line
