@@ -9,6 +9,7 @@ Builder arguments (``--model-arg``) are checked against the builder's signature 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -146,7 +147,10 @@ def make_model(name: str, input_shape: tuple[int, ...], num_classes: int,
     _check_sizes(fn, what, kwargs)
     try:
         return fn(shape, int(num_classes), **kwargs)
-    except (ValueError, RuntimeError) as exc:
+    except (ValueError, RuntimeError, MemoryError) as exc:
+        if too_big := _allocation_failed(exc):
+            raise UserError(f"model {name!r} with {kwargs} is too big to build: {too_big}; "
+                            "choose smaller --model-arg values") from None
         raise UserError(f"model {name!r} cannot take inputs of shape {shape}"
                         + (f" with {kwargs}" if kwargs else "")
                         + f": {first_line(exc)}") from None
@@ -154,6 +158,17 @@ def make_model(name: str, input_shape: tuple[int, ...], num_classes: int,
         raise UserError(f"model {name!r} cannot be built with {kwargs}: "
                         f"{type(exc).__name__}: {first_line(exc)}") from None
 
+
+
+def _allocation_failed(exc: BaseException) -> str | None:
+    """Say how much memory a failed tensor allocation asked for; ``None`` for other errors."""
+    text = str(exc)
+    if not (isinstance(exc, MemoryError) or "can't allocate memory" in text
+            or "out of memory" in text.lower() or "not enough memory" in text):
+        return None
+    asked = re.search(r"allocate (\d+) bytes", text)
+    return (f"one of its tensors needs {int(asked.group(1)) / 2**30:,.0f} GiB" if asked
+            else "not enough memory for its weights")
 
 
 def check_model_args(name: str, args: dict[str, Any]) -> None:
