@@ -7,6 +7,7 @@ folders into tables and plots (:mod:`fedavg.report`).
 
 from __future__ import annotations
 
+import shlex
 import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -218,7 +219,8 @@ def _say_end(runner, out: Path, code: int) -> None:
         console.print("logs of failed points: " + ", ".join(
             escape(str(out / r["name"] / "sweep.log")) for r in runner.records.values()
             if r["status"] == "failed"), highlight=False)
-    console.print(f"tables and plots: fedavg report {escape(str(out))}", highlight=False)
+    console.print(f"tables and plots: fedavg report {escape(shlex.quote(str(out)))}",
+                  highlight=False)
 
 
 def report(

@@ -1383,3 +1383,25 @@ def test_report_files_never_replace_another_reports_or_meet_a_folder(tmp_path):
     with pytest.raises(UserError, match=r"^cannot write the report into .*r2: .*results.md: Is "
                                         r"a directory$"):
         write_report(tmp_path, output=tmp_path / "r2")
+
+
+def test_the_sweep_end_names_the_report_command_quoted_for_a_shell(tmp_path, monkeypatch):
+    """`fedavg report runs/my sweep` pasted into a shell took two folders."""
+    import io
+    import shlex
+    import time
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from fedavg import cli_sweep
+
+    shown = io.StringIO()
+    monkeypatch.setattr(cli_sweep, "console", Console(file=shown, width=500))
+    runner = SimpleNamespace(counts=lambda: {"done": 1}, started=time.time(), left_out=[],
+                             records={"a": {"status": "done", "name": "a"}})
+    out = tmp_path / "real out ü"
+    cli_sweep._say_end(runner, out, 0)
+    line = shown.getvalue().splitlines()[-1]
+    assert line.startswith("tables and plots: fedavg report ")
+    assert shlex.split(line.split(": ", 1)[1]) == ["fedavg", "report", str(out)]
