@@ -73,6 +73,9 @@ def open_source(dataset: str, notes: list[str] | None = None):
     except OSError as exc:  # a name too long for the file system
         raise UserError(f"--dataset {dataset[:60]}...: {exc.strerror}") from None
     if exists:
+        if (path / "model.json").is_file() or (path / "model.safetensors").is_file():
+            raise UserError(f"{dataset} is a saved model or run folder, not a dataset: pass "
+                            "the data it was trained on, or other data")
         try:
             return _open_local(path, dataset, notes if notes is not None else [])
         except UserError:

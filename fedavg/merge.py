@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -30,6 +31,9 @@ def model_dirs(paths: Sequence[str | Path]) -> list[Path]:
     if isinstance(paths, (str, Path)):
         raise TypeError(f"models must be a list of model folders, got the single {paths!r}: "
                         f"pass [{str(paths)!r}]")
+    if not isinstance(paths, (list, tuple)) or not all(
+            isinstance(p, (str, os.PathLike)) for p in paths):
+        raise TypeError(f"models must be a list of model folders, got {paths!r}")
     found: list[Path] = []
     for raw in paths:
         path = Path(raw).expanduser()
@@ -138,7 +142,8 @@ def merge_models(
             clear_previous_run(out)
         checkpoint.save_merged(out, merged, meta)
         result = _result(config.merge.strategy, len(dirs), merged.info,
-                         _seed_notes([m for _, m in loaded], merged.is_ensemble, held))
+                         _skipped(models, dirs)
+                         + _seed_notes([m for _, m in loaded], merged.is_ensemble, held))
         if held is not None:
             from fedavg.inference import load_model, score
 
@@ -153,6 +158,17 @@ def merge_models(
     finally:
         release_output(out)
     return result
+
+
+def _skipped(models: Sequence[str | Path], dirs: list[Path]) -> list[str]:
+    """Name the subfolders of folders of models that hold no model (left out of the merge)."""
+    empty = [sub for raw in models if not (Path(raw).expanduser() / checkpoint.WEIGHTS).exists()
+             for sub in sorted(Path(raw).expanduser().iterdir())
+             if sub.is_dir() and not sub.name.startswith(".") and sub not in dirs]
+    if not empty:
+        return []
+    return [f"left out {len(empty)} folder(s) without a model.safetensors: "
+            f"{', '.join(str(e) for e in empty[:5])}{' ...' if len(empty) > 5 else ''}"]
 
 
 def _seed_notes(metas: list[dict[str, Any]], ensemble: bool, held) -> list[str]:
@@ -194,6 +210,8 @@ def _test_data(first: dict[str, Any], folder: Path, dataset: str | None):
     """
     if not dataset:
         return None
+    if not isinstance(dataset, str):
+        raise TypeError(f"dataset must be a name or path (str), got {dataset!r}")
     from fedavg.inference import evaluation_data
 
     return evaluation_data(first, folder, dataset)
@@ -236,6 +254,8 @@ def _check_output(output: str | Path, dirs: list[Path], overwrite: bool) -> Path
 
     if not isinstance(overwrite, bool):  # "no" would be true
         raise TypeError(f"overwrite must be bool, got {overwrite!r}")
+    if not isinstance(output, (str, os.PathLike)):
+        raise TypeError(f"output must be a folder path, got {output!r}")
     out = Path(output)
     if not str(output).strip():
         raise UserError("--output needs a folder name")

@@ -1,6 +1,7 @@
 """`fedavg merge` on saved models: strategies offline, and its user errors."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -580,3 +581,40 @@ def test_a_copy_of_a_model_in_a_folder_is_refused_as_given_twice(tmp_path, node_
         assert "holds the same weights as" in res.output and "pass each model once" in \
             res.output
         assert not (tmp_path / f"m{how}").exists()
+
+
+def test_a_merge_names_the_folders_it_left_out_and_refuses_a_run_as_data(tmp_path,
+                                                                          node_models):
+    """Folders left out are named; a run folder as --distill-data is refused as one.
+
+    An empty node folder beside node models was left out without a word; a run folder given
+    as --distill-data said only "cannot read dataset ...: Couldn't cast".
+    """
+    folder, dirs = node_models
+    (folder / "node-9").mkdir()  # a node whose model was never saved
+    (folder / ".cache").mkdir()  # hidden: not a model folder anyone expects merged
+    res = runner.invoke(app, ["merge", str(folder), "--output", str(tmp_path / "avg")])
+    assert res.exit_code == 0, res.output
+    assert "left out 1 folder(s) without a model.safetensors: " \
+        f"{folder / 'node-9'}" in " ".join(res.output.split())
+    assert "3 models" in res.output
+    res = runner.invoke(app, ["merge", str(folder), "--strategy", "distill", "--validation",
+                              "digits", "--distill-data", str(dirs[0]), "--output",
+                              str(tmp_path / "distilled")])
+    assert res.exit_code == 2
+    assert f"{dirs[0]} is a saved model or run folder, not a dataset" in \
+        " ".join(res.output.split())
+    assert not (tmp_path / "distilled").exists()
+
+
+def test_merge_models_names_arguments_of_the_wrong_type(tmp_path, node_models):
+    from fedavg.merge import merge_models
+
+    folder, dirs = node_models
+    for kwargs, words in (({"models": None}, "models must be a list of model folders, got None"),
+                          ({"output": None}, "output must be a folder path, got None"),
+                          ({"dataset": 5}, "dataset must be a name or path (str), got 5")):
+        args = {"models": dirs, "output": tmp_path / "out", **kwargs}
+        with pytest.raises(TypeError, match=re.escape(words)):
+            merge_models(**args)
+    assert not (tmp_path / "out").exists()
