@@ -109,7 +109,7 @@ def merge(
     from fedavg.merge import merge_models
 
     paths = list(models or []) + list(models_opt or [])
-    with guard("interrupted: no merged model was written"):
+    with guard("interrupted: no merged model was written", failed="merge failed"):
         if not paths:
             raise UserError("pass the model folders to merge (or a run's nodes/ folder)")
         config = RunConfig().replace(strategy=strategy, validation=validation,
@@ -150,7 +150,8 @@ def evaluate(
     """Accuracy and loss of a saved model on a dataset split."""
     from fedavg.inference import evaluate_model
 
-    with guard(), contextlib.redirect_stdout(sys.stderr):  # model code's prints: not in --json
+    with guard(failed="error"), \
+            contextlib.redirect_stdout(sys.stderr):  # model code's prints: not in --json
         res = evaluate_model(model_dir, dataset, split=split, image_column=image_column,
                              text_column=text_column, label_column=label_column,
                              device=device, model=model)
@@ -186,7 +187,7 @@ def predict(
     from fedavg.inference import predict as run
 
     to_file = output is not None and str(output) != "-"
-    with guard("interrupted: no predictions were written"), \
+    with guard("interrupted: no predictions were written", failed="error"), \
             contextlib.redirect_stdout(sys.stderr):  # model code's prints: not in the CSV
         if to_file:
             files.check_predictions_output(output, model_dir, inputs)
@@ -342,7 +343,7 @@ def certs(
     """Make a CA, the coordinator's TLS certificate and node keys (quick start)."""
     from fedavg.certs import make_certs, unignored_git_work_tree
 
-    with guard():
+    with guard(failed="error"):
         written = make_certs(folder, hosts=host or [], nodes=nodes, overwrite=overwrite)
     for path in written:
         console.print(f"wrote {path}")

@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from fedavg.errors import DISK_ERRNOS, RunError, UserError
+from fedavg.errors import DISK_ERRNOS, CommandError, RunError, UserError
 
 # soft_wrap: long lines are never broken up, so they read whole in a terminal of any width
 # and in a log file; tables fold their cells instead of cutting them.
@@ -65,11 +65,12 @@ def one_line(text: str) -> str:
 
 
 @contextlib.contextmanager
-def guard(interrupted: str = "interrupted"):
+def guard(interrupted: str = "interrupted", failed: str = "run failed"):
     """Turn user mistakes into one line on stderr and exit code 2 (1 for failed runs).
 
     A Ctrl-C in a command without a signal handler of its own (:func:`on_signal`) says
-    ``interrupted`` and exits 130.
+    ``interrupted`` and exits 130. A failure (a ``RunError``: a full disk, a run that
+    could not finish) is said after ``failed``, or after its own label (``CommandError``).
     """
     try:
         try:
@@ -91,7 +92,8 @@ def guard(interrupted: str = "interrupted"):
         from fedavg.output import RUN_OUTPUT
 
         hint = resume_hint(RUN_OUTPUT[0], exc.resume_without) if RUN_OUTPUT else None
-        err_console.print(f"[bold red]{exc.label}:[/] {escape(one_line(str(exc)))}"
+        label = exc.label if isinstance(exc, CommandError) else failed
+        err_console.print(f"[bold red]{label}:[/] {escape(one_line(str(exc)))}"
                           + (f"; {escape(hint)}" if hint else ""), highlight=False,
                           soft_wrap=True)
         raise typer.Exit(1) from None

@@ -240,7 +240,7 @@ def report(
 
     from fedavg.report import write_report
 
-    with guard("interrupted: run `fedavg report` again for a whole report"):
+    with guard("interrupted: run `fedavg report` again for a whole report", failed="error"):
         res = write_report(runs_dir, target=target, output=output, published=published,
                            name=name)
     if console.is_terminal:

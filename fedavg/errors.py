@@ -24,18 +24,18 @@ class RunError(Exception):
 
     ``resume_without`` names the options (``--max-update-norm``) that caused the failure:
     the printed resume command leaves them out, since with them it would fail the same way.
-    The CLI prints it after ``label``.
     """
-
-    label = "run failed"
 
     def __init__(self, message: str = "", *, resume_without: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.resume_without = resume_without
 
 
-class Unreachable(RunError):
-    """A node that never reached its coordinator: it joined no run, so no run failed."""
+class CommandError(RunError):
+    """A command failed for a reason outside its input, and no run failed (``error:``, exit 1).
+
+    A node that never reached its coordinator: it joined no run.
+    """
 
     label = "error"
 

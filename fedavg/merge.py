@@ -13,7 +13,7 @@ from fedavg.config import RunConfig
 from fedavg.errors import UserError
 from fedavg.merge_data import saved_merge_samples, unused_data
 from fedavg.model_sources import saved_model_name
-from fedavg.output import clear_previous_run, release_output
+from fedavg.output import clear_previous_run, release_output, remove_if_empty
 from fedavg.run import make_output
 
 
@@ -136,6 +136,7 @@ def merge_models(
     meta = {**{k: v for k, v in first.items() if k not in _NOT_INHERITED},
             "strategy": config.merge.strategy, "merged_from": [str(d) for d in dirs]}
     # created only now: a refused merge leaves no folder; no run may write into it meanwhile
+    made = not out.exists()
     make_output(out, lock=True, overwrite=overwrite)
     try:
         if overwrite:  # a previous run's files go as a whole (its checkpoint, metrics, nodes)
@@ -155,6 +156,10 @@ def merge_models(
         result["wall_s"] = round(time.monotonic() - t0, 3)
         checkpoint.write_json(out / "summary.json", {**result, "merge_info": merged.info,
                                                      "models": [str(d) for d in dirs]})
+    except BaseException:  # a full disk: no empty folder of ours stays behind
+        if made:
+            remove_if_empty(out)
+        raise
     finally:
         release_output(out)
     return result

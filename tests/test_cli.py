@@ -486,11 +486,12 @@ def test_a_full_or_read_only_disk_is_a_failed_run_in_one_line(capsys):
          "/r/model.json: Permission denied"),
         (RunError("cannot write /r/model.safetensors: No space left on device"),
          "/r/model.safetensors: No space left on device")):
-        with pytest.raises(typer.Exit) as stopped, guard():
-            raise exc
-        assert stopped.value.exit_code == 1
         verb = "access" if "Permission" in said else "write"  # it may have been a read
-        assert capsys.readouterr().err.strip() == f"run failed: cannot {verb} {said}"
+        for failed in ("run failed", "merge failed", "error"):  # as the command names it
+            with pytest.raises(typer.Exit) as stopped, guard(failed=failed):
+                raise exc
+            assert stopped.value.exit_code == 1
+            assert capsys.readouterr().err.strip() == f"{failed}: cannot {verb} {said}"
     with pytest.raises(FileNotFoundError), guard():  # not about the disk: a bug, kept whole
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", "x")
 

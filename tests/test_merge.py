@@ -618,3 +618,23 @@ def test_merge_models_names_arguments_of_the_wrong_type(tmp_path, node_models):
         with pytest.raises(TypeError, match=re.escape(words)):
             merge_models(**args)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_merge_on_a_full_disk_says_merge_failed_and_leaves_no_folder(tmp_path, node_models,
+                                                                      monkeypatch):
+    """It said "run failed: cannot write ..." and left its empty output folder."""
+    import errno
+
+    from fedavg import merge
+
+    def full(folder, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "model.safetensors"))
+
+    monkeypatch.setattr(merge.checkpoint, "save_merged", full)
+    folder, _ = node_models
+    out = tmp_path / "avg"
+    res = runner.invoke(app, ["merge", str(folder), "--output", str(out)])
+    assert res.exit_code == 1
+    assert f"merge failed: cannot write {out / 'model.safetensors'}: No space left on device" \
+        in " ".join(res.output.split())
+    assert not out.exists()

@@ -26,7 +26,7 @@ from fedavg.deployment.node_options import (
 )
 from fedavg.deployment.processes import PrivateDir, split_address
 from fedavg.deployment.supernode import SuperNode
-from fedavg.errors import RunError, Unreachable
+from fedavg.errors import CommandError, RunError
 
 log = logging.getLogger("fedavg")
 
@@ -216,7 +216,7 @@ class _Node(SuperNode):
         self.start_supernode()
         while True:
             if why := self._overdue():  # never connected: it joined no run to fail
-                raise (RunError if self.runs or self.connected else Unreachable)(why)
+                raise (RunError if self.runs or self.connected else CommandError)(why)
             if self._stopped():
                 self.handle_stop()
                 continue

@@ -25,7 +25,7 @@ from fedavg.deployment.processes import (
     split_address,
 )
 from fedavg.deployment.tls import CA_CERT, certificate_problem, tls_mismatch
-from fedavg.errors import RunError, Unreachable, UserError
+from fedavg.errors import CommandError, RunError, UserError
 
 log = logging.getLogger("fedavg")
 
@@ -201,7 +201,7 @@ class SuperNode:
         if self.refused is not None:
             raise UserError(f"refused by {self.superlink}: {self.refused[0]}")
         if any(flower_compat.parse_supernode_line(ln).gave_up for ln in proc.lines):
-            raise Unreachable(f"could not reach the coordinator at {self.superlink} within "
+            raise CommandError(f"could not reach the coordinator at {self.superlink} within "
                            f"--max-wait-time {self.max_wait_time:g} s")
         raise RunError(f"the SuperNode stopped: {proc.last_error()}")
 
