@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -135,12 +136,7 @@ def merge_models(
     merged = _merge(strategy, config, dirs, loaded, first, validation, distill_x, name)
     meta = {**{k: v for k, v in first.items() if k not in _NOT_INHERITED},
             "strategy": config.merge.strategy, "merged_from": [str(d) for d in dirs]}
-    # created only now: a refused merge leaves no folder; no run may write into it meanwhile
-    made = not out.exists()
-    make_output(out, lock=True, overwrite=overwrite)
-    try:
-        if overwrite:  # a previous run's files go as a whole (its checkpoint, metrics, nodes)
-            clear_previous_run(out)
+    with _output_folder(out, overwrite):  # made only now: a refused merge leaves none
         checkpoint.save_merged(out, merged, meta)
         result = _result(config.merge.strategy, len(dirs), merged.info,
                          _skipped(models, dirs)
@@ -156,13 +152,28 @@ def merge_models(
         result["wall_s"] = round(time.monotonic() - t0, 3)
         checkpoint.write_json(out / "summary.json", {**result, "merge_info": merged.info,
                                                      "models": [str(d) for d in dirs]})
-    except BaseException:  # a full disk: no empty folder of ours stays behind
+    return result
+
+
+@contextlib.contextmanager
+def _output_folder(out: Path, overwrite: bool):
+    """Hold ``out`` (made, locked: no run writes into it meanwhile) while a merge writes it.
+
+    ``overwrite``: a previous run's files go first, as a whole. A folder made here goes
+    again if the merge fails before writing into it (a full disk).
+    """
+    made = not out.exists()
+    make_output(out, lock=True, overwrite=overwrite)
+    try:
+        if overwrite:
+            clear_previous_run(out)
+        yield
+    except BaseException:
         if made:
             remove_if_empty(out)
         raise
     finally:
         release_output(out)
-    return result
 
 
 def _skipped(models: Sequence[str | Path], dirs: list[Path]) -> list[str]:
@@ -170,10 +181,8 @@ def _skipped(models: Sequence[str | Path], dirs: list[Path]) -> list[str]:
     empty = [sub for raw in models if not (Path(raw).expanduser() / checkpoint.WEIGHTS).exists()
              for sub in sorted(Path(raw).expanduser().iterdir())
              if sub.is_dir() and not sub.name.startswith(".") and sub not in dirs]
-    if not empty:
-        return []
     return [f"left out {len(empty)} folder(s) without a model.safetensors: "
-            f"{', '.join(str(e) for e in empty[:5])}{' ...' if len(empty) > 5 else ''}"]
+            f"{', '.join(map(str, empty[:5]))}{' ...' * (len(empty) > 5)}"] if empty else []
 
 
 def _seed_notes(metas: list[dict[str, Any]], ensemble: bool, held) -> list[str]:
