@@ -86,15 +86,21 @@ def find_runs(root: str | Path) -> tuple[list[Run], list[str]]:
     while stack:
         folder = stack.pop()
         has = {name for name in REQUIRED if (folder / name).is_file()}
-        if "metrics.jsonl" in has and "summary.json" not in has:  # rounds, but no end
+        if "summary.json" not in has and (folder / "summary.json").exists():
+            notes.append(f"{folder} left out: its summary.json is not a file")
+        elif "metrics.jsonl" in has and "summary.json" not in has:  # rounds, but no end
             notes.append(f"{folder} left out: no summary.json (a run stopped before its end; "
                          f"--resume {folder} finishes it)")
         elif len(has) == len(REQUIRED):
             try:
                 runs.append(read_run(folder, notes))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError,
-                    OverflowError) as exc:
+            except (OSError, ValueError, OverflowError) as exc:
                 notes.append(f"{folder} left out: cannot read it ({exc})")
+            except KeyError as exc:
+                notes.append(f"{folder} left out: its summary.json lacks {exc}")
+            except (TypeError, AttributeError):  # "config": "x"
+                notes.append(f"{folder} left out: its summary.json holds a field of the "
+                             "wrong type (not a fedavg run's summary)")
             else:
                 if not runs[-1].curve:
                     notes.append(f"{folder}: its metrics.jsonl holds no rounds, so it has no "

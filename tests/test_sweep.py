@@ -1049,6 +1049,10 @@ def test_resolved_model_name_and_bad_inputs(tmp_path, runs):
     with pytest.raises(UserError, match=r"d left out: cannot read it \(its summary.json holds "
                                         r"a list, not a run's summary \(an object\)\)"):
         write_report(tmp_path / "broken")
+    (broken / "summary.json").unlink()
+    (broken / "summary.json").mkdir()  # was: "no summary.json (... --resume ... finishes it)"
+    with pytest.raises(UserError, match=r"d left out: its summary.json is not a file$"):
+        write_report(tmp_path / "broken")
     with pytest.raises(UserError, match="--target must be an accuracy"):
         write_report(runs, target=1.5)
     proc = run_cli("report", tmp_path / "empty", check=False, timeout=120)
@@ -1343,6 +1347,7 @@ def test_a_sweep_refuses_a_point_that_would_fail_at_its_start_before_any_run(tmp
     ("summary.json", '"num_nodes": 5', '"num_nodes": "many"'),
     ("summary.json", '"accuracy": 0.5', '"accuracy": 5.0'),
     ("summary.json", '"alpha": 0.5', '"alpha": [0.5]'),
+    ("summary.json", '"config": {', '"config": "x", "was": {'),
 ])
 def test_a_damaged_run_is_left_out_of_the_report_with_a_note(tmp_path, file, before, after):
     """Each was a traceback (OverflowError, TypeError), a matplotlib warning, or taken."""
@@ -1360,7 +1365,11 @@ def test_a_damaged_run_is_left_out_of_the_report_with_a_note(tmp_path, file, bef
         result = write_report(tmp_path)
     if file == "summary.json":  # the run is left out
         assert result["num_runs"] == 1
-        assert any(n.startswith(f"{bad} left out: cannot read it") for n in result["notes"])
+        assert any(n.startswith(f"{bad} left out: cannot read it (its summary.json")
+                   or n == f"{bad} left out: its summary.json holds a field of the wrong type "
+                   "(not a fedavg run's summary)" for n in result["notes"]), result["notes"]
+        assert not any("object has no attribute" in n or "not subscriptable" in n
+                       for n in result["notes"])  # Python's words are no reason
     else:  # the round is left out of its curve
         assert result["num_runs"] == 2
         assert f"{bad}: line(s) 1 of its metrics.jsonl are not round records; they are left " \
