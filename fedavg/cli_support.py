@@ -178,8 +178,13 @@ def interrupted(output: Path | None) -> str:
     if summary is not None and summary.is_file() and summary.stat().st_mtime >= STARTED:
         return f"interrupted after the run finished: its model and results are in {output}"
     hint = resume_hint(output)
-    return (f"interrupted: {hint}" if hint else
-            "interrupted before the first round finished: nothing of this run was saved")
+    if hint:
+        return f"interrupted: {hint}"
+    from fedavg.output import REPLACED
+
+    return ("interrupted before the first round finished: nothing of this run was saved"
+            + (", and the run it replaced (--overwrite) was removed as it began training"
+               if output is not None and Path(output) in REPLACED else ""))
 
 
 def _terminated(signum, frame) -> None:

@@ -21,6 +21,8 @@ from fedavg.errors import UserError
 
 #: The run folder of the run going on in this process (for interrupt messages).
 RUN_OUTPUT: list[Path] = []
+#: Folders whose previous run this process removed (``--overwrite``; interrupt messages).
+REPLACED: list[Path] = []
 
 #: The files a finished run folder holds; their presence means "a run is here".
 RUN_FILES = ("model.safetensors", "model.json", "metrics.jsonl", "summary.json",
@@ -149,6 +151,8 @@ def clear_previous_run(out: Path) -> None:
     import shutil
 
     nodes = out / "nodes"
+    if any((out / name).exists() for name in RUN_FILES):
+        REPLACED.append(out)
     try:
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)

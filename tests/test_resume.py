@@ -714,3 +714,23 @@ def test_two_nodes_of_one_partition_keep_both_node_models_and_say_so(tmp_path):
     assert load_file(tmp_path / "nodes/node-0-8/model.safetensors")["w"].tolist() == [2.0, 2.0]
     assert notes == ["nodes 7 and 8 both trained partition 0: its samples count twice in the "
                      "merge"]
+
+
+def test_an_interrupt_says_when_overwrite_removed_the_previous_run(tmp_path, monkeypatch):
+    """It said only "nothing of this run was saved" while the old run was gone too."""
+    from fedavg import cli_support, output
+
+    monkeypatch.setattr(output, "REPLACED", [])
+    (tmp_path / "model.json").write_text("{}")  # the previous run
+    (tmp_path / "notes.txt").write_text("mine")
+    assert cli_support.interrupted(tmp_path) == ("interrupted before the first round finished: "
+                                                 "nothing of this run was saved")
+    output.clear_previous_run(tmp_path)
+    assert not (tmp_path / "model.json").exists() and (tmp_path / "notes.txt").exists()
+    assert cli_support.interrupted(tmp_path) == (
+        "interrupted before the first round finished: nothing of this run was saved, and the "
+        "run it replaced (--overwrite) was removed as it began training")
+    other = tmp_path / "other"
+    other.mkdir()
+    output.clear_previous_run(other)  # nothing there to remove: nothing said
+    assert cli_support.interrupted(other).endswith("nothing of this run was saved")
