@@ -149,8 +149,10 @@ def on_signal(message, cleanup=None):
                     remove_if_empty(RUN_OUTPUT[0])
             os._exit(130)
 
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
+    from fedavg.interrupts import stoppers
+
+    for sig in stoppers():
+        signal.signal(sig, _stop)
 
 
 def resume_hint(output: Path | None, without: tuple[str, ...] = ()) -> str | None:
@@ -231,7 +233,8 @@ def run_app(app: typer.Typer) -> None:
 
     # The CLI shows node failures and progress itself; keep library warnings off stderr.
     logging.getLogger("fedavg").addHandler(logging.NullHandler())
-    signal.signal(signal.SIGTERM, _terminated)
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, _terminated)
     command = typer.main.get_command(app)
     try:
         code = command.main(prog_name="fedavg", standalone_mode=False)
@@ -257,7 +260,8 @@ def run_app(app: typer.Typer) -> None:
     _flush_stdout()
     # The command is done: a Ctrl-C while the interpreter shuts down ends it at once, not
     # with a traceback from inside torch's exit hooks.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # started ignored: kept so
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     # The OS frees the heap (torch, Flower, Ray objects) at exit: without this, Python's own
     # last garbage collection of it took 1-2 s after every simulation.
     gc.freeze()

@@ -12,6 +12,17 @@ import signal
 import threading
 
 
+def stoppers() -> tuple[int, ...]:
+    """SIGINT and SIGTERM, less one this process was started with ignored.
+
+    A shell starts a script's background job (``fedavg simulate ... &``) with SIGINT
+    ignored, so that a Ctrl-C meant for the script does not stop it; Python keeps that, and
+    so do fedavg's own handlers.
+    """
+    return tuple(sig for sig in (signal.SIGINT, signal.SIGTERM)
+                 if signal.getsignal(sig) is not signal.SIG_IGN)
+
+
 @contextlib.contextmanager
 def held_interrupts(raise_after: bool = True):
     """Hold SIGINT and SIGTERM within the block; yield the list of those that came.
@@ -25,7 +36,7 @@ def held_interrupts(raise_after: bool = True):
         yield held
         return
     previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+                for sig in stoppers()}
     try:
         yield held
     finally:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fedavg.errors import UserError
+from fedavg.interrupts import stoppers
 from fedavg.sweep import Point, Sweep
 from fedavg.sweep_plan import (
     KEEP_FAILED,
@@ -199,7 +200,7 @@ class Runner:
             if record["status"] != "pending":
                 self.on_event(record)
         self._save("running")
-        saved = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        saved = {s: signal.signal(s, self._on_signal) for s in stoppers()}
         try:
             while (self.queue or self.running) and self.stop_signal is None:
                 while self.queue and len(self.running) < self.parallel:

@@ -524,3 +524,32 @@ def test_a_file_the_disk_has_no_room_for_is_named_and_the_old_one_kept(tmp_path,
     assert path.read_text() == "round 3" and os.listdir(tmp_path) == ["model.safetensors"]
     with pytest.raises(SafetensorError):  # another error of safetensors: not the disk
         atomic_write(path, lambda tmp: (_ for _ in ()).throw(SafetensorError("bad dtype")))
+
+
+def test_a_sigint_ignored_at_start_stays_ignored():
+    """A script's background job (`fedavg simulate ... &`) starts with SIGINT ignored.
+
+    fedavg installed its own handlers over that, so a Ctrl-C meant for the script stopped
+    the job too (exit 130). SIGTERM still stops it.
+    """
+    import signal
+
+    from fedavg import cli_support
+    from fedavg.interrupts import held_interrupts, stoppers
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        assert stoppers() == (signal.SIGTERM,)
+        with held_interrupts(raise_after=False) as held:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGINT)  # ignored: not held, not raised later
+        assert held == []
+        cli_support.on_signal("stopped", cleanup=lambda: None)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python starts
+        assert stoppers() == (signal.SIGINT, signal.SIGTERM)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
