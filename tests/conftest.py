@@ -2,12 +2,18 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import psutil
 import pytest
+
+# Tests send SIGINT to the commands they start, as a Ctrl-C would. A suite started as a
+# script's background job has SIGINT ignored, which its commands would inherit and keep (as
+# a user's background job does): they get Python's own handler back here.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("FEDAVG_SHARED_DATA", ROOT.parent / "shared" / "data"))
