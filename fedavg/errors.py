@@ -54,16 +54,34 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
 
 
 _SETTING = re.compile(r"setting '([a-z][a-z0-9-]*)'")
-_FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+#: A flag, not a path's folder (``--odd/run``), with the value it is given, if one a Python
+#: argument takes as is: a placeholder (``N``, ``DATASET``), a number or a path.
+_FLAG = re.compile(r"(?<![\w./-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?![\w/-]|\.\w)"
+                   r"(?: ([A-Z][A-Z_]*\b|[-+]?\d[\w.+-]*|[^\s;,()]*[/:][^\s;,()]*))?")
+#: A shell command in a message (``fedavg simulate --resume DIR``) stays as written.
+_COMMAND = re.compile(r"`?fedavg (?:simulate|merge|evaluate|predict|strategies|models|"
+                      r"coordinator|node|certs|sweep|report)\b[^;`]*`?")
+#: CLI flags whose Python argument has another name.
+_RENAMED = {"model-arg": "model_args"}
 
 
 def python_names(message: str) -> str:
     """Name settings in ``message`` as Python arguments: ``--label-column`` as ``label_column``.
 
-    A TOML key (``setting 'num-nodes'``) is named so too.
-
     For errors raised through the Python API (``fedavg.simulate(mu=...)``), whose messages
-    are written for the CLI.
+    are written for the CLI: ``--rounds N`` reads ``rounds=N``, a TOML key (``setting
+    'num-nodes'``) ``setting 'num_nodes'``; a shell command quoted in it stays as written.
     """
-    message = _SETTING.sub(lambda m: f"setting '{m.group(1).replace('-', '_')}'", message)
-    return _FLAG.sub(lambda m: m.group(1).replace("-", "_"), message)
+    def flag(m: re.Match) -> str:
+        name = _RENAMED.get(m.group(1), m.group(1).replace("-", "_"))
+        return f"{name}={m.group(2)}" if m.group(2) else name
+
+    def plain(text: str) -> str:
+        text = _SETTING.sub(lambda m: f"setting '{m.group(1).replace('-', '_')}'", text)
+        return _FLAG.sub(flag, text)
+
+    out, last = [], 0
+    for command in _COMMAND.finditer(message):
+        out += [plain(message[last:command.start()]), command.group(0)]
+        last = command.end()
+    return "".join(out) + plain(message[last:])

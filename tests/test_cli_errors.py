@@ -603,6 +603,21 @@ def test_the_python_api_names_python_arguments_not_cli_flags(tmp_path, monkeypat
         fedavg.simulate(partitioner="dirichlet", alpha=-1)
     assert python_names("pass --label-column or --text-column, not -x or a--b") == \
         "pass label_column or text_column, not -x or a--b"
+    for cli, python in (  # values as Python takes them; paths and shell commands untouched
+            ("--odd/run already holds a run; choose another --output or pass --overwrite",
+             "--odd/run already holds a run; choose another output or pass overwrite"),
+            ("no such file or folder: ./--odd/x.png", "no such file or folder: ./--odd/x.png"),
+            ("pass --rounds N with N > 1", "pass rounds=N with N > 1"),
+            ("--resume r: --lr 0.5 differs", "resume=r: lr=0.5 differs"),
+            ("(--model-arg nope=...); choose smaller --model-arg values",
+             "(model_args nope=...); choose smaller model_args values"),
+            ("resume with: fedavg simulate --resume runs/demo",
+             "resume with: fedavg simulate --resume runs/demo"),
+            ("pass --model /x/y.py:build to run it", "pass model=/x/y.py:build to run it"),
+            ("see `fedavg strategies --help`; pass --mu.", "see `fedavg strategies --help`; "
+                                                           "pass mu."),
+            ("strategy fedavg does not take --mu", "strategy fedavg does not take mu")):
+        assert python_names(cli) == python, cli
     with pytest.raises(UserError, match=r"^setting 'num_nodes' expects int, got 3.5"):
         fedavg.simulate(num_nodes=3.5)
     assert list(tmp_path.iterdir()) == []

@@ -601,8 +601,8 @@ def test_a_saved_model_never_imports_the_code_it_names_by_itself(tmp_path, monke
             "input": {"shape": [1, 8, 8], "dtype": "uint8", "scale": 1 / 255, "mean": [0.3],
                       "std": [0.4]}}
     checkpoint.save(tmp_path / "run", {k: torch.zeros(s) for k, s in shapes.items()}, meta)
-    words = (f"the model in {tmp_path / 'run'} is built by code, {code}:build: pass model "
-             f"{code}:build to run it, if you trust that code")  # the Python API's names
+    words = (f"the model in {tmp_path / 'run'} is built by code, {code}:build: pass "
+             f"model={code}:build to run it, if you trust that code")  # the Python API's names
     with pytest.raises(UserError, match=re.escape(words)):
         fedavg.load_model(tmp_path / "run")
     for args in (("evaluate", tmp_path / "run"), ("predict", tmp_path / "run", "digits"),
