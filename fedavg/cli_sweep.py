@@ -183,8 +183,9 @@ def _run_with_progress(runner, total: int) -> int:
                     + (f": accuracy {acc:.4f}" if isinstance(acc, float) else ""))
         else:
             again = "" if record["ran"] else " in an earlier sweep (--retry-failed reruns it)"
-            line = (f"[red]{status}[/] {name}{again} (exit {record['exit_code']}): "
-                    f"{escape(record.get('error') or '')}")
+            why = record.get("error")
+            line = (f"[red]{status}[/] {name}{again} (exit {record['exit_code']})"
+                    + (f": {escape(why)}" if why else ""))
         progress.console.print(line, highlight=False)
         counts = runner.counts()
         finished = sum(counts.get(s, 0) for s in ("done", "skipped", "failed", "interrupted"))

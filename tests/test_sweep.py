@@ -1414,3 +1414,31 @@ def test_the_sweep_end_names_the_report_command_quoted_for_a_shell(tmp_path, mon
     line = shown.getvalue().splitlines()[-1]
     assert line.startswith("tables and plots: fedavg report ")
     assert shlex.split(line.split(": ", 1)[1]) == ["fedavg", "report", str(out)]
+
+
+def test_an_interrupted_point_without_a_reason_has_no_dangling_colon(monkeypatch):
+    """`interrupted seed=0 (exit -15): ` ended on a colon with nothing after it."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from fedavg import cli_sweep
+
+    shown = io.StringIO()
+    monkeypatch.setattr(cli_sweep, "console", Console(file=shown, width=200))
+    records = [{"name": "seed=0", "status": "interrupted", "ran": True, "exit_code": -15},
+               {"name": "seed=1", "status": "failed", "ran": True, "exit_code": 1,
+                "error": "run failed: no node replied"}]
+
+    def run():
+        for record in records:
+            runner.on_event(record)
+        return 130
+
+    runner = SimpleNamespace(run=run, counts=lambda: {"interrupted": 1, "failed": 1},
+                             on_event=None)
+    assert cli_sweep._run_with_progress(runner, 2) == 130
+    lines = shown.getvalue().splitlines()
+    assert "interrupted seed=0 (exit -15)" in lines
+    assert "failed seed=1 (exit 1): run failed: no node replied" in lines
