@@ -149,8 +149,10 @@ def make_model(name: str, input_shape: tuple[int, ...], num_classes: int,
         return fn(shape, int(num_classes), **kwargs)
     except (ValueError, RuntimeError, MemoryError) as exc:
         if too_big := _allocation_failed(exc):
-            raise UserError(f"model {name!r} with {kwargs} is too big to build: {too_big}; "
-                            "choose smaller --model-arg values") from None
+            raise UserError(f"model {name!r}" + (f" with {kwargs}" if kwargs else "")
+                            + f" is too big to build: {too_big}; choose "
+                            + ("smaller --model-arg values" if kwargs else "a smaller model")
+                            ) from None
         raise UserError(f"model {name!r} cannot take inputs of shape {shape}"
                         + (f" with {kwargs}" if kwargs else "")
                         + f": {first_line(exc)}") from None
@@ -167,7 +169,7 @@ def _allocation_failed(exc: BaseException) -> str | None:
             or "out of memory" in text.lower() or "not enough memory" in text):
         return None
     asked = re.search(r"allocate (\d+) bytes", text)
-    return (f"one of its tensors needs {int(asked.group(1)) / 2**30:,.0f} GiB" if asked
+    return (f"one of its tensors needs {int(asked.group(1)) / 2**30:,.1f} GiB" if asked
             else "not enough memory for its weights")
 
 

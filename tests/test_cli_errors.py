@@ -636,3 +636,10 @@ def test_a_model_too_big_for_memory_says_so(invoke):
     assert code == 2 and "model 'mlp' with {'hidden': 10000000} is too big to build: one of " \
         "its tensors needs" in line and "choose smaller --model-arg values" in line, line
     assert "shape" not in line and "alloc_cpu" not in line
+    from fedavg.models import _allocation_failed
+
+    assert _allocation_failed(RuntimeError(  # 100 MiB: 0.1 GiB, not "0 GiB"
+        "DefaultCPUAllocator: can't allocate memory: you tried to allocate 104857600 bytes"
+    )) == "one of its tensors needs 0.1 GiB"
+    assert _allocation_failed(MemoryError()) == "not enough memory for its weights"
+    assert _allocation_failed(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
