@@ -302,11 +302,8 @@ def _option_defaults(flat: dict[str, Any]) -> dict[str, Any]:
     """Return ``flat`` with the strategy's options not given at their defaults."""
     import strategies
 
-    try:
-        cls = strategies.strategy_class(str(flat.get("strategy")))
-    except strategies.UnknownStrategyError:
-        return flat
-    return {**{o.name.replace("_", "-"): o.default for o in cls.options}, **flat}
+    defaults = strategies.option_defaults(flat.get("strategy"))
+    return {**{k.replace("_", "-"): v for k, v in defaults.items()}, **flat}
 
 
 def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,

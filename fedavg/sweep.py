@@ -320,9 +320,9 @@ def effective_settings(settings: dict[str, Any], config: RunConfig,
     import strategies
 
     out = {k: v for k, v in config.to_flat().items()}
-    cls = strategies.available().get(config.merge.strategy)
-    for option in getattr(cls, "options", ()) if strategy_defaults else ():
-        out.setdefault(option.name.replace("_", "-"), option.default)
+    defaults = strategies.option_defaults(config.merge.strategy) if strategy_defaults else {}
+    for name, default in defaults.items():
+        out.setdefault(name.replace("_", "-"), default)
     if out.get(MODEL_ARGS) is not None:  # JSON text in the flat config
         out[MODEL_ARGS] = dict(config.train.model_args)
     out.update({k: settings.get(k, default) for k, default in SIMULATE_OPTIONS.items()})

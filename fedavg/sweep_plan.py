@@ -264,8 +264,7 @@ def _option_defaults(config: dict[str, Any]) -> dict[str, Any]:
 
     merge = config.get("merge") if isinstance(config.get("merge"), dict) else {}
     given = merge.get("options") if isinstance(merge.get("options"), dict) else {}
-    cls = strategies.available().get(merge.get("strategy"))
-    options = {o.name: o.default for o in getattr(cls, "options", ())}
+    options = strategies.option_defaults(merge.get("strategy"))
     options.update({k: v for k, v in given.items() if v is not None})
     return {**config, "merge": {**merge, "options": options}}
 

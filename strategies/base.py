@@ -376,6 +376,16 @@ def strategy_class(name: str) -> type[Strategy]:
         ) from None
 
 
+def option_defaults(name: Any) -> dict[str, Any]:
+    """Return the options of the strategy registered as ``name`` at their defaults.
+
+    Snake-case option names; ``{}`` for a name no strategy is registered as (the caller's
+    own check names it).
+    """
+    cls = _REGISTRY.get(name) if isinstance(name, str) else None
+    return {o.name: o.default for o in cls.options} if cls is not None else {}
+
+
 def get(name: str, **options: Any) -> Strategy:
     """Return a new instance of the strategy registered as ``name``, with ``options`` set.
 

@@ -142,3 +142,15 @@ def test_merge_leaves_the_node_models_untouched(name):
                                                           "n": torch.tensor(0)})
     for sd, orig in zip(sds, before):
         assert all(torch.equal(sd[k], orig[k]) for k in sd)
+
+
+def test_option_defaults_name_each_option_at_its_default():
+    """One lookup for resume, sweep and sweep plans: an option written out at its default."""
+    import strategies
+
+    assert strategies.option_defaults("fedprox") == {"mu": 0.01}
+    assert strategies.option_defaults("fedavg") == {}
+    assert strategies.option_defaults("nope") == {} == strategies.option_defaults(None)
+    defaults = strategies.option_defaults("fedprox")
+    defaults["mu"] = 1.0  # a copy: the strategy's own default is untouched
+    assert strategies.option_defaults("fedprox") == {"mu": 0.01}
