@@ -233,7 +233,9 @@ def run_app(app: typer.Typer) -> None:
 
     # The CLI shows node failures and progress itself; keep library warnings off stderr.
     logging.getLogger("fedavg").addHandler(logging.NullHandler())
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+    from fedavg.interrupts import stoppers
+
+    if signal.SIGTERM in stoppers():  # not one the process was started with ignored
         signal.signal(signal.SIGTERM, _terminated)
     command = typer.main.get_command(app)
     try:
@@ -260,7 +262,7 @@ def run_app(app: typer.Typer) -> None:
     _flush_stdout()
     # The command is done: a Ctrl-C while the interpreter shuts down ends it at once, not
     # with a traceback from inside torch's exit hooks.
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # started ignored: kept so
+    if signal.SIGINT in stoppers():
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     # The OS frees the heap (torch, Flower, Ray objects) at exit: without this, Python's own
     # last garbage collection of it took 1-2 s after every simulation.
