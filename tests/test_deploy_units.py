@@ -807,12 +807,61 @@ def test_a_void_task_never_interrupts_a_warm_node(monkeypatch):
     void = httpx.HTTPStatusError("401", request=request,
                                  response=httpx.Response(401, request=request))
     endpoint = tasks.Endpoint("127.0.0.1:1")
-    client = tasks._runtime_client(endpoint, [], tries=2, seconds=1.0, void_token_fails=True)
+    client = tasks._runtime_client(endpoint, [], tries=2, seconds=1.0)
     try:
         assert client._retry_invoker.should_giveup(void) is True
     finally:
         client.close()
     assert interrupted == []
+
+
+def test_a_runtime_api_that_answers_401_fails_the_call_instead_of_interrupting(monkeypatch):
+    """A task source polling a port now held by another process (another secret): 401.
+
+    Flower's retry invoker SIGINTs its own process on a 401; a node restarting its SuperNode
+    (a held key) stopped with "node stopped" when the old runtime API's port was taken.
+    """
+    import http.server
+    import signal
+    import threading
+
+    import httpx
+
+    from fedavg.flower_compat import tasks
+
+    class Unauthorized(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's method name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    class Interrupted(Exception):
+        pass
+
+    def kill(pid, sig):
+        raise Interrupted(sig)  # Flower's SIGINT, made visible (and no 11 s sleep after it)
+
+    monkeypatch.setattr(os, "kill", kill)
+    monkeypatch.setattr(signal, "raise_signal", kill)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Unauthorized)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        source = tasks.TaskSource(tasks.Endpoint(f"127.0.0.1:{server.server_port}", None,
+                                                 b"secret"), tasks.CLIENT_TASK)
+        try:
+            with pytest.raises(httpx.HTTPStatusError, match="401"):
+                source.acquire()
+        finally:
+            source.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
 
 
 def test_a_flower_log_folder_that_is_not_there_is_one_line(tmp_path, monkeypatch):

@@ -36,14 +36,14 @@ class Endpoint:
         return self.root_certificates is None
 
 
-def _runtime_client(endpoint: Endpoint, interceptors: list, tries: int, seconds: float,
-                    void_token_fails: bool = False):
+def _runtime_client(endpoint: Endpoint, interceptors: list, tries: int, seconds: float):
     """Connect to a runtime API, giving up after ``tries`` / ``seconds``.
 
     Flower's HTTP invoker retries for ever; a local runtime API that went away must surface
-    as an error instead (the caller then checks whether its Flower process died). With
-    ``void_token_fails``, a 401 (the runtime API voided the task's token) fails the call:
-    Flower's invoker SIGINTs the process instead, which would stop a warm node.
+    as an error instead (the caller then checks whether its Flower process died). A 401 (the
+    runtime API voided the task's token, or another process with another secret now holds
+    the port of a SuperNode that stopped) fails the call: Flower's invoker SIGINTs the
+    process instead, which would stop a warm node or a coordinator.
     """
     import httpx
     from flwr.supercore.retry import make_simple_http_retry_invoker
@@ -52,16 +52,15 @@ def _runtime_client(endpoint: Endpoint, interceptors: list, tries: int, seconds:
     invoker = make_simple_http_retry_invoker()
     invoker.max_tries = tries
     invoker.max_time = seconds
-    if void_token_fails:
-        flower_giveup = invoker.should_giveup
+    flower_giveup = invoker.should_giveup
 
-        def should_giveup(exc: Exception) -> bool:
-            if isinstance(exc, httpx.HTTPStatusError) \
-                    and exc.response.status_code == httpx.codes.UNAUTHORIZED:
-                return True
-            return flower_giveup(exc)
+    def should_giveup(exc: Exception) -> bool:
+        if isinstance(exc, httpx.HTTPStatusError) \
+                and exc.response.status_code == httpx.codes.UNAUTHORIZED:
+            return True
+        return flower_giveup(exc)
 
-        invoker.should_giveup = should_giveup
+    invoker.should_giveup = should_giveup
     return RuntimeHttpClient.from_server_address(
         server_address=endpoint.address, insecure=endpoint.insecure,
         root_certificates=endpoint.root_certificates, interceptors=interceptors,
@@ -163,8 +162,7 @@ def run_client_task(endpoint: Endpoint, token: str, app) -> str | None:
 
     client = _runtime_client(
         endpoint, [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
-                   RuntimeTokenHttpInterceptor(token)], tries=20, seconds=60.0,
-        void_token_fails=True)
+                   RuntimeTokenHttpInterceptor(token)], tries=20, seconds=60.0)
     heartbeat = HeartbeatSender(_task_heartbeat_fn(client))
     heartbeat.start()
     message = reply = context = None
