@@ -544,7 +544,7 @@ def test_a_key_refused_before_the_coordinator_registered_it_is_tried_again(tmp_p
         node.handle_stop()
     assert starts == [1, 1, 1, 1] and slept == [2.0, 2.0]
     assert len(said) == 2 and "still holds this node's key as connected" in said[1] \
-        and "waiting up to 30 s" in said[1]
+        and "let go within 20 s); waiting up to 40 s" in said[1]
     node.key_in_use_since -= supernode.KEY_IN_USE_WAIT_S  # still refused after the wait
     refused()
     with pytest.raises(UserError, match="a node with this key is already connected"):

@@ -34,8 +34,9 @@ log = logging.getLogger("fedavg")
 LOST_AFTER_S = 30.0
 #: A key the coordinator holds as connected may be a node that just stopped (a crash, a
 #: container restarted at once): the SuperLink lets it go after two missed heartbeats. A
-#: node waits this long (s) before it calls the key in use by another node.
-KEY_IN_USE_WAIT_S = 3 * flower_compat.HEARTBEAT_S
+#: node waits this long (s) before it calls the key in use by another node: the hold, plus
+#: time for a replacement started before the old node died, and for slow SuperNode starts.
+KEY_IN_USE_WAIT_S = 4 * flower_compat.HEARTBEAT_S
 
 
 class SuperNode:
