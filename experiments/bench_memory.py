@@ -18,9 +18,11 @@ walking ``/proc``), from ``/proc/PID/smaps_rollup``:
 
 A sample is taken whenever a round's line appears in ``metrics.jsonl`` and about every
 0.2 s in between, for the peak. It prints one row per round (the sample taken as its line
-appeared) and the ratios of the memory after the last round to that after round
-``--compare``. Ray workers that keep memory across rounds (a known Flower pain point) would
-show as a ratio well above 1.
+appeared) and the ratios of the memory after the last round but one to that after round
+``--compare``: the last round's line is followed at once by the run's shutdown, so its
+sample may miss actors that are already stopping (the next-to-last round's sample is taken
+while the last round runs). Ray workers that keep memory across rounds (a known Flower pain
+point) would show as a ratio well above 1.
 """
 
 from __future__ import annotations
@@ -245,16 +247,20 @@ def table(result: dict, compare: int) -> str:
     ratios = [f"{k.upper()} {r:.3f}" for k in keys
               if (r := memory_ratio(result, compare, k)) is not None]
     if ratios:
-        rows.append(f"after round {result['rounds']} / after round {compare}: "
+        rows.append(f"after round {result['rounds'] - 1} / after round {compare}: "
                     + ", ".join(ratios))
     rows.append(f"wall {result['wall_s']:.1f} s; {result['rounds_written']} rounds written")
     return "\n".join(rows)
 
 
 def memory_ratio(result: dict, compare: int, key: str = "pss") -> float | None:
-    """Memory after the last round over memory after round ``compare`` (``None``: no sample)."""
+    """Memory after the last round but one over that after round ``compare``.
+
+    The last round but one: its sample is taken while the last round runs, so it sees the
+    whole run (the last round's sample may race the shutdown). ``None``: no sample.
+    """
     rounds = result["at_round"]
-    last, first = rounds.get(result["rounds"]), rounds.get(compare)
+    last, first = rounds.get(result["rounds"] - 1), rounds.get(compare)
     if last is None or first is None or not first[key]:
         return None
     return last[key] / first[key]
@@ -267,14 +273,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fraction", type=float, default=0.1)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--compare", type=int, default=5,
-                        help="the round whose memory the last round's is compared with")
+                        help="the round whose memory the last round but one's is "
+                             "compared with")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--keep", type=Path, help="keep the run folder in this folder")
     parser.add_argument("extra", nargs="*",
                         help="more `fedavg simulate` options (after --), e.g. -- --seed 1")
     args = parser.parse_args(argv)
-    if not 1 <= args.compare < args.rounds:
-        parser.error("--compare must be in 1..--rounds - 1")
+    if not 1 <= args.compare < args.rounds - 1:
+        parser.error("--compare must be in 1..--rounds - 2")
     result = run(args.num_nodes, args.fraction, args.rounds, args.extra, args.keep)
     for key in ("pss", "anon", "uss", "rss"):
         result[f"ratio_{key}"] = memory_ratio(result, args.compare, key)

@@ -1,7 +1,8 @@
 """End-to-end load: 100 simulated nodes, 10 % of them per round, 20 rounds on digits.
 
 The run's memory (the command and every process it started: Ray's GCS server, raylet,
-workers) must not grow with the rounds: after round 20 it is within 10 % of that after
+workers) must not grow with the rounds: after round 19 (taken while round 20 runs; the
+sample at round 20's end may race the run's shutdown) it is within 10 % of that after
 round 5, in anonymous + shared memory (the PSS of heaps, tensors and Ray's object store,
 which a leak grows) and in RSS. Measured by ``experiments/bench_memory.py``, which runs the
 real CLI. (The whole PSS also moves when unrelated processes that map torch's libraries
@@ -22,7 +23,7 @@ MIB = 1024 * 1024
 
 
 def test_memory_does_not_grow_over_20_rounds_of_100_nodes(tmp_path):
-    """Completes, reports the peak, and memory after round 20 <= 1.10 x after round 5."""
+    """Completes, reports the peak, and memory after round 19 <= 1.10 x after round 5."""
     figures = tmp_path / "memory.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "bench_memory.py"), "--num-nodes", "100",
@@ -37,17 +38,18 @@ def test_memory_does_not_grow_over_20_rounds_of_100_nodes(tmp_path):
     assert [r["round"] for r in rounds] == list(range(1, 21))
     assert all(r["num_nodes"] == 10 for r in rounds)  # 10 % of 100 nodes
     assert json.loads((run / "summary.json").read_text())["rounds"] == 20
-    after5, after20 = result["at_round"]["5"], result["at_round"]["20"]
-    # both samples saw the whole run (not one that was already shutting Ray down)
-    assert after5["processes"] == after20["processes"], (after5, after20)
-    assert any(name.startswith(("raylet", "gcs_server")) for name in after20["processes"])
-    assert sum(after20["processes"].values()) >= 4
+    after5, after19 = result["at_round"]["5"], result["at_round"]["19"]
+    # both samples saw the whole run, node actors included
+    assert after5["processes"] == after19["processes"], (after5, after19)
+    assert any(name.startswith(("raylet", "gcs_server")) for name in after19["processes"])
+    assert after19["processes"].get("ray::ClientAppActor", 0) >= 1
+    assert sum(after19["processes"].values()) >= 4
     peak = result["peak"]
-    assert peak["pss"] >= max(after5["pss"], after20["pss"])
-    assert "peak" in proc.stdout and "after round 20 / after round 5" in proc.stdout
+    assert peak["pss"] >= max(after5["pss"], after19["pss"])
+    assert "peak" in proc.stdout and "after round 19 / after round 5" in proc.stdout
     for key in ("anon", "rss"):
-        assert after20[key] <= 1.10 * after5[key], (
+        assert after19[key] <= 1.10 * after5[key], (
             f"{key} grew from {after5[key] / MIB:.0f} MiB after round 5 to "
-            f"{after20[key] / MIB:.0f} MiB after round 20")
+            f"{after19[key] / MIB:.0f} MiB after round 19")
     assert result["tmp_left"] == [] or all(
         name.startswith("torchinductor_") for name in result["tmp_left"])
