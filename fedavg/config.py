@@ -117,6 +117,9 @@ class TrainConfig:
         nothing for text or tabular data); never the evaluation.
     sam_rho : float
         FedSAM's radius on the nodes, >= 0 (0: off; :func:`fedavg.train.sharpness_aware_gradient`).
+    logit_adjust : float
+        ``tau`` of the nodes' logit-adjusted loss, >= 0 (0: off;
+        :class:`fedavg.recipe.LogitAdjustment`).
     device : str
         ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
     """
@@ -140,6 +143,8 @@ class TrainConfig:
                             "images); never at evaluation")
     sam_rho: float = setting(0.0, "Sharpness-aware minimisation on the nodes (FedSAM): "
                              "neighbourhood radius rho, e.g. 0.05; twice a step's cost; 0: off")
+    logit_adjust: float = setting(0.0, "Logit-adjusted node loss against label skew: logits + "
+                                  "TAU x log(the node's label frequencies), e.g. 1; 0: off")
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
 
 

@@ -61,7 +61,9 @@ def check_train(c: RunConfig) -> str | None:
             ("momentum", t.momentum, 0 <= t.momentum < 1, "in [0, 1)"),
             ("weight-decay", t.weight_decay, 0 <= t.weight_decay < math.inf, ">= 0 and finite"),
             ("lr-decay", t.lr_decay, 0 < t.lr_decay <= 1, "in (0, 1]"),
-            ("sam-rho", t.sam_rho, 0 <= t.sam_rho < math.inf, ">= 0 and finite")):
+            ("sam-rho", t.sam_rho, 0 <= t.sam_rho < math.inf, ">= 0 and finite"),
+            ("logit-adjust", t.logit_adjust, 0 <= t.logit_adjust < math.inf,
+             ">= 0 and finite")):
         if not ok:
             return f"--{flag} must be {need} (got {value})"
     if t.optimizer not in OPTIMIZERS:

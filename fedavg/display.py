@@ -141,6 +141,8 @@ def _recipe(config: RunConfig, input_spec: dict[str, Any]) -> str:
         parts.append("augmented batches")
     if t.sam_rho > 0:
         parts.append(f"SAM rho {t.sam_rho:g}")
+    if t.logit_adjust > 0:
+        parts.append(f"logit adjustment {t.logit_adjust:g}")
     if config.merge.swa_start is not None:
         parts.append(f"weight average of rounds >= {config.merge.swa_start} (SWA)")
     return "".join(f", {p}" for p in parts)

@@ -177,6 +177,7 @@ def _train_with(rule, model, x, y, cfg: TrainSettings, device: str, partition_id
         lr_schedule=cfg.lr_schedule,
         augment=cfg.augment,
         sam_rho=cfg.sam_rho,
+        logit_adjust=cfg.logit_adjust,
         rule=rule,
     )
     return stats, (strategies.NodeUpdate() if rule is None else rule.finish(model))

@@ -18,6 +18,11 @@ prediction and merging never see augmented inputs.
   ``lr * lr_decay ** (r - 1)`` (:func:`round_lr`), as in the decaying step sizes FedAvg needs
   to converge on non-IID data (Li et al. 2020, arXiv:1907.02189). A node's schedule then runs
   from that rate.
+- ``--logit-adjust TAU``: the logit-adjusted loss (Menon et al. 2021, arXiv:2007.07314) with
+  each node's own label frequencies (:class:`LogitAdjustment`), against label skew: a node's
+  loss no longer pushes down the classes it rarely or never sees, which the other nodes
+  learn (the idea of FedLC, Zhang et al. 2022, arXiv:2209.00189, and FedRS, Li and Zhan
+  2021). Predictions and evaluation use the plain logits.
 """
 
 from __future__ import annotations
@@ -114,3 +119,46 @@ def _crop_and_flip(pad: int, flip: bool) -> Callable[[torch.Tensor], torch.Tenso
         return out
 
     return apply
+
+
+class LogitAdjustment:
+    """The logit-adjusted loss's offsets for one node's labels (Menon et al. 2021).
+
+    The loss is the cross-entropy of ``logits + tau * log(prior)``, ``prior`` the node's
+    label frequencies with one sample added to every class (Laplace smoothing, so that a
+    class the node never sees gets a finite, strongly negative offset rather than minus
+    infinity). A class with a small prior then needs a large logit to win in training, and
+    the model's plain logits keep the classes the node lacks instead of learning to push
+    them down: on label-skewed partitions the merged model forgets less. ``tau = 0`` is the
+    plain cross-entropy. The prior is counted once per call of local training; the offsets
+    take the logits' size ``K`` (the number of classes) at the first batch.
+
+    Parameters
+    ----------
+    labels : torch.Tensor
+        ``(N,)`` int64 labels of the node's partition.
+    tau : float
+        Strength, >= 0 (1 is the paper's logit-adjusted loss).
+    """
+
+    def __init__(self, labels: torch.Tensor, tau: float) -> None:
+        self.labels, self.tau = labels, tau
+        self.offsets: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """Return ``(B, K)`` logits plus the ``(K,)`` offsets ``tau * log(prior)``.
+
+        Raises
+        ------
+        ValueError
+            A label is not below ``K``, the model's number of outputs.
+        """
+        if self.offsets is None:
+            k = logits.shape[-1]
+            if len(self.labels) and int(self.labels.max()) >= k:
+                raise ValueError(f"label {int(self.labels.max())} is beyond the model's {k} "
+                                 "outputs")
+            counts = torch.bincount(self.labels, minlength=k).to(torch.float64) + 1.0
+            prior = counts / counts.sum()
+            self.offsets = (self.tau * prior.log()).to(logits.dtype).to(logits.device)
+        return logits + self.offsets

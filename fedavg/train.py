@@ -11,7 +11,7 @@ from torch import nn
 
 from fedavg.data import normalize
 from fedavg.errors import UserError
-from fedavg.recipe import augmenter, make_scheduler
+from fedavg.recipe import LogitAdjustment, augmenter, make_scheduler
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -102,6 +102,7 @@ def train(
     lr_schedule: str = "constant",
     augment: bool = False,
     sam_rho: float = 0.0,
+    logit_adjust: float = 0.0,
     rule=None,
 ) -> dict[str, float]:
     """Train ``model`` in place with SGD (or Adam) on one node's samples.
@@ -132,6 +133,10 @@ def train(
     sam_rho : float
         SAM's radius: each step's gradient is taken at ``w + rho * g / ||g||`` (FedSAM on the
         nodes, :func:`sharpness_aware_gradient`; twice a step's cost). 0 is plain SGD.
+    logit_adjust : float
+        ``tau`` of the logit-adjusted loss with the partition's label frequencies
+        (:class:`fedavg.recipe.LogitAdjustment`, Menon et al. 2021). 0 is the plain
+        cross-entropy.
     rule : strategies.NodeRule, optional
         A method's node side, begun: its ``loss`` joins each batch's, ``before_step`` runs.
 
@@ -139,7 +144,8 @@ def train(
     -------
     dict
         ``train_loss`` (mean cross-entropy over all steps, nats, without the proximal
-        term or the rule's), ``num_examples`` (samples in the partition), ``steps``.
+        term or the rule's; of the adjusted logits with ``logit_adjust``), ``num_examples``
+        (samples in the partition), ``steps``.
     """
     model.to(device).train()
     xt, yt = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.long)
@@ -148,7 +154,8 @@ def train(
     aug = augmenter(input_spec) if augment else None
     g = torch.Generator().manual_seed(seed)
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
-    extras = (anchor, proximal_mu, rule, sam_rho)
+    adjust = LogitAdjustment(yt, logit_adjust) if logit_adjust > 0 else None
+    extras = (anchor, proximal_mu, rule, sam_rho, adjust)
     smallest = 2 if _batchnorms(model) else 1  # BatchNorm cannot train on one sample
     total = count = steps = 0
     with torch.random.fork_rng(devices=[]):
@@ -197,14 +204,15 @@ def _diverged(loss: float, rule, sam_rho: float, proximal_mu: float = 0.0) -> st
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor,
           anchor: list[torch.Tensor] | None, proximal_mu: float, rule=None,
-          sam_rho: float = 0.0) -> float:
+          sam_rho: float = 0.0, adjust=None) -> float:
     """One optimizer step on a batch; return its cross-entropy (without the extra terms)."""
     opt.zero_grad(set_to_none=True)
-    loss, total = _losses(model, xb, yb, anchor, proximal_mu, rule)
+    loss, total = _losses(model, xb, yb, anchor, proximal_mu, rule, adjust)
     total.backward()
     if sam_rho > 0:
         sharpness_aware_gradient(
-            model, lambda: _losses(model, xb, yb, anchor, proximal_mu, rule)[1], sam_rho)
+            model, lambda: _losses(model, xb, yb, anchor, proximal_mu, rule, adjust)[1],
+            sam_rho)
     if rule is not None:
         rule.before_step(model, float(opt.param_groups[0]["lr"]))
     opt.step()
@@ -212,10 +220,10 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: to
 
 
 def _losses(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor,
-            anchor: list[torch.Tensor] | None, proximal_mu: float, rule):
+            anchor: list[torch.Tensor] | None, proximal_mu: float, rule, adjust=None):
     """Return the batch's cross-entropy and the loss to descend (plus the extra terms)."""
     logits = model(xb)
-    loss = nn.functional.cross_entropy(logits, yb)
+    loss = nn.functional.cross_entropy(logits if adjust is None else adjust(logits), yb)
     total = loss
     if anchor is not None:
         prox = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))

@@ -53,6 +53,8 @@ class TrainSettings:
         Augment the training batches.
     sam_rho : float
         SAM's neighbourhood radius, >= 0 (0: plain steps; :func:`fedavg.train.train`).
+    logit_adjust : float
+        ``tau`` of the logit-adjusted loss, >= 0 (0: plain cross-entropy).
     seed : int
         Run seed (each node and round derives its own batch order from it).
     proximal_mu : float
@@ -79,6 +81,7 @@ class TrainSettings:
     lr_decay: float = 1.0
     augment: bool = False
     sam_rho: float = 0.0
+    logit_adjust: float = 0.0
     method: str = ""
     method_options: dict = dataclasses.field(default_factory=dict)
     server_round: int = 0
@@ -93,7 +96,7 @@ class TrainSettings:
                    local_epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr,
                    momentum=t.momentum, weight_decay=t.weight_decay, seed=config.data.seed,
                    optimizer=t.optimizer, lr_schedule=t.lr_schedule, lr_decay=t.lr_decay,
-                   augment=t.augment, sam_rho=t.sam_rho,
+                   augment=t.augment, sam_rho=t.sam_rho, logit_adjust=t.logit_adjust,
                    **_method(strategy), **strategy.node_config)
 
     def to_record(self):
@@ -156,6 +159,7 @@ class TrainSettings:
              "constant, cosine or step"),
             ("lr-decay", 0 < self.lr_decay <= 1, "in (0, 1]"),
             ("sam-rho", 0 <= self.sam_rho < math.inf, ">= 0 and finite"),
+            ("logit-adjust", 0 <= self.logit_adjust < math.inf, ">= 0 and finite"),
             ("method-options", isinstance(self.method_options, dict), "a JSON object"),
         ]
         for key, ok, need in problems:

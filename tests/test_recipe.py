@@ -13,7 +13,7 @@ import fedavg.train as train_mod
 from fedavg.config import RunConfig
 from fedavg.display import _recipe
 from fedavg.errors import UserError
-from fedavg.recipe import augmenter, make_scheduler, round_lr
+from fedavg.recipe import LogitAdjustment, augmenter, make_scheduler, round_lr
 from fedavg.train import train
 from fedavg.wire import TrainSettings
 
@@ -280,3 +280,68 @@ def test_a_diverged_fedprox_run_names_mu_as_a_remedy():
     x = np.array([[np.inf, -1.0], [0.5, 2.0]], dtype=np.float32)  # a NaN loss at once
     with pytest.raises(FloatingPointError, match=r"lower --lr or check --mu$"):
         train(nn.Linear(2, 2), x, np.array([0, 1]), TABULAR, batch_size=2, proximal_mu=1e30)
+
+
+def test_logit_adjustment_adds_tau_log_of_the_smoothed_label_frequencies():
+    # labels 0, 0, 1 of K = 3 classes: counts + 1 = (3, 2, 1), prior (1/2, 1/3, 1/6)
+    adjust = LogitAdjustment(torch.tensor([0, 0, 1]), tau=1.0)
+    out = adjust(torch.zeros(2, 3))
+    expected = torch.tensor([math.log(1 / 2), math.log(1 / 3), math.log(1 / 6)])
+    assert torch.allclose(out, expected.expand(2, 3), atol=1e-6)
+    # tau scales the offsets; the logits pass through
+    half = LogitAdjustment(torch.tensor([0, 0, 1]), tau=0.5)(torch.tensor([[1.0, 2.0, 3.0]]))
+    assert torch.allclose(half, torch.tensor([[1.0, 2.0, 3.0]]) + 0.5 * expected, atol=1e-6)
+    # the cross-entropy of label 0 at zero logits: -log(1/2), not -log(1/3)
+    loss = nn.functional.cross_entropy(out[:1], torch.tensor([0]))
+    assert float(loss) == pytest.approx(math.log(2), abs=1e-6)
+    with pytest.raises(ValueError, match="label 3 is beyond the model's 3 outputs"):
+        LogitAdjustment(torch.tensor([3]), tau=1.0)(torch.zeros(1, 3))
+
+
+def test_logit_adjusted_training_takes_the_adjusted_gradient_and_spares_absent_classes():
+    """One SGD step by hand; and a class the node never sees is pushed down less."""
+    x = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.5, -1.0]], dtype=np.float32)
+    y = np.array([0, 1, 0, 0])  # class 2 absent
+    torch.manual_seed(0)
+    start, lr = nn.Linear(2, 3), 0.5
+    w = [p.detach().clone().requires_grad_(True) for p in start.parameters()]
+    offsets = torch.log(torch.tensor([4.0, 2.0, 1.0]) / 7)  # counts + 1, tau 1
+    logits = torch.as_tensor(x) @ w[0].T + w[1] + offsets
+    g = torch.autograd.grad(nn.functional.cross_entropy(logits, torch.as_tensor(y)), w)
+    expected = [wi.detach() - lr * gi for wi, gi in zip(w, g)]
+    model = nn.Linear(2, 3)
+    model.load_state_dict(start.state_dict())
+    train(model, x, y, TABULAR, epochs=1, batch_size=4, lr=lr, momentum=0.0, logit_adjust=1.0)
+    for p, e in zip(model.parameters(), expected):
+        assert torch.allclose(p.detach(), e, atol=1e-6)
+    plain = nn.Linear(2, 3)
+    plain.load_state_dict(start.state_dict())
+    train(plain, x, y, TABULAR, epochs=5, batch_size=4, lr=lr, momentum=0.0)
+    adjusted = nn.Linear(2, 3)
+    adjusted.load_state_dict(start.state_dict())
+    train(adjusted, x, y, TABULAR, epochs=5, batch_size=4, lr=lr, momentum=0.0,
+          logit_adjust=1.0)
+    kept, pushed = float(adjusted.bias[2].detach()), float(plain.bias[2].detach())
+    assert kept > pushed + 0.1  # the absent class is pushed down less
+
+
+def test_logit_adjust_is_checked_shown_and_travels_to_the_nodes():
+    with pytest.raises(UserError, match=r"--logit-adjust must be >= 0 and finite \(got -1.0\)"):
+        RunConfig().replace(logit_adjust=-1.0).validate()
+    config = RunConfig().replace(logit_adjust=1.0)
+    config.validate()
+    assert RunConfig.from_flat(config.to_flat()).train.logit_adjust == 1.0
+    meta = {"model": {"name": "mlp"}, "input": TABULAR, "classes": ["a", "b"]}
+
+    class Plain:
+        node_config: dict = {}
+        node_rule = None
+
+    record = TrainSettings.for_run(config, meta, Plain()).to_record()
+    assert TrainSettings.from_record(record).logit_adjust == 1.0
+    record["logit-adjust"] = float("inf")
+    with pytest.raises(ValueError, match="'logit-adjust' must be >= 0 and finite"):
+        TrainSettings.from_record(record)
+    del record["logit-adjust"]  # a coordinator that sends none: the plain loss
+    assert TrainSettings.from_record(record).logit_adjust == 0.0
+    assert _recipe(config, TABULAR) == ", logit adjustment 1"
