@@ -242,15 +242,16 @@ def test_server_optimiser_and_fedprox_runs(tmp_path, no_leaks):
         accs = [r["accuracy"] for r in res.rounds]
         assert accs[-1] > accs[0] and accs[-1] > 0.8, (name, accs)
         assert json.loads((res.output / "model.json").read_text())["strategy"] == name
-    # the node recipe: augmented batches, a cosine schedule, a per-round decay and SAM on
-    # the nodes, not at evaluation
+    # the node recipe: augmented batches, a cosine schedule, a per-round decay, SAM and the
+    # logit-adjusted loss on the nodes, not at evaluation
     res = fedavg.simulate(rounds=4, num_nodes=3, augment=True, lr_schedule="cosine",
-                          lr_decay=0.9, sam_rho=0.05, output=tmp_path / "recipe")
+                          lr_decay=0.9, sam_rho=0.05, logit_adjust=1.0,
+                          output=tmp_path / "recipe")
     accs = [r["accuracy"] for r in res.rounds]
     assert accs[-1] > accs[0] and accs[-1] > 0.5, accs
     train = json.loads(res.summary_path.read_text())["config"]["train"]
-    assert (train["augment"], train["lr_schedule"], train["lr_decay"], train["sam_rho"]) == (
-        True, "cosine", 0.9, 0.05)
+    assert (train["augment"], train["lr_schedule"], train["lr_decay"], train["sam_rho"],
+            train["logit_adjust"]) == (True, "cosine", 0.9, 0.05, 1.0)
     assert fedavg.evaluate_model(res.model_dir)["accuracy"] == pytest.approx(res.accuracy)
 
 
