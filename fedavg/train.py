@@ -168,7 +168,8 @@ def train(
                     sched.step()
                 total, count, steps = total + loss * len(idx), count + len(idx), steps + 1
     if count and not math.isfinite(total):
-        raise FloatingPointError(_diverged(total / count, rule, sam_rho, proximal_mu))
+        raise FloatingPointError(_diverged(total / count, rule, sam_rho, proximal_mu,
+                                           logit_adjust))
     return {"train_loss": total / max(count, 1), "num_examples": int(len(yt)), "steps": steps}
 
 
@@ -193,11 +194,13 @@ def _batchnorms(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
-def _diverged(loss: float, rule, sam_rho: float, proximal_mu: float = 0.0) -> str:
+def _diverged(loss: float, rule, sam_rho: float, proximal_mu: float = 0.0,
+              logit_adjust: float = 0.0) -> str:
     """Say that training diverged and what to change: the rates, or the method's options."""
     own = [] if rule is None else ["--" + k.replace("_", "-") for k in rule.options]
     own += ["--mu"] if proximal_mu > 0 else []  # FedProx's proximal term
-    lower = "--lr or --sam-rho" if sam_rho > 0 else "--lr"
+    rates = ["--lr"] + ["--sam-rho"] * (sam_rho > 0) + ["--logit-adjust"] * (logit_adjust > 0)
+    lower = " or ".join(rates) if len(rates) < 3 else f"{', '.join(rates[:-1])} or {rates[-1]}"
     return f"training diverged (loss {loss}); lower {lower}" + (
         f" or check {', '.join(own)}" if own else "")
 

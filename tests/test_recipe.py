@@ -345,3 +345,35 @@ def test_logit_adjust_is_checked_shown_and_travels_to_the_nodes():
     del record["logit-adjust"]  # a coordinator that sends none: the plain loss
     assert TrainSettings.from_record(record).logit_adjust == 0.0
     assert _recipe(config, TABULAR) == ", logit adjustment 1"
+
+
+def test_logit_adjust_notes_nodes_that_hold_one_or_two_labels():
+    """The prior alone nearly fits such a node's data: the plan says so, naming how many."""
+    from types import SimpleNamespace
+
+    from fedavg.display import logit_adjust_note
+
+    y = np.array([0] * 10 + [1] * 10 + [2] * 10 + [0, 1, 2] * 10)
+    parts = [np.arange(0, 10),  # one label
+             np.arange(10, 30),  # two labels, 10 each
+             np.concatenate([np.arange(0, 19), [32]]),  # 10 + 9 of 20 in two labels: 95 %
+             np.arange(30, 60)]  # three labels, a third each
+    prepared = SimpleNamespace(data=SimpleNamespace(train=SimpleNamespace(y=y),
+                                                    classes=["a", "b", "c"]), parts=parts)
+    on = RunConfig().replace(logit_adjust=0.5)
+    assert logit_adjust_note(prepared, on) == (
+        "--logit-adjust 0.5: 3 of 4 nodes hold one or two labels for 95% or more of their "
+        "samples; there the label prior alone nearly fits a node's data and it learns little: "
+        "lower it (0.1) or leave it off")
+    assert logit_adjust_note(prepared, RunConfig()) is None  # off: no note
+    prepared.parts = parts[3:]
+    assert logit_adjust_note(prepared, on) is None  # every label on every node
+
+
+def test_a_diverged_run_names_logit_adjust_as_a_remedy():
+    x = np.array([[np.inf, -1.0], [0.5, 2.0]], dtype=np.float32)  # a NaN loss at once
+    y = np.array([0, 1])
+    with pytest.raises(FloatingPointError, match=r"lower --lr or --logit-adjust$"):
+        train(nn.Linear(2, 2), x, y, TABULAR, batch_size=2, logit_adjust=1.0)
+    with pytest.raises(FloatingPointError, match=r"lower --lr, --sam-rho or --logit-adjust$"):
+        train(nn.Linear(2, 2), x, y, TABULAR, batch_size=2, sam_rho=0.05, logit_adjust=1.0)
