@@ -58,8 +58,9 @@ def convert(key: str, value: Any, f: dataclasses.Field, hint: Any) -> Any:
         if kind is float and isinstance(value, bool):
             raise ValueError(value)
         return kind(value)
-    except (TypeError, ValueError):
-        raise UserError(f"setting {key!r} expects {kind.__name__}, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond a float
+        shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:57]}..."
+        raise UserError(f"setting {key!r} expects {kind.__name__}, got {shown}") from None
 
 
 def model_args_value(value: Any) -> dict[str, Any]:

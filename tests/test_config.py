@@ -94,6 +94,7 @@ def test_strategy_option_values_are_checked_when_built():
     ({"num-nodes": 1.5}, "expects int"),
     ({"num-nodes": True}, "expects int"),
     ({"lr": True}, "expects float"),
+    ({"logit-adjust": 2 ** 1100}, r"expects float, got 1358\d{53}\.\.\.$"),  # beyond a float
     ({"save-node-models": 2}, "expects bool"),
     ({"dataset": ""}, "needs a value"),
     ({"num-malicious": 1.5}, "expects int"),
