@@ -111,16 +111,14 @@ def train(
     ----------
     model : torch.nn.Module
         Maps ``(N, *input_shape)`` normalised floats to ``(N, K)`` logits.
-    x : array
-        ``(N, C, H, W)`` or ``(N, D)`` raw inputs (see :func:`fedavg.data.normalize`).
-    y : array
-        ``(N,)`` int64 labels.
+    x, y : array
+        ``(N, C, H, W)`` or ``(N, D)`` raw inputs (:func:`fedavg.data.normalize`); ``(N,)`` labels.
     input_spec : dict
         Normalisation, :meth:`fedavg.data.LoadedData.input_spec`.
     epochs, batch_size, lr, momentum, weight_decay
-        SGD settings (``lr`` per step, ``epochs`` passes over the data).
-    device : str or torch.device
-        Where to train. ``seed``: seed of the batch order and of the augmentations.
+        Passes over the data, samples per step, and the optimizer's settings.
+    device, seed
+        Where to train; the seed of the batch order and of the augmentations.
     proximal_mu : float
         FedProx (Li et al. 2020, arXiv:1812.06127): adds ``mu/2 * ||w - w_start||^2`` to
         the loss, ``w_start`` being the weights the node received. 0 is plain SGD.
@@ -130,22 +128,19 @@ def train(
     lr_schedule, augment
         ``constant``, ``cosine`` or ``step`` over this call's steps; augment each batch with
         the default of its kind of input (both :mod:`fedavg.recipe`).
-    sam_rho : float
-        SAM's radius: each step's gradient is taken at ``w + rho * g / ||g||`` (FedSAM on the
-        nodes, :func:`sharpness_aware_gradient`; twice a step's cost). 0 is plain SGD.
-    logit_adjust : float
-        ``tau`` of the logit-adjusted loss with the partition's label frequencies
-        (:class:`fedavg.recipe.LogitAdjustment`, Menon et al. 2021). 0 is the plain
-        cross-entropy.
+    sam_rho, logit_adjust : float
+        SAM's radius, each step's gradient taken at ``w + rho * g / ||g||`` (FedSAM on the
+        nodes, :func:`sharpness_aware_gradient`; twice a step's cost), and ``tau`` of the
+        logit-adjusted loss with the partition's label frequencies (Menon et al. 2021,
+        :class:`fedavg.recipe.LogitAdjustment`). 0: off.
     rule : strategies.NodeRule, optional
         A method's node side, begun: its ``loss`` joins each batch's, ``before_step`` runs.
 
     Returns
     -------
     dict
-        ``train_loss`` (mean cross-entropy over all steps, nats, without the proximal
-        term or the rule's; of the adjusted logits with ``logit_adjust``), ``num_examples``
-        (samples in the partition), ``steps``.
+        ``train_loss`` (mean cross-entropy of the (adjusted) logits over all steps, nats,
+        without the proximal term or the rule's), ``num_examples`` (samples), ``steps``.
     """
     model.to(device).train()
     xt, yt = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.long)
@@ -153,9 +148,7 @@ def train(
     sched = make_scheduler(opt, lr_schedule, epochs * math.ceil(len(yt) / batch_size))
     aug = augmenter(input_spec) if augment else None
     g = torch.Generator().manual_seed(seed)
-    anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
-    adjust = LogitAdjustment(yt, logit_adjust) if logit_adjust > 0 else None
-    extras = (anchor, proximal_mu, rule, sam_rho, adjust)
+    extras = _extras(model, yt, proximal_mu, rule, sam_rho, logit_adjust)
     smallest = 2 if _batchnorms(model) else 1  # BatchNorm cannot train on one sample
     total = count = steps = 0
     with torch.random.fork_rng(devices=[]):
@@ -168,8 +161,7 @@ def train(
                     sched.step()
                 total, count, steps = total + loss * len(idx), count + len(idx), steps + 1
     if count and not math.isfinite(total):
-        raise FloatingPointError(_diverged(total / count, rule, sam_rho, proximal_mu,
-                                           logit_adjust))
+        raise FloatingPointError(_diverged(total / count, *extras))
     return {"train_loss": total / max(count, 1), "num_examples": int(len(yt)), "steps": steps}
 
 
@@ -194,12 +186,20 @@ def _batchnorms(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
-def _diverged(loss: float, rule, sam_rho: float, proximal_mu: float = 0.0,
-              logit_adjust: float = 0.0) -> str:
+def _extras(model: nn.Module, yt: torch.Tensor, proximal_mu: float, rule, sam_rho: float,
+            logit_adjust: float) -> tuple:
+    """Return what :func:`_step` takes beyond the batch: the proximal anchor, SAM, the rest."""
+    anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
+    adjust = LogitAdjustment(yt, logit_adjust) if logit_adjust > 0 else None
+    return anchor, proximal_mu, rule, sam_rho, adjust
+
+
+def _diverged(loss: float, anchor, proximal_mu: float, rule, sam_rho: float,
+              adjust=None) -> str:
     """Say that training diverged and what to change: the rates, or the method's options."""
     own = [] if rule is None else ["--" + k.replace("_", "-") for k in rule.options]
     own += ["--mu"] if proximal_mu > 0 else []  # FedProx's proximal term
-    rates = ["--lr"] + ["--sam-rho"] * (sam_rho > 0) + ["--logit-adjust"] * (logit_adjust > 0)
+    rates = ["--lr"] + ["--sam-rho"] * (sam_rho > 0) + ["--logit-adjust"] * (adjust is not None)
     lower = " or ".join(rates) if len(rates) < 3 else f"{', '.join(rates[:-1])} or {rates[-1]}"
     return f"training diverged (loss {loss}); lower {lower}" + (
         f" or check {', '.join(own)}" if own else "")
