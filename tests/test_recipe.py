@@ -246,12 +246,17 @@ def test_train_with_sam_steps_with_the_gradient_at_the_perturbed_weights():
     assert not torch.allclose(plain.weight, model.weight, atol=1e-4)  # SAM changed the step
 
 
-def test_sam_rho_is_checked_and_travels_to_the_nodes():
-    with pytest.raises(UserError, match=r"--sam-rho must be >= 0 and finite \(got -0.1\)"):
-        RunConfig().replace(sam_rho=-0.1).validate()
-    config = RunConfig().replace(sam_rho=0.05)
+@pytest.mark.parametrize("key, value, bad, shown", [
+    ("sam-rho", 0.05, float("nan"), ", SAM rho 0.05"),
+    ("logit-adjust", 1.0, float("inf"), ", logit adjustment 1"),
+])
+def test_a_node_recipe_value_is_checked_shown_and_travels_to_the_nodes(key, value, bad, shown):
+    name = key.replace("-", "_")
+    with pytest.raises(UserError, match=rf"--{key} must be >= 0 and finite \(got -0.1\)"):
+        RunConfig().replace(**{name: -0.1}).validate()
+    config = RunConfig().replace(**{name: value})
     config.validate()
-    assert RunConfig.from_flat(config.to_flat()).train.sam_rho == 0.05
+    assert getattr(RunConfig.from_flat(config.to_flat()).train, name) == value
     meta = {"model": {"name": "mlp"}, "input": TABULAR, "classes": ["a", "b"]}
 
     class Plain:
@@ -259,13 +264,13 @@ def test_sam_rho_is_checked_and_travels_to_the_nodes():
         node_rule = None
 
     record = TrainSettings.for_run(config, meta, Plain()).to_record()
-    assert TrainSettings.from_record(record).sam_rho == 0.05
-    record["sam-rho"] = float("nan")
-    with pytest.raises(ValueError, match="'sam-rho' must be >= 0 and finite"):
+    assert getattr(TrainSettings.from_record(record), name) == value
+    record[key] = bad
+    with pytest.raises(ValueError, match=f"'{key}' must be >= 0 and finite"):
         TrainSettings.from_record(record)
-    del record["sam-rho"]  # a coordinator that sends none: plain steps
-    assert TrainSettings.from_record(record).sam_rho == 0.0
-    assert _recipe(config, TABULAR) == ", SAM rho 0.05"
+    del record[key]  # a coordinator that sends none: plain steps, the plain loss
+    assert getattr(TrainSettings.from_record(record), name) == 0.0
+    assert _recipe(config, TABULAR) == shown
 
 
 def test_a_diverged_sam_run_names_sam_rho_as_a_remedy():
@@ -323,28 +328,6 @@ def test_logit_adjusted_training_takes_the_adjusted_gradient_and_spares_absent_c
           logit_adjust=1.0)
     kept, pushed = float(adjusted.bias[2].detach()), float(plain.bias[2].detach())
     assert kept > pushed + 0.1  # the absent class is pushed down less
-
-
-def test_logit_adjust_is_checked_shown_and_travels_to_the_nodes():
-    with pytest.raises(UserError, match=r"--logit-adjust must be >= 0 and finite \(got -1.0\)"):
-        RunConfig().replace(logit_adjust=-1.0).validate()
-    config = RunConfig().replace(logit_adjust=1.0)
-    config.validate()
-    assert RunConfig.from_flat(config.to_flat()).train.logit_adjust == 1.0
-    meta = {"model": {"name": "mlp"}, "input": TABULAR, "classes": ["a", "b"]}
-
-    class Plain:
-        node_config: dict = {}
-        node_rule = None
-
-    record = TrainSettings.for_run(config, meta, Plain()).to_record()
-    assert TrainSettings.from_record(record).logit_adjust == 1.0
-    record["logit-adjust"] = float("inf")
-    with pytest.raises(ValueError, match="'logit-adjust' must be >= 0 and finite"):
-        TrainSettings.from_record(record)
-    del record["logit-adjust"]  # a coordinator that sends none: the plain loss
-    assert TrainSettings.from_record(record).logit_adjust == 0.0
-    assert _recipe(config, TABULAR) == ", logit adjustment 1"
 
 
 def test_logit_adjust_notes_nodes_that_hold_one_or_two_labels():
