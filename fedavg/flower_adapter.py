@@ -169,8 +169,11 @@ class _RoundTally:
         nodes: dict[str, list[int]] = {}
         for node, reason in self.reasons:
             nodes.setdefault(reason, []).append(node)
+        groups = list(nodes.items())
         parts = [f"node {ids[0]}: {why}" if len(ids) == 1 else f"{len(ids)} nodes: {why}"
-                 for why, ids in list(nodes.items())[:most]]
+                 for why, ids in groups[:most]]
+        if rest := sum(len(ids) for _, ids in groups[most:]):
+            parts.append(f"and {rest} more node{'s' if rest > 1 else ''}")
         return "; ".join(parts) or "no replies before --round-timeout"
 
     def add(self, weight: float, metrics: MetricRecord) -> None:

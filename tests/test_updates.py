@@ -177,3 +177,20 @@ def test_a_round_is_folded_in_partition_order_whatever_the_arrival(task_identity
     assert not all(torch.equal(streamed[0], s) for s in streamed)
     expected = sum((7 + p) * models[p].double() for p in range(4)) / sum(7 + p for p in range(4))
     assert torch.allclose(held[0].double(), expected, rtol=1e-6, atol=1e-3)
+
+
+def test_a_round_failure_line_counts_the_nodes_it_does_not_name():
+    """Four nodes refused for four different norms: three named, the fourth counted."""
+    from fedavg.flower_adapter import _RoundTally
+
+    tally = _RoundTally()
+    for node, norm in enumerate((1.5, 2.5, 3.5, 4.5)):
+        tally.reasons.append((node, f"update norm {norm} exceeds --max-update-norm 0.5"))
+    assert tally.detail() == (
+        "node 0: update norm 1.5 exceeds --max-update-norm 0.5; node 1: update norm 2.5 "
+        "exceeds --max-update-norm 0.5; node 2: update norm 3.5 exceeds --max-update-norm "
+        "0.5; and 1 more node")
+    tally.reasons += [(4, "timeout"), (5, "timeout")]
+    assert tally.detail().endswith("; and 3 more nodes")
+    tally.reasons = [(0, "shape"), (1, "shape")]
+    assert tally.detail() == "2 nodes: shape"
