@@ -21,7 +21,7 @@ prediction and merging never see augmented inputs.
 - ``--logit-adjust TAU``: the logit-adjusted loss (Menon et al. 2021, arXiv:2007.07314) with
   each node's own label frequencies (:class:`LogitAdjustment`), against label skew: a node's
   loss no longer pushes down the classes it rarely or never sees, which the other nodes
-  learn (the idea of FedLC, Zhang et al. 2022, arXiv:2209.00189, and FedRS, Li and Zhan
+  learn (the idea of FedLC, Zhang et al., ICML 2022, and FedRS, Li and Zhan, KDD
   2021). Predictions and evaluation use the plain logits.
 """
 
