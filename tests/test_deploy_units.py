@@ -875,3 +875,37 @@ def test_a_flower_log_folder_that_is_not_there_is_one_line(tmp_path, monkeypatch
         with pytest.raises(UserError, match=f"^FEDAVG_FLOWER_LOG={where}: {why}; give an "
                                             "existing folder or unset it$"):
             FlowerProcess("superlink", ["--help"], dict(os.environ))
+
+
+def test_an_end_notice_acknowledged_too_late_is_not_a_failed_task(tmp_path, monkeypatch):
+    """A node's acknowledgement of the run's end that cannot be delivered is no failure.
+
+    Under load the coordinator may stop waiting for acknowledgements of its end notice
+    (``announce_end``) before a node's arrives; the node's push then fails. The run's work
+    was delivered before: a ``--once`` node exits 0. A train reply that is lost still counts.
+    """
+    from types import SimpleNamespace
+
+    from fedavg import flower_compat
+    from fedavg.deployment import node as node_module
+
+    monkeypatch.setattr(node_module.time, "sleep", lambda s: None)
+    node, said = _node(tmp_path, once=True)
+    node.proc, node.endpoint = SimpleNamespace(alive=lambda: True), None
+    undelivered = f"{flower_compat.UNDELIVERED} (ObjectPushError)"
+    answers = iter([None, undelivered])  # a train round delivered, then the end notice
+
+    def task(endpoint, token, app):
+        if token == "end":
+            node.finished_runs.add(7)  # as the app notes the end notice
+        return next(answers)
+
+    monkeypatch.setattr(flower_compat, "run_client_task", task)
+    node.run_task("train", SimpleNamespace(run_id=7))
+    node.run_task("end", SimpleNamespace(run_id=7))
+    assert node.tasks == 2 and node.task_failures == []
+    assert node.finished() is True and said[-1] == "run 7 finished; exiting (--once)"
+    node.finished_runs.clear()  # a train reply lost before the end: a failed task
+    monkeypatch.setattr(flower_compat, "run_client_task", lambda *a: undelivered)
+    node.run_task("train", SimpleNamespace(run_id=8))
+    assert node.task_failures == [undelivered]

@@ -206,6 +206,12 @@ class _Node(SuperNode):
             return
         failure = result[0] if result else "the task stopped"
         self.tasks += 1
+        if failure is not None and failure.startswith(flower_compat.UNDELIVERED) \
+                and int(task.run_id) in self.finished_runs:
+            # the run's end notice, acknowledged after the coordinator stopped waiting for
+            # acknowledgements (announce_end): the run's work was delivered before it
+            log.debug("end notice of run %s: %s", task.run_id, failure)
+            failure = None
         if failure is not None:
             self.task_failures.append(failure)
             self.say(f"[red]run {task.run_id}: task failed, reported to the coordinator:[/] "

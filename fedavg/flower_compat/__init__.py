@@ -66,6 +66,7 @@ from fedavg.flower_compat.logs import (
 from fedavg.flower_compat.tasks import (
     CLIENT_TASK,
     SERVER_TASK,
+    UNDELIVERED,
     Endpoint,
     TaskSource,
     run_client_task,
@@ -90,6 +91,7 @@ __all__ = [
     "Endpoint",
     "SuperNodeLine",
     "TaskSource",
+    "UNDELIVERED",
     "check_flower_internals",
     "check_ray_internals",
     "control_client",

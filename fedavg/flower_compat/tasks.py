@@ -36,6 +36,10 @@ class Endpoint:
         return self.root_certificates is None
 
 
+#: How :func:`run_client_task` begins a failure to deliver a task's reply.
+UNDELIVERED = "the reply could not be delivered"
+
+
 def _runtime_client(endpoint: Endpoint, interceptors: list, tries: int, seconds: float):
     """Connect to a runtime API, giving up after ``tries`` / ``seconds``.
 
@@ -185,7 +189,7 @@ def run_client_task(endpoint: Endpoint, token: str, app) -> str | None:
             push_task_output(client, context, status, details)
         except Exception as exc:  # noqa: BLE001 - the SuperNode voided the task or went away
             log.debug("could not deliver the task's reply: %s", exc)
-            failure = failure or f"the reply could not be delivered ({type(exc).__name__})"
+            failure = failure or f"{UNDELIVERED} ({type(exc).__name__})"
         finally:
             heartbeat.stop()
             client.close()
