@@ -161,7 +161,7 @@ def train(
                     sched.step()
                 total, count, steps = total + loss * len(idx), count + len(idx), steps + 1
     if count and not math.isfinite(total):
-        raise FloatingPointError(_diverged(total / count, *extras))
+        raise FloatingPointError(_diverged(total / count, *extras[1:]))
     return {"train_loss": total / max(count, 1), "num_examples": int(len(yt)), "steps": steps}
 
 
@@ -194,8 +194,7 @@ def _extras(model: nn.Module, yt: torch.Tensor, proximal_mu: float, rule, sam_rh
     return anchor, proximal_mu, rule, sam_rho, adjust
 
 
-def _diverged(loss: float, anchor, proximal_mu: float, rule, sam_rho: float,
-              adjust=None) -> str:
+def _diverged(loss: float, proximal_mu: float, rule, sam_rho: float, adjust=None) -> str:
     """Say that training diverged and what to change: the rates, or the method's options."""
     own = [] if rule is None else ["--" + k.replace("_", "-") for k in rule.options]
     own += ["--mu"] if proximal_mu > 0 else []  # FedProx's proximal term
