@@ -42,12 +42,16 @@ def reporter(console, insecure: bool = False) -> Callable[[str], None]:
     return say
 
 
-def partition_table(prepared: Prepared, max_rows: int = 12):
-    """Return a rich Table: samples per node and label spread (at most ``max_rows`` rows)."""
+def partition_table(prepared: Prepared, max_rows: int = 12, counts: np.ndarray | None = None):
+    """Return a rich Table: samples per node and label spread (at most ``max_rows`` rows).
+
+    ``counts``: the ``(nodes, classes)`` label counts when the caller has them already.
+    """
     from rich.table import Table
 
     classes = prepared.data.classes
-    counts = label_counts(prepared.data.train.y, prepared.parts, len(classes))
+    if counts is None:
+        counts = label_counts(prepared.data.train.y, prepared.parts, len(classes))
     partitioner = prepared.meta["config"]["data"]["partitioner"]
     values = natural_values(prepared)
     table = Table(title=f"{len(prepared.parts)} nodes, {partitioner} partition of "
@@ -104,8 +108,9 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     if not table:
         return
-    console.print(partition_table(prepared))
-    if note := logit_adjust_note(prepared, config):
+    counts = label_counts(prepared.data.train.y, prepared.parts, len(prepared.data.classes))
+    console.print(partition_table(prepared, counts=counts))
+    if note := logit_adjust_note(counts, config):
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     tok = prepared.data.tokenizer
     inputs = (f"texts of {prepared.spec.input_shape[0]} tokens ({tok.kind} tokenizer, "
@@ -126,23 +131,23 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
 NARROW_SHARE = 0.95
 
 
-def logit_adjust_note(prepared: Prepared, config: RunConfig) -> str | None:
+def logit_adjust_note(counts: np.ndarray, config: RunConfig) -> str | None:
     """Warn when ``--logit-adjust`` meets nodes that hold (almost) only one or two labels.
 
     On such a node the prior term ``tau * log(prior)`` (:class:`fedavg.recipe.LogitAdjustment`)
     already ranks the node's labels first, so its loss starts near 0 and the node learns
     little (``--partitioner pathological --classes-per-node 1`` on digits, 10 nodes, 5
-    rounds: 0.17 accuracy against 0.83 without it). ``None`` when it is off or no node is
+    rounds: 0.17 accuracy against 0.83 without it). ``counts``: ``(nodes, classes)`` label
+    counts (:func:`fedavg.partition.label_counts`). ``None`` when it is off or no node is
     narrow (:data:`NARROW_SHARE`).
     """
-    if config.train.logit_adjust <= 0 or not prepared.parts:
+    if config.train.logit_adjust <= 0 or not len(counts):
         return None
-    counts = label_counts(prepared.data.train.y, prepared.parts, len(prepared.data.classes))
     top2 = np.sort(counts, axis=1)[:, -2:].sum(axis=1)
     narrow = int(((top2 >= NARROW_SHARE * counts.sum(axis=1)) & (counts.sum(axis=1) > 0)).sum())
     if not narrow:
         return None
-    return (f"--logit-adjust {config.train.logit_adjust:g}: {narrow} of {len(prepared.parts)} "
+    return (f"--logit-adjust {config.train.logit_adjust:g}: {narrow} of {len(counts)} "
             f"nodes hold one or two labels for {NARROW_SHARE:.0%} or more of their samples; "
             "there the label prior alone nearly fits a node's data and it learns little: "
             "lower it (0.1) or leave it off")

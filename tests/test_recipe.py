@@ -332,25 +332,22 @@ def test_logit_adjusted_training_takes_the_adjusted_gradient_and_spares_absent_c
 
 def test_logit_adjust_notes_nodes_that_hold_one_or_two_labels():
     """The prior alone nearly fits such a node's data: the plan says so, naming how many."""
-    from types import SimpleNamespace
-
     from fedavg.display import logit_adjust_note
+    from fedavg.partition import label_counts
 
     y = np.array([0] * 10 + [1] * 10 + [2] * 10 + [0, 1, 2] * 10)
     parts = [np.arange(0, 10),  # one label
              np.arange(10, 30),  # two labels, 10 each
              np.concatenate([np.arange(0, 19), [32]]),  # 10 + 9 of 20 in two labels: 95 %
              np.arange(30, 60)]  # three labels, a third each
-    prepared = SimpleNamespace(data=SimpleNamespace(train=SimpleNamespace(y=y),
-                                                    classes=["a", "b", "c"]), parts=parts)
+    counts = label_counts(y, parts, 3)
     on = RunConfig().replace(logit_adjust=0.5)
-    assert logit_adjust_note(prepared, on) == (
+    assert logit_adjust_note(counts, on) == (
         "--logit-adjust 0.5: 3 of 4 nodes hold one or two labels for 95% or more of their "
         "samples; there the label prior alone nearly fits a node's data and it learns little: "
         "lower it (0.1) or leave it off")
-    assert logit_adjust_note(prepared, RunConfig()) is None  # off: no note
-    prepared.parts = parts[3:]
-    assert logit_adjust_note(prepared, on) is None  # every label on every node
+    assert logit_adjust_note(counts, RunConfig()) is None  # off: no note
+    assert logit_adjust_note(counts[3:], on) is None  # every label on every node
 
 
 def test_a_diverged_run_names_logit_adjust_as_a_remedy():
