@@ -26,6 +26,12 @@ round 1 (which also starts Ray's node actors), the median later round, and the e
 evaluation to the command's exit). The machine's limit is the one-thread training throughput
 of the same network (samples per second, measured here first) times the cores; each leg's
 throughput is its sample-epochs over its whole wall time.
+
+With ``--repeats K`` every leg runs K times, the legs in the order above, then reversed, and
+so on (each leg as often early as late), and each figure is the median of its K runs; the
+walls of every run are printed too. One run of each can be off by several seconds on a
+shared machine (the first round of any leg, plain PyTorch's included, was 1-8 s slower than
+its later rounds in one run).
 """
 
 from __future__ import annotations
@@ -216,6 +222,11 @@ def run_torch(dataset: str, rounds: int, tmp: Path) -> dict:
     return {**phases(launched, ended, stamps[:-1], stamps[1:]), "accuracy": got["accuracy"]}
 
 
+def medians(runs: list[dict]) -> dict:
+    """Each figure of a leg's runs (``phases`` and ``accuracy``): its median over the runs."""
+    return {key: round(statistics.median(r[key] for r in runs), 4) for key in runs[0]}
+
+
 def table(result: dict) -> str:
     """Format the legs side by side: throughput against the machine's limit, the ratios."""
     limit, work = result["limit_samples_s"], result["sample_epochs"]
@@ -230,6 +241,10 @@ def table(result: dict) -> str:
                     f"{leg['round1_s']:>9.1f}  {leg['round_s']:>7.1f}  {leg['end_s']:>5.1f}  "
                     f"{leg['accuracy']:>8.4f}  {work / leg['wall_s']:>9.0f}  "
                     f"{work / leg['wall_s'] / limit:>8.1%}")
+    if any(len(walls) > 1 for walls in result.get("walls_s", {}).values()):
+        rows.append("medians of " + "; ".join(
+            f"{name} {', '.join(f'{w:.1f}' for w in walls)}"
+            for name, walls in result["walls_s"].items()) + " (wall s of each run)")
     ours = result["fedavg"]["wall_s"]
     rows.append(f"fedavg / plain Flower: {ours / result['flower']['wall_s']:.2f}; "
                 f"fedavg / plain PyTorch: {ours / result['pytorch']['wall_s']:.2f}; "
@@ -245,18 +260,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", default=str(ROOT.parent / "shared" / "data" / "mnist"))
     parser.add_argument("--nodes", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each leg, in alternating order; medians are reported")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--torch-leg", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.torch_leg:
         torch_leg(args.dataset, args.rounds)
         return 0
-    if args.rounds < 2 or args.nodes < 1:
-        parser.error("--rounds must be >= 2 (round 1 is reported apart) and --nodes >= 1")
+    if args.rounds < 2 or args.nodes < 1 or args.repeats < 1:
+        parser.error("--rounds must be >= 2 (round 1 is reported apart), --nodes and "
+                     "--repeats >= 1")
     if not Path(args.dataset).is_dir():
         parser.error(f"no dataset folder {args.dataset} (give --dataset)")
     tmp = Path(tempfile.mkdtemp(prefix="fedavg-bench-", dir="/tmp"))
     result: dict = {}
+    runs: dict[str, list[dict]] = {}
     try:
         import datasets
 
@@ -273,11 +292,15 @@ def main(argv: list[str] | None = None) -> int:
                                                 cores)),
                 ("flower", lambda: run_flower(args.dataset, args.nodes, args.rounds, tmp)),
                 ("pytorch", lambda: run_torch(args.dataset, args.rounds, tmp)))
-        for name, leg in legs:
-            result[name] = leg()
-            print(f"{name}: {result[name]['wall_s']:.1f} s", flush=True)
+        runs.update({name: [] for name, _ in legs})
+        for repeat in range(args.repeats):
+            for name, leg in (legs if repeat % 2 == 0 else legs[::-1]):
+                runs[name].append(leg())
+                print(f"{name}: {runs[name][-1]['wall_s']:.1f} s", flush=True)
+        result.update({name: medians(got) for name, got in runs.items()})
+        result["walls_s"] = {name: [r["wall_s"] for r in got] for name, got in runs.items()}
     except (RuntimeError, ValueError, OSError) as exc:  # a leg or the dataset failed
-        done = {k: v["wall_s"] for k, v in result.items() if isinstance(v, dict)}
+        done = {k: [r["wall_s"] for r in v] for k, v in runs.items() if v}
         print(f"error: {str(exc).strip().splitlines()[-1]} (legs done: {done})",
               file=sys.stderr)
         return 1

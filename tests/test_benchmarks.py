@@ -31,6 +31,23 @@ def test_phases_split_a_wall_time_into_start_up_rounds_and_end():
                    "end_s": 2.0}
 
 
+def test_repeated_legs_report_the_median_of_each_figure_and_every_wall():
+    runs = [{"wall_s": 10.0, "round_s": 2.0, "accuracy": 0.9},
+            {"wall_s": 14.0, "round_s": 2.5, "accuracy": 0.8},
+            {"wall_s": 12.0, "round_s": 3.0, "accuracy": 0.85}]
+    assert bench_overhead.medians(runs) == {"wall_s": 12.0, "round_s": 2.5, "accuracy": 0.85}
+    leg = {"wall_s": 12.0, "startup_s": 1.0, "round1_s": 4.0, "round_s": 2.5, "end_s": 0.5,
+           "accuracy": 0.85}
+    result = {"one_thread_samples_s": 1000.0, "cores": 2, "limit_samples_s": 2000.0,
+              "sample_epochs": 20000, "fedavg": leg, "fedavg-1": leg, "flower": leg,
+              "pytorch": {**leg, "wall_s": 24.0},
+              "walls_s": {"fedavg": [10.0, 14.0, 12.0], "fedavg-1": [12.0],
+                          "flower": [12.0], "pytorch": [24.0]}}
+    text = bench_overhead.table(result)
+    assert "fedavg 10.0, 14.0, 12.0;" in text
+    assert "fedavg / plain Flower: 1.00; fedavg / plain PyTorch: 0.50" in text
+
+
 def test_scale_points_parse_and_bad_ones_are_one_line():
     assert bench_scale.parse_points("10:digits,10000:../data/mnist") == [
         (10, "digits"), (10000, "../data/mnist")]
