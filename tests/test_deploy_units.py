@@ -909,3 +909,15 @@ def test_an_end_notice_acknowledged_too_late_is_not_a_failed_task(tmp_path, monk
     monkeypatch.setattr(flower_compat, "run_client_task", lambda *a: undelivered)
     node.run_task("train", SimpleNamespace(run_id=8))
     assert node.task_failures == [undelivered]
+
+
+def test_a_node_says_which_device_auto_stands_for():
+    import torch
+
+    from fedavg.deployment.node_options import describe_node
+
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    line = describe_node("digits", 0, 2, "auto", 1, None, "127.0.0.1:9092", tls=True)
+    assert f", device auto ({here}), 1 CPU thread(s)" in line
+    line = describe_node("digits", None, None, "cpu", 2, None, "127.0.0.1:9092", tls=False)
+    assert ", device cpu, 2 CPU thread(s)" in line and line.endswith("(NO TLS)")

@@ -98,7 +98,14 @@ def node_config(dataset: str, device: str, partition_id: int | None,
 def describe_node(dataset: str, partition_id: int | None, num_partitions: int | None,
                   device: str, threads: int, model: str | None, address: str,
                   tls: bool) -> str:
-    """Say what the node trains on (data, device, CPU threads, model code) and where to."""
+    """Say what the node trains on (data, device, CPU threads, model code) and where to.
+
+    ``auto`` is shown with the device it stands for here: ``device auto (cpu)``.
+    """
+    from fedavg.train import resolve_device
+
+    if device == "auto":
+        device = f"auto ({resolve_device(device)})"
     return (f"node: data [bold]{dataset}[/]"
             + (f" partition {partition_id}/{num_partitions}" if partition_id is not None else "")
             + f", device {device}, {threads} CPU thread(s)"
