@@ -287,15 +287,17 @@ def main(argv: list[str] | None = None) -> int:
                   "limit_samples_s": round(one * cores, 1),
                   "sample_epochs": train_rows * args.rounds, "nodes": args.nodes,
                   "rounds": args.rounds}
-        legs = (("fedavg", lambda: run_fedavg(args.dataset, args.nodes, args.rounds, tmp)),
-                ("fedavg-1", lambda: run_fedavg(args.dataset, args.nodes, args.rounds, tmp,
-                                                cores)),
-                ("flower", lambda: run_flower(args.dataset, args.nodes, args.rounds, tmp)),
-                ("pytorch", lambda: run_torch(args.dataset, args.rounds, tmp)))
+        legs = (("fedavg", lambda d: run_fedavg(args.dataset, args.nodes, args.rounds, d)),
+                ("fedavg-1", lambda d: run_fedavg(args.dataset, args.nodes, args.rounds, d,
+                                                  cores)),
+                ("flower", lambda d: run_flower(args.dataset, args.nodes, args.rounds, d)),
+                ("pytorch", lambda d: run_torch(args.dataset, args.rounds, d)))
         runs.update({name: [] for name, _ in legs})
         for repeat in range(args.repeats):
             for name, leg in (legs if repeat % 2 == 0 else legs[::-1]):
-                runs[name].append(leg())
+                folder = tmp / f"{name}-{repeat + 1}"  # each run's files of its own
+                folder.mkdir()
+                runs[name].append(leg(folder))
                 print(f"{name}: {runs[name][-1]['wall_s']:.1f} s", flush=True)
         result.update({name: medians(got) for name, got in runs.items()})
         result["walls_s"] = {name: [r["wall_s"] for r in got] for name, got in runs.items()}

@@ -1,5 +1,6 @@
 """The benchmark scripts' own logic: the plain Flower baseline's model, phases, options."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -46,6 +47,45 @@ def test_repeated_legs_report_the_median_of_each_figure_and_every_wall():
     text = bench_overhead.table(result)
     assert "fedavg 10.0, 14.0, 12.0;" in text
     assert "fedavg / plain Flower: 1.00; fedavg / plain PyTorch: 0.50" in text
+
+
+def test_repeats_alternate_the_legs_each_run_in_a_folder_of_its_own(tmp_path, monkeypatch,
+                                                                    capsys):
+    import datasets
+
+    calls = []
+
+    def leg(name):
+        def run(*args):
+            folder = args[-2] if name == "fedavg-1" else args[-1]
+            assert folder.is_dir() and not any(folder.iterdir())  # fresh, empty
+            (folder / "flwr-home").mkdir()  # what a leg writes: a second run would collide
+            calls.append((name, folder.name))
+            return {"wall_s": 10.0 + len(calls), "startup_s": 1.0, "round1_s": 3.0,
+                    "round_s": 2.0, "end_s": 0.5, "accuracy": 0.9}
+        return run
+
+    fedavg_leg, fedavg_one = leg("fedavg"), leg("fedavg-1")
+    monkeypatch.setattr(bench_overhead, "run_fedavg", lambda *a: (
+        fedavg_one if len(a) == 5 else fedavg_leg)(*a))
+    monkeypatch.setattr(bench_overhead, "run_flower", leg("flower"))
+    monkeypatch.setattr(bench_overhead, "run_torch", leg("pytorch"))
+    monkeypatch.setattr(bench_overhead, "one_thread_limit", lambda: 1000.0)
+
+    class Rows:
+        num_rows = 100
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: Rows())
+    out = tmp_path / "result.json"
+    assert bench_overhead.main(["--dataset", str(tmp_path), "--repeats", "2",
+                                "--json", str(out)]) == 0
+    order = ["fedavg", "fedavg-1", "flower", "pytorch"]
+    assert [name for name, _ in calls] == order + order[::-1]
+    assert len({folder for _, folder in calls}) == 8
+    result = json.loads(out.read_text())
+    assert result["walls_s"]["fedavg"] == [11.0, 18.0]
+    assert result["fedavg"]["wall_s"] == 14.5  # the median of its two runs
+    assert "fedavg 11.0, 18.0;" in capsys.readouterr().out
 
 
 def test_scale_points_parse_and_bad_ones_are_one_line():
