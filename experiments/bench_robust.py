@@ -8,7 +8,7 @@ Usage::
 MNIST, Dirichlet(0.5), 10 nodes, all nodes every round. Nodes 0 and 1 are attackers: their
 update ``w - w_round`` reaches the coordinator multiplied by ``--scale`` (``scale``) or by
 -1 (``sign-flip``). The attack is injected in this process, where the coordinator reads the
-replies (a wrapper of ``fedavg.flower_adapter.parse_reply``), so the nodes train honestly
+replies (a wrapper of ``fedavg.run.flower_adapter.parse_reply``), so the nodes train honestly
 and every defence sees exactly what a real attacker would send. Prints one table of final
 test accuracy per method and attack, and the median honest update norm (to choose
 ``--max-update-norm``); writes ``results.json`` in ``--out``.
@@ -27,7 +27,7 @@ from rich.table import Table
 
 import fedavg
 import strategies
-from fedavg import flower_adapter
+from fedavg.run import flower_adapter
 
 ATTACKERS = (0, 1)
 #: method label -> settings of ``fedavg.simulate``

@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 import fedavg
-from fedavg.config import RunConfig
+from fedavg.config.settings import RunConfig
 
 SGD = {"lr": 0.05, "momentum": 0.9, "batch_size": 32}  # the defaults
 

@@ -39,12 +39,12 @@ from rich.table import Table
 
 import fedavg
 import strategies
-from fedavg import checkpoint
-from fedavg.config import RunConfig
-from fedavg.errors import RunError, UserError, first_line
-from fedavg.models import ModelSpec, merge_context
-from fedavg.run import prepare
-from fedavg.train import evaluate, evaluation_device
+from fedavg.config.settings import RunConfig
+from fedavg.models.registry import ModelSpec, merge_context
+from fedavg.node.train import evaluate, evaluation_device
+from fedavg.run import checkpoint
+from fedavg.run.lifecycle import prepare
+from fedavg.util.errors import RunError, UserError, first_line
 
 
 def main() -> None:

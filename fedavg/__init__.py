@@ -26,22 +26,22 @@ logging.getLogger("fedavg").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 #: ``time.monotonic()`` when fedavg was first imported: where the ``imports`` phase of a
-#: run's start-up begins (``startup_s`` in ``summary.json``, :mod:`fedavg.timeline`).
+#: run's start-up begins (``startup_s`` in ``summary.json``, :mod:`fedavg.util.timeline`).
 IMPORTED_AT = time.monotonic()
 
 _EXPORTS = {
-    "simulate": "fedavg.simulation",
-    "RunResult": "fedavg.run",
-    "load_model": "fedavg.inference",
-    "evaluate_model": "fedavg.inference",
-    "predict": "fedavg.inference",
-    "merge_models": "fedavg.merge",
-    "RunConfig": "fedavg.config",
-    "DataConfig": "fedavg.config",
-    "TrainConfig": "fedavg.config",
-    "MergeConfig": "fedavg.config",
-    "UserError": "fedavg.errors",
-    "RunError": "fedavg.errors",
+    "simulate": "fedavg.engines.simulation.simulate",
+    "RunResult": "fedavg.run.lifecycle",
+    "load_model": "fedavg.use.inference",
+    "evaluate_model": "fedavg.use.inference",
+    "predict": "fedavg.use.inference",
+    "merge_models": "fedavg.use.merge",
+    "RunConfig": "fedavg.config.settings",
+    "DataConfig": "fedavg.config.settings",
+    "TrainConfig": "fedavg.config.settings",
+    "MergeConfig": "fedavg.config.settings",
+    "UserError": "fedavg.util.errors",
+    "RunError": "fedavg.util.errors",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -63,7 +63,7 @@ def __getattr__(name: str) -> Any:
 
 def _python_errors(function):
     """Wrap ``function``: its ``UserError`` messages name Python arguments, not CLI flags."""
-    from fedavg.errors import UserError, python_names
+    from fedavg.util.errors import UserError, python_names
 
     @functools.wraps(function)
     def call(*args, **kwargs):

@@ -100,7 +100,7 @@ class MergeContext:
     """All nodes of the run (sampled or not), for methods that scale by it (SCAFFOLD)."""
     augment: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Raw ``(B, ...)`` batch to an augmented raw batch of the same shape (the data kind's
-    default, :func:`fedavg.recipe.augmenter`; torch's global generator); ``None``: none."""
+    default, :func:`fedavg.node.recipe.augmenter`; torch's global generator); ``None``: none."""
 
     @torch.no_grad()
     def probabilities(self, state_dict: StateDict, x: torch.Tensor,
@@ -137,14 +137,14 @@ class Strategy:
     needs_unlabeled: bool = False
     """True when the merge uses ``MergeContext.distill_x`` (unlabeled inputs)."""
     node_config: dict = {}
-    """Extra local-training settings sent to nodes: ``fedavg.wire.TrainSettings`` field
+    """Extra local-training settings sent to nodes: ``fedavg.node.wire.TrainSettings`` field
     names and values (e.g. FedProx's ``proximal_mu``)."""
     options: tuple[Option, ...] = ()
     """The settings this strategy takes (see :class:`Option`); each becomes an attribute."""
     ordered: bool = False
     """Always fold a round's replies in partition order rather than as they arrive, so that
     a run does not depend on which node answered first, even when the round's models exceed
-    ``fedavg.flower_adapter.ORDERED_FOLD_BYTES`` (the coordinator then holds them all). For
+    ``fedavg.run.flower_adapter.ORDERED_FOLD_BYTES`` (the coordinator then holds them all). For
     methods that amplify rounding differences (SCAFFOLD)."""
     node_rule: type | None = None
     """A :class:`strategies.local.NodeRule` subclass when the method changes local

@@ -89,7 +89,7 @@ def pytest_collection_modifyitems(config, items):
 def run_cli(*args, timeout=600, check=True, env=None):
     """Run ``fedavg ARGS`` as a separate process, the way a user does."""
     proc = subprocess.run(
-        [sys.executable, "-m", "fedavg.cli", *map(str, args)],
+        [sys.executable, "-m", "fedavg.cli.app", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,

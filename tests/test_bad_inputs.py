@@ -15,15 +15,15 @@ from conftest import assert_one_error_line, run_cli
 from PIL import Image
 from typer.testing import CliRunner
 
-from fedavg import checkpoint
-from fedavg.cli import app
-from fedavg.config import RunConfig
-from fedavg.data import load
-from fedavg.display import natural_note, partition_table
-from fedavg.errors import UserError
-from fedavg.models import build_model
-from fedavg.partition import group_values, partition, values_per_node
-from fedavg.run import prepare
+from fedavg.cli.app import app
+from fedavg.config.settings import RunConfig
+from fedavg.data.load import load
+from fedavg.data.partition import group_values, partition, values_per_node
+from fedavg.models.registry import build_model
+from fedavg.run import checkpoint
+from fedavg.run.display import natural_note, partition_table
+from fedavg.run.lifecycle import prepare
+from fedavg.util.errors import UserError
 
 META = {
     "model": {"name": "mlp", "input_shape": [1, 8, 8], "num_classes": 10, "args": {}},
@@ -417,7 +417,7 @@ def test_a_good_model_passes_every_command(tmp_path, cli):
 
 
 def test_damaged_ensemble_member_is_named(tmp_path):
-    from fedavg.inference import load_model
+    from fedavg.use.inference import load_model
 
     sd = build_model("mlp", (1, 8, 8), 10).state_dict()
     wrong = {k: v.clone() for k, v in sd.items()}

@@ -17,7 +17,7 @@ def test_the_plain_flower_app_trains_the_same_network_as_fedavgs_cnn():
     import torch
     from plain_flower.task import Net
 
-    from fedavg.models import make_model
+    from fedavg.models.registry import make_model
 
     ours = make_model("cnn", (1, 28, 28), 10)
     shapes = [tuple(p.shape) for p in ours.parameters()]

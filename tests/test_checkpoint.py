@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from fedavg import checkpoint
-from fedavg.errors import UserError
-from fedavg.inference import load_model
-from fedavg.models import build_model
+from fedavg.models.registry import build_model
+from fedavg.run import checkpoint
+from fedavg.use.inference import load_model
+from fedavg.util.errors import UserError
 
 META = {
     "model": {"name": "cnn-cifar", "input_shape": [3, 32, 32], "num_classes": 4, "args": {}},
@@ -134,8 +134,8 @@ def test_json_files_hold_no_nan_or_infinity(tmp_path):
     import json
     import math
 
-    from fedavg.checkpoint import write_json
-    from fedavg.run import RoundRecord
+    from fedavg.run.checkpoint import write_json
+    from fedavg.run.lifecycle import RoundRecord
 
     record = RoundRecord(round=1, accuracy=0.078, loss=math.nan, train_loss=math.inf,
                          num_nodes=2, num_failed=0, wall_s=0.5)
@@ -159,8 +159,8 @@ def test_a_run_finished_by_another_command_meanwhile_is_not_replaced(tmp_path, m
     was replaced, without --overwrite.
     """
     import fedavg
-    from fedavg import run
-    from fedavg.output import make_output, release_output
+    from fedavg.run import lifecycle as run
+    from fedavg.run.output import make_output, release_output
 
     out = tmp_path / "race"
     real_prepare = run.prepare

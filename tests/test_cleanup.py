@@ -122,10 +122,10 @@ def test_failed_coordinator_and_node_leave_nothing(cluster, tmpdir_env, tmp_path
 
 GPU_PARENT = """
 import sys
-import fedavg.deployment.gpus as gpus
+import fedavg.engines.deployment.gpus as gpus
 # this machine may have no GPU: two CPU nodes stand in for GPUs 0 and 1
 gpus.plan_gpu_nodes = lambda *args: [("cpu", None), ("cpu", None)]
-from fedavg.cli import main
+from fedavg.cli.app import main
 sys.argv = ["fedavg", "node", "--gpus", "0,1", "--coordinator", sys.argv[1], "--insecure"]
 main()
 """
@@ -133,7 +133,7 @@ main()
 
 def test_gpu_node_parent_stops_its_nodes_and_their_folders(tmpdir_env, tmp_path):
     """``fedavg node --gpus``: SIGTERM to the parent stops every node it started, folders too."""
-    from fedavg.deployment import free_port
+    from fedavg.engines.deployment.processes import free_port
 
     tag = uuid.uuid4().hex
     log = tmp_path / "parent.log"
@@ -163,7 +163,7 @@ def simulate(tmpdir: Path, tag: str, out: Path, *args) -> subprocess.Popen:
     """Start ``fedavg simulate`` on digits (4 nodes) in the background."""
     env = {**os.environ, "TMPDIR": str(tmpdir), "FEDAVG_TEST_TAG": tag, "COLUMNS": "200"}
     return subprocess.Popen(
-        [sys.executable, "-m", "fedavg.cli", "simulate", "--dataset", "digits",
+        [sys.executable, "-m", "fedavg.cli.app", "simulate", "--dataset", "digits",
          "--num-nodes", "4", "--output", str(out), *map(str, args)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 

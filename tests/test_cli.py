@@ -13,10 +13,10 @@ from PIL import Image
 from typer.main import get_command
 from typer.testing import CliRunner
 
-from fedavg import checkpoint
-from fedavg.cli import app
-from fedavg.inputs import input_notes
-from fedavg.models import build_model
+from fedavg.cli.app import app
+from fedavg.models.registry import build_model
+from fedavg.run import checkpoint
+from fedavg.use.inputs import input_notes
 
 runner = CliRunner()
 META = {
@@ -85,7 +85,7 @@ def test_strategies_table_reads_whole_at_any_width(width):
 
 
 def test_long_lines_are_not_broken_in_a_log_file(tmp_path):
-    from fedavg import cli
+    from fedavg.cli import app as cli
 
     assert cli.console.soft_wrap and cli.err_console.soft_wrap
 
@@ -182,7 +182,7 @@ def test_predict_output_dash_writes_csv_on_stdout_even_on_a_terminal(tmp_path):
 
 
 def test_an_image_given_and_in_a_given_folder_is_predicted_once(tmp_path):
-    from fedavg.inference import predict
+    from fedavg.use.inference import predict
 
     model = checkpoint.save(tmp_path / "model", build_model("mlp", (1, 8, 8), 10).state_dict(),
                             META)
@@ -205,7 +205,7 @@ def test_an_image_given_and_in_a_given_folder_is_predicted_once(tmp_path):
 
 
 def test_evaluate_names_the_dataset_alike_in_text_and_json(tmp_path, monkeypatch):
-    from fedavg.data import load
+    from fedavg.data.load import load
 
     data = load("digits", seed=0)
     for i in range(40):  # an image folder: one subfolder per class
@@ -260,7 +260,7 @@ def test_ctrl_c_and_sigterm_share_one_handler():
     """The end-to-end tests send one of the two signals each; both reach the same handler."""
     import signal
 
-    from fedavg.cli_support import on_signal
+    from fedavg.cli.support import on_signal
 
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -281,7 +281,7 @@ def test_a_signal_inside_an_import_still_stops_with_130(monkeypatch, capfd):
     """
     import signal
 
-    from fedavg import cli_support
+    from fedavg.cli import support as cli_support
 
     def half_imported(*args, **kwargs):
         raise ImportError("cannot import name 'EMOJI' from partially initialized module")
@@ -345,7 +345,8 @@ def test_columns_zero_still_prints():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "fedavg.cli", "strategies"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "fedavg.cli.app", "strategies"],
+    capture_output=True,
                          text=True, timeout=120, env={**os.environ, "COLUMNS": "0"})
     assert out.returncode == 0 and "fedavg" in out.stdout and "fedprox" in out.stdout
 
@@ -357,7 +358,7 @@ def test_sigterm_in_a_command_without_a_handler_of_its_own_is_like_ctrl_c(tmp_pa
     script = tmp_path / "app.py"
     script.write_text(
         "import os, signal, time, typer\n"
-        "from fedavg.cli_support import guard, run_app\n"
+        "from fedavg.cli.support import guard, run_app\n"
         "app = typer.Typer()\n"
         "@app.command()\n"
         "def work():\n"
@@ -379,7 +380,7 @@ def test_interrupts_during_imports_are_held_until_the_block_ends():
     import signal
     import threading
 
-    from fedavg.interrupts import held_interrupts
+    from fedavg.util.interrupts import held_interrupts
 
     reached, before = [], signal.signal(signal.SIGINT, signal.default_int_handler)
     try:  # Ctrl-C as a shell gives it (a test worker may ignore SIGINT)
@@ -406,7 +407,7 @@ def test_evaluate_and_predict_fit_a_dataset_of_other_images_to_the_model(tmp_pat
     """A 12x12 colour image folder or table for an 8x8 grey model: converted, with a note."""
     import datasets
 
-    from fedavg.inference import evaluate_model, evaluation_data, predict
+    from fedavg.use.inference import evaluate_model, evaluation_data, predict
 
     model = checkpoint.save(tmp_path / "model", build_model("mlp", (1, 8, 8), 10).state_dict(),
                             META)
@@ -442,7 +443,7 @@ def test_evaluate_and_predict_fit_a_dataset_of_other_images_to_the_model(tmp_pat
 
 def test_messages_keep_colon_words_as_written(capsys):
     """Rich turned ``:ok:`` in a path such as ``m/b.py:ok:extra`` into an emoji."""
-    from fedavg.cli_support import console, err_console
+    from fedavg.cli.support import console, err_console
 
     err_console.print("model m/b.py:ok:extra")
     console.print("file :smile:.csv")
@@ -476,8 +477,8 @@ def test_a_full_or_read_only_disk_is_a_failed_run_in_one_line(capsys):
     """It was a traceback (OSError, or safetensors' own error) with no resume hint."""
     import typer
 
-    from fedavg.cli_support import guard
-    from fedavg.errors import RunError
+    from fedavg.cli.support import guard
+    from fedavg.util.errors import RunError
 
     for exc, said in (
         (OSError(errno.EROFS, "Read-only file system", "/r/summary.json"),
@@ -509,8 +510,8 @@ class SafetensorError(Exception):
      "Read-only file system")])
 def test_a_file_the_disk_has_no_room_for_is_named_and_the_old_one_kept(tmp_path, exc, why):
     """The writer names the file itself, not its half-written copy nor "the model file"."""
-    from fedavg.checkpoint import atomic_write
-    from fedavg.errors import RunError
+    from fedavg.run.checkpoint import atomic_write
+    from fedavg.util.errors import RunError
 
     path = tmp_path / "model.safetensors"
     path.write_text("round 3")
@@ -534,8 +535,8 @@ def test_a_sigint_ignored_at_start_stays_ignored():
     """
     import signal
 
-    from fedavg import cli_support
-    from fedavg.interrupts import held_interrupts, stoppers
+    from fedavg.cli import support as cli_support
+    from fedavg.util.interrupts import held_interrupts, stoppers
 
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -1,7 +1,7 @@
 """Every user mistake on the command line: one ``error:`` line on stderr, exit code 2.
 
 All of these fail before any training starts, so none of them may start Ray. A few run as
-real subprocesses (``python -m fedavg.cli``); the rest go through typer's ``CliRunner``.
+real subprocesses (``python -m fedavg.cli.app``); the rest go through typer's ``CliRunner``.
 """
 
 import json
@@ -20,10 +20,10 @@ import pytest
 from conftest import assert_one_error_line
 from typer.testing import CliRunner
 
-from fedavg import checkpoint
-from fedavg.cli import app
-from fedavg.errors import UserError
-from fedavg.models import build_model
+from fedavg.cli.app import app
+from fedavg.models.registry import build_model
+from fedavg.run import checkpoint
+from fedavg.util.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 120
@@ -59,11 +59,11 @@ def ray_processes_of(pids: set[int]) -> list[str]:
 
 
 def run_cli(args, cwd: Path) -> subprocess.CompletedProcess:
-    """Run ``python -m fedavg.cli ARGS`` offline; check Ray never started for it."""
+    """Run ``python -m fedavg.cli.app ARGS`` offline; check Ray never started for it."""
     ray_tmp = cwd / "ray-tmp"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "RAY_TMPDIR": str(ray_tmp), "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", *args], cwd=cwd, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli.app", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=TIMEOUT)
@@ -197,7 +197,7 @@ def test_subprocess_output_into_a_closed_pipe_is_quiet(tmp_path, model_dir, args
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_DATASETS_OFFLINE": "1"}
     env.pop("PYTHONUNBUFFERED", None)
     args = [a.format(model=model_dir) for a in args]
-    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", *args], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli.app", *args], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # before the first prediction is written: every write fails
     try:
@@ -221,7 +221,7 @@ def test_ctrl_c_while_the_interpreter_shuts_down_after_a_command_is_no_traceback
     script.write_text(
         "import atexit, os, signal, time\n"
         "import typer\n"
-        "from fedavg.cli_support import run_app\n"
+        "from fedavg.cli.support import run_app\n"
         "def late():  # an exit hook that takes a while, as torch's do\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
         "    time.sleep(2)\n"
@@ -310,7 +310,7 @@ def test_a_model_file_given_for_its_folder_says_to_pass_the_folder(invoke, model
 
 
 def test_a_tabular_model_given_text_is_told_to_take_a_table(tmp_path):
-    from fedavg.inference import predict
+    from fedavg.use.inference import predict
 
     meta = {**MODEL_META, "model": {**MODEL_META["model"], "input_shape": [3]},
             "input": {"kind": "tabular", "shape": [3], "dtype": "float32", "scale": 1.0,
@@ -427,7 +427,7 @@ def test_an_error_line_keeps_square_brackets(invoke):
 
 
 def test_line_breaks_in_a_user_value_stay_on_the_one_error_line():
-    from fedavg.cli_support import one_line
+    from fedavg.cli.support import one_line
 
     text = one_line("--resume a\nb\x85c\u2028d\re: no such folder")
     assert len(text.splitlines()) == 1
@@ -435,12 +435,12 @@ def test_line_breaks_in_a_user_value_stay_on_the_one_error_line():
 
 
 @pytest.mark.parametrize("target, args, message", [
-    ("fedavg.inference.evaluate_model", ["evaluate", "{model}"], "interrupted"),
-    ("fedavg.inference.predict", ["predict", "{model}", "x.png", "--output", "p.csv"],
+    ("fedavg.use.inference.evaluate_model", ["evaluate", "{model}"], "interrupted"),
+    ("fedavg.use.inference.predict", ["predict", "{model}", "x.png", "--output", "p.csv"],
      "interrupted: no predictions were written"),
-    ("fedavg.merge.merge_models", ["merge", "{model}", "{model}"],
+    ("fedavg.use.merge.merge_models", ["merge", "{model}", "{model}"],
      "interrupted: no merged model was written"),
-    ("fedavg.report.write_report", ["report", "{model}"],
+    ("fedavg.sweeps.report.write_report", ["report", "{model}"],
      "interrupted: run `fedavg report` again for a whole report"),
 ])
 def test_ctrl_c_in_a_command_says_so_and_exits_130(invoke, monkeypatch, model_dir, target,
@@ -494,7 +494,7 @@ def test_an_empty_path_is_refused_not_read_as_the_current_folder(invoke, tmp_pat
 
 def test_the_python_api_refuses_an_empty_output(tmp_path, monkeypatch):
     import fedavg
-    from fedavg.errors import UserError
+    from fedavg.util.errors import UserError
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match="output needs a path, not an empty string"):
@@ -522,7 +522,7 @@ def test_the_python_api_names_an_argument_of_a_wrong_type(tmp_path, given, messa
 
 
 def test_merge_models_refuses_an_overwrite_that_is_no_bool(tmp_path, model_dir):
-    from fedavg.merge import merge_models
+    from fedavg.use.merge import merge_models
 
     out = tmp_path / "out"
     out.mkdir()
@@ -550,7 +550,7 @@ def test_the_python_api_names_inputs_of_the_wrong_kind(model_dir):
     import numpy as np
 
     import fedavg
-    from fedavg.errors import UserError
+    from fedavg.util.errors import UserError
 
     for kwargs, words in (({"dataset": np.zeros((10, 8, 8))},
                            "setting 'dataset' expects a str (a name or path), got ndarray"),
@@ -569,7 +569,7 @@ def test_the_python_api_names_inputs_of_the_wrong_kind(model_dir):
 
 
 def test_the_python_api_predict_and_evaluate_name_a_wrong_argument(model_dir):
-    from fedavg import inference
+    from fedavg.use import inference
 
     with pytest.raises(TypeError, match=r"inputs must be a list of inputs, got the single "
                                         r"'digits': pass \['digits'\]"):
@@ -582,7 +582,7 @@ def test_the_python_api_predict_and_evaluate_name_a_wrong_argument(model_dir):
 
 def test_the_library_logs_nothing_unless_the_program_sets_up_logging():
     """``simulate(console=None)`` prints nothing: no warning of fedavg's reaches stderr."""
-    code = ("import logging, fedavg; logging.getLogger('fedavg.flower_adapter').warning("
+    code = ("import logging, fedavg; logging.getLogger('fedavg.run.flower_adapter').warning("
             "'round 1: node 0 left out'); print('done')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=TIMEOUT)
@@ -593,7 +593,7 @@ def test_the_library_logs_nothing_unless_the_program_sets_up_logging():
 def test_the_python_api_names_python_arguments_not_cli_flags(tmp_path, monkeypatch):
     """`fedavg.simulate(mu=0.1)` said "does not take --mu"; the CLI keeps its flags."""
     import fedavg
-    from fedavg.errors import UserError, python_names
+    from fedavg.util.errors import UserError, python_names
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError) as caught:
@@ -636,7 +636,7 @@ def test_a_model_too_big_for_memory_says_so(invoke):
     assert code == 2 and "model 'mlp' with {'hidden': 10000000} is too big to build: one of " \
         "its tensors needs" in line and "choose smaller --model-arg values" in line, line
     assert "shape" not in line and "alloc_cpu" not in line
-    from fedavg.models import _allocation_failed
+    from fedavg.models.registry import _allocation_failed
 
     assert _allocation_failed(RuntimeError(  # 100 MiB: 0.1 GiB, not "0 GiB"
         "DefaultCPUAllocator: can't allocate memory: you tried to allocate 104857600 bytes"

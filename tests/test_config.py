@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from fedavg.config import RunConfig
-from fedavg.errors import UserError
+from fedavg.config.settings import RunConfig
+from fedavg.util.errors import UserError
 
 
 def test_flat_round_trip_and_types():
@@ -120,7 +120,7 @@ def test_validate_checks_the_strategys_own_options(settings, words):
 
 def test_finite_number_takes_only_finite_json_numbers():
     """Model files' and summaries' numbers: one rule for checkpoint and report."""
-    from fedavg.config_values import finite_number
+    from fedavg.config.values import finite_number
 
     assert all(finite_number(v) for v in (0, -3, 1.5, 1e308))
     assert not any(finite_number(v) for v in (True, False, float("nan"), float("inf"),

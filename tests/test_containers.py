@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fedavg import containers
-from fedavg.errors import UserError
+from fedavg.engines.deployment import containers
+from fedavg.util.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "containers" / "Dockerfile"
@@ -147,9 +147,9 @@ def test_compose_stack_runs_as_the_host_user_with_tls_and_node_keys():
     (["/opt/venv/bin/python", "/opt/venv/bin/fedavg", "coordinator", "--address",
       "0.0.0.0:9092", "--rounds", "2"], "0.0.0.0:9092"),
     (["fedavg", "coordinator", "--address=[::]:7000"], "[::]:7000"),
-    (["python", "-m", "fedavg.cli", "coordinator"], "127.0.0.1:9092"),
+    (["python", "-m", "fedavg.cli.app", "coordinator"], "127.0.0.1:9092"),
     (["fedavg", "node", "--coordinator", "coordinator:9092"], None),
-    (["python", "-m", "fedavg.containers", "health"], None),
+    (["python", "-m", "fedavg.engines.deployment.containers", "health"], None),
 ])
 def test_coordinator_address_from_a_command_line(argv, address):
     assert containers.coordinator_address(argv) == address
@@ -321,12 +321,14 @@ def test_init_hands_a_new_output_folder_to_the_user_but_never_a_users_folder(tmp
 
 
 def test_the_helpers_are_one_line_errors(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "fedavg.containers", "run", "fedavg", "node",
+    res = subprocess.run([sys.executable, "-m", "fedavg.engines.deployment.containers", "run",
+                          "fedavg", "node",
                           "--partition-id={index}"], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "NODE_INDEX": "x"})
     assert res.returncode == 2 and res.stderr.startswith("error: NODE_INDEX must be")
     assert "Traceback" not in res.stderr
-    res = subprocess.run([sys.executable, "-m", "fedavg.containers", "run", sys.executable,
+    res = subprocess.run([sys.executable, "-m", "fedavg.engines.deployment.containers", "run",
+                          sys.executable,
                           "-c", "import sys; print(sys.argv[1:])", "{index}"],
                          capture_output=True, text=True, timeout=60,
                          env={**os.environ, "NODE_INDEX": "3", "EXTRA_ARGS": "--a b"})

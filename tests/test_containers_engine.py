@@ -118,7 +118,7 @@ def train_and_evaluate(engine, root):
         assert f"replica {PROJECT}-node-{i + 1}.{PROJECT}_default: index {i}" in text, text
         assert f"partition {i}/3" in text, text
     assert "3 node key(s) registered" in text and "(TLS, node authentication)" in text
-    res = subprocess.run([sys.executable, "-m", "fedavg.cli", "evaluate", output, "--json"],
+    res = subprocess.run([sys.executable, "-m", "fedavg.cli.app", "evaluate", output, "--json"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.strip().splitlines()[-1])["accuracy"] > 0.5

@@ -7,9 +7,9 @@ import torch
 from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
 
 import strategies
-from fedavg.errors import RunError
-from fedavg.flower_adapter import FlowerAdapter
 from fedavg.flower_compat import error_summary
+from fedavg.run.flower_adapter import FlowerAdapter
+from fedavg.util.errors import RunError
 
 
 def reply(node, content):
@@ -108,7 +108,7 @@ def test_error_summary_finds_the_original_exception():
 
 
 def test_first_line_keeps_a_line_the_first_announces():
-    from fedavg.errors import first_line
+    from fedavg.util.errors import first_line
 
     assert first_line(RuntimeError("Error(s) in loading:\n\tsize mismatch\nmore")) == \
         "Error(s) in loading: size mismatch"
@@ -145,7 +145,7 @@ def _sent(*nodes):
 
 
 def test_streaming_grid_yields_replies_as_they_arrive():
-    from fedavg.flower_adapter import StreamingGrid
+    from fedavg.run.flower_adapter import StreamingGrid
 
     fake = _FakeGrid([_Reply(i) for i in range(3)])
     grid = StreamingGrid(fake, poll_s=0.0)
@@ -159,7 +159,7 @@ def test_streaming_grid_yields_replies_as_they_arrive():
 
 
 def test_streaming_grid_stops_at_the_timeout():
-    from fedavg.flower_adapter import StreamingGrid
+    from fedavg.run.flower_adapter import StreamingGrid
 
     grid = StreamingGrid(_FakeGrid([]), poll_s=0.01)
     start = time.monotonic()
@@ -168,7 +168,7 @@ def test_streaming_grid_stops_at_the_timeout():
 
 
 def test_streaming_grid_stops_waiting_for_a_node_that_left():
-    from fedavg.flower_adapter import StreamingGrid
+    from fedavg.run.flower_adapter import StreamingGrid
 
     class Shrinking(_FakeGrid):
         def get_node_ids(self):  # node 2 disconnects after the first reply
@@ -190,7 +190,7 @@ def test_nodes_silent_at_the_timeout_are_counted_and_reported_once(task_identity
 
     The one that left was reported when it left.
     """
-    from fedavg.flower_adapter import _Replies
+    from fedavg.run.flower_adapter import _Replies
 
     failures = []
     a = adapter(failures)

@@ -1,4 +1,4 @@
-"""``fedavg.data.load`` on tiny local datasets (no network), and ``input_spec``."""
+"""``fedavg.data.load.load`` on tiny local datasets (no network), and ``input_spec``."""
 
 import io
 import math
@@ -10,8 +10,8 @@ import pytest
 from conftest import MNIST  # ../shared/data, or FEDAVG_SHARED_DATA
 from PIL import Image
 
-from fedavg.data import LoadedData, Split, load
-from fedavg.errors import UserError
+from fedavg.data.load import LoadedData, Split, load
+from fedavg.util.errors import UserError
 
 
 def png(value: int, size: int = 6, mode: str = "L") -> bytes:
@@ -61,7 +61,7 @@ def test_digits_shapes_classes_and_holdout():
 def test_digits_read_without_sklearn_equal_sklearns_load_digits():
     from sklearn.datasets import load_digits
 
-    from fedavg.data import digits_arrays
+    from fedavg.data.load import digits_arrays
 
     images, target = digits_arrays()
     bunch = load_digits()
@@ -179,7 +179,7 @@ def test_a_split_whose_classlabel_lists_other_classes_is_matched_by_name(tmp_pat
 
 def test_whole_float_labels_are_the_classes_integer_labels_name(tmp_path):
     """0.0 / 1.0 labels are the classes "0" / "1", and "1.0" matches "1" in another table."""
-    from fedavg.data import conform
+    from fedavg.data.load import conform
 
     path = tmp_path / "f.csv"
     path.write_text("a,label\n" + "".join(f"{i},{float(i % 3)}\n" for i in range(9)))
@@ -605,7 +605,7 @@ def _tabular_meta(data, source):
 
 def test_an_image_dataset_the_model_never_saw_is_scored_and_predicted_whole(tmp_path):
     """One split of data other than the run's: every row, in order, not a 20 % hold-out."""
-    from fedavg.inference import _dataset_batch, evaluation_data
+    from fedavg.use.inference import _dataset_batch, evaluation_data
 
     run_data = image_dataset([1, 2, 3, 4, 5], ["a", "b", "a", "b", "a"])
     run_data.to_parquet(str(tmp_path / "run.parquet"))
@@ -632,7 +632,7 @@ def test_the_label_column_is_the_most_usual_name_and_scalars_are_features(tmp_pa
 
 def test_a_saved_tabular_model_reads_its_own_columns_by_name(tmp_path, monkeypatch):
     """The run's label and features, however the file is named or its columns ordered."""
-    from fedavg.inference import evaluation_data
+    from fedavg.use.inference import evaluation_data
 
     rows = ["f1,f2,class,grade,site"] + [
         f"{i},{-i},{(i * 7) % 2},{'lo' if i < 10 else 'hi'},{i % 3}" for i in range(20)]
@@ -676,9 +676,9 @@ def test_a_corrupt_image_in_a_folder_is_named_by_its_file(tmp_path):
 
 def test_predict_on_a_table_takes_every_row_by_feature_name_without_labels(tmp_path):
     """A tabular model predicts a whole table, labelled or not, its columns in any order."""
-    from fedavg import checkpoint
-    from fedavg.inference import predict
-    from fedavg.models import build_model
+    from fedavg.models.registry import build_model
+    from fedavg.run import checkpoint
+    from fedavg.use.inference import predict
 
     rows = ["f1,f2,label"] + [f"{i},{-i},{'ab'[i % 2]}" for i in range(20)]
     (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
@@ -770,8 +770,8 @@ def test_labels_that_differ_only_in_case_or_spaces_are_noted(tmp_path):
 
 
 def test_a_saved_tabular_model_on_other_tables_label_hint_and_stray_strings(tmp_path):
-    from fedavg.inference import evaluation_data
-    from fedavg.inputs import table_rows
+    from fedavg.use.inference import evaluation_data
+    from fedavg.use.inputs import table_rows
 
     rows = ["f1,f2,grade"] + [f"{i},{-i},{'lo' if i < 10 else 'hi'}" for i in range(20)]
     (tmp_path / "g.csv").write_text("\n".join(rows) + "\n")
@@ -815,7 +815,7 @@ def test_reading_a_wide_table_touches_its_schema_as_often_as_a_narrow_one(tmp_pa
 
 def test_image_files_for_a_model_trained_on_float_arrays_take_its_range(tmp_path):
     """Pixel arrays of 0..255 floats: images are given as 0..255, not divided by 255."""
-    from fedavg.inference import _image_batch
+    from fedavg.use.inference import _image_batch
 
     path = tmp_path / "a.png"
     path.write_bytes(png(200))

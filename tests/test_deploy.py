@@ -17,7 +17,7 @@ import conftest
 import numpy as np
 import pytest
 
-from fedavg.deployment import free_port
+from fedavg.engines.deployment.processes import free_port
 
 pytestmark = pytest.mark.e2e  # real SuperLink / SuperNode processes
 
@@ -42,7 +42,7 @@ class Cluster:
         log = open(self.tmp / f"{name}.log", "w")
         env = {**os.environ, "COLUMNS": "200", "FEDAVG_TEST_TAG": self.tag,
                "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", *map(str, args)],
+        proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli.app", *map(str, args)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
         proc.name = name
         self.procs.append(proc)
@@ -105,7 +105,7 @@ def cluster(tmp_path):
 def certs(tmp_path_factory):
     """Make a `fedavg certs` folder with two node keys, shared by the module."""
     folder = tmp_path_factory.mktemp("certs")
-    subprocess.run([sys.executable, "-m", "fedavg.cli", "certs", str(folder), "--nodes", "2"],
+    subprocess.run([sys.executable, "-m", "fedavg.cli.app", "certs", str(folder), "--nodes", "2"],
                    check=True, capture_output=True)
     return folder
 
@@ -147,7 +147,7 @@ def test_coordinator_and_three_nodes_over_tls(cluster, certs, tmp_path):
     meta = json.loads((out / "model.json").read_text())
     assert meta["rounds"] == 3 and meta["model"]["name"] == "mlp"
     # the saved model scores what the coordinator reported, on the same hold-out
-    ev = subprocess.run([sys.executable, "-m", "fedavg.cli", "evaluate", str(out), "--json"],
+    ev = subprocess.run([sys.executable, "-m", "fedavg.cli.app", "evaluate", str(out), "--json"],
                         capture_output=True, text=True, check=True)
     assert json.loads(ev.stdout)["accuracy"] == pytest.approx(rounds[-1]["accuracy"])
     # every node trained its own partition in every round and then left (--once)
@@ -348,7 +348,7 @@ def test_a_node_replacing_a_crashed_one_gets_its_key_back(cluster, certs, tmp_pa
 def test_wrong_certificate_and_unknown_key_are_refused(cluster, certs, tmp_path):
     """Wrong CA, unknown key, no key, no TLS: exit 2 with the reason; a known key runs."""
     other = tmp_path / "other"
-    subprocess.run([sys.executable, "-m", "fedavg.cli", "certs", str(other), "--nodes", "1"],
+    subprocess.run([sys.executable, "-m", "fedavg.cli.app", "certs", str(other), "--nodes", "1"],
                    check=True, capture_output=True)
     out = tmp_path / "run"
     coord = cluster.coordinator("--rounds", "1", "--min-nodes", "1", "--certs", certs,
@@ -423,7 +423,7 @@ def test_signals_stop_every_flower_process(cluster, tmp_path, sig):
     while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text()):
         assert time.monotonic() < deadline and coord.poll() is None, cluster.log("coordinator")
         time.sleep(0.2)
-    assert any("fedavg._launch" in p for p in tagged_processes(cluster.tag))
+    assert any("fedavg.engines.deployment.launch" in p for p in tagged_processes(cluster.tag))
     coord.send_signal(sig)
     assert cluster.wait(coord, 30) == 130, cluster.log("coordinator")
     assert "interrupted: finished rounds are kept" in cluster.log("coordinator")
@@ -488,7 +488,7 @@ def test_node_gives_up_clearly_when_the_coordinator_is_gone(cluster, tmp_path):
     assert "Traceback" not in cluster.log("node")
     assert (out / "model.safetensors").exists()  # finished rounds are kept
     # as the next coordinator would: remove the killed one's private folder
-    from fedavg.deployment.processes import PrivateDir
+    from fedavg.engines.deployment.processes import PrivateDir
 
     PrivateDir("fedavg-coordinator-").cleanup()
 

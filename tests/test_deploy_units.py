@@ -11,16 +11,16 @@ import pytest
 from conftest import run_cli
 from cryptography import x509
 
-from fedavg.config import RunConfig
-from fedavg.errors import UserError
+from fedavg.config.settings import RunConfig
+from fedavg.util.errors import UserError
 
 
 def test_certs_make_a_ca_a_server_certificate_and_node_keys(tmp_path):
     """`fedavg certs`: a CA, a coordinator certificate it signed for the hosts, node keys."""
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    from fedavg.certs import make_certs
-    from fedavg.deployment import load_auth_keys
+    from fedavg.engines.deployment.certs import make_certs
+    from fedavg.engines.deployment.tls import load_auth_keys
 
     folder = tmp_path / "certs"
     make_certs(folder, hosts=["10.1.2.3", "coord.example"], nodes=2)
@@ -50,7 +50,7 @@ def test_certs_make_a_ca_a_server_certificate_and_node_keys(tmp_path):
 
 def test_auth_key_errors_are_one_line(tmp_path):
     """Missing, malformed or empty --auth-keys files fail with a message naming the file."""
-    from fedavg.deployment import load_auth_keys
+    from fedavg.engines.deployment.tls import load_auth_keys
 
     with pytest.raises(UserError, match="does not exist"):
         load_auth_keys(tmp_path / "missing.pub")
@@ -66,7 +66,7 @@ def test_auth_key_errors_are_one_line(tmp_path):
 
 def test_gpu_plan_one_node_per_gpu():
     """--gpus gives one node per GPU, partition ids counting up; bad lists are refused."""
-    from fedavg.deployment import plan_gpu_nodes
+    from fedavg.engines.deployment.gpus import plan_gpu_nodes
 
     assert plan_gpu_nodes("0,1,2,3", None, None, 4) == [
         ("cuda:0", None), ("cuda:1", None), ("cuda:2", None), ("cuda:3", None)]
@@ -83,7 +83,7 @@ def test_gpu_plan_one_node_per_gpu():
 
 def test_address_parsing():
     """host:port, IPv6 in brackets; anything else is refused."""
-    from fedavg.deployment import split_address
+    from fedavg.engines.deployment.processes import split_address
 
     assert split_address("127.0.0.1:9092") == ("127.0.0.1", 9092)
     assert split_address("[::1]:9092") == ("::1", 9092)
@@ -101,7 +101,7 @@ def test_address_parsing():
 
 def test_node_refusals_are_recognised():
     """SuperNode lines that mean "refused" get a reason; ordinary lines do not."""
-    from fedavg.deployment import node_refusal
+    from fedavg.flower_compat import node_refusal
 
     assert "TLS certificate" in node_refusal(
         "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: unable to get local issuer")
@@ -217,10 +217,10 @@ def test_private_folders_go_even_when_their_process_was_killed():
     import tempfile
     import uuid
 
-    from fedavg.deployment.processes import PrivateDir, stop_all
+    from fedavg.engines.deployment.processes import PrivateDir, stop_all
 
     prefix = f"fedavg-test-{uuid.uuid4().hex[:8]}-"
-    code = ("import sys, time\nfrom fedavg.deployment.processes import PrivateDir\n"
+    code = ("import sys, time\nfrom fedavg.engines.deployment.processes import PrivateDir\n"
             f"d = PrivateDir({prefix!r}); print(d.name, flush=True); time.sleep(60)\n")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -248,13 +248,14 @@ def test_fab_carries_the_run_config(tmp_path):
     import tomllib
     from flwr.cli.build import build_fab_from_disk
 
-    from fedavg.deployment import write_app
+    from fedavg.engines.deployment.coordinator import write_app
 
     config = RunConfig().replace(rounds=7, alpha=0.3, partitioner="dirichlet", lr=0.02,
                                  save_node_models=True)
     app = write_app(tmp_path / "app", config)
     doc = tomllib.loads((app / "pyproject.toml").read_text())
-    assert doc["tool"]["flwr"]["app"]["components"]["clientapp"] == "fedavg.apps:client_app"
+    assert doc["tool"]["flwr"]["app"]["components"]["clientapp"] \
+        == "fedavg.node.deployed:client_app"
     assert RunConfig.from_flat(doc["tool"]["flwr"]["app"]["config"]) == config
     assert build_fab_from_disk(app)[:2] == b"PK"  # a FAB is a zip archive
 
@@ -263,8 +264,8 @@ def test_node_partition_matches_simulate(tmp_path):
     """`fedavg node --partition-id i` trains on the partition `fedavg simulate` gives node i."""
     import numpy as np
 
-    from fedavg.apps import node_arrays
-    from fedavg.run import prepare
+    from fedavg.node.deployed import node_arrays
+    from fedavg.run.lifecycle import prepare
 
     config = RunConfig().replace(partitioner="dirichlet", alpha=0.5, num_nodes=3, seed=4)
     import json
@@ -334,8 +335,8 @@ def test_bad_keys_certificates_and_ports_are_one_line(tmp_path):
     import shutil
     import socket
 
-    from fedavg.certs import make_certs
-    from fedavg.deployment import free_port
+    from fedavg.engines.deployment.certs import make_certs
+    from fedavg.engines.deployment.processes import free_port
 
     good = tmp_path / "good"
     make_certs(good, nodes=1)
@@ -401,7 +402,7 @@ def test_superlink_refusals_are_one_line():
 
 def _node(tmp_path, once):
     """Make a node (no SuperNode started) whose messages go to a list."""
-    from fedavg.deployment.node import _Node
+    from fedavg.engines.deployment.node import _Node
 
     said = []
     node = _Node("127.0.0.1:9", [], None, None, once, None, said.append, tmp_path)
@@ -448,8 +449,8 @@ def test_a_serving_node_waits_quietly_after_a_run(tmp_path):
 
 def test_a_once_node_exits_with_the_reason_of_a_failed_run(tmp_path, monkeypatch):
     """--once: a finished run ends the node; a failed one raises RunError with the reason."""
-    from fedavg.deployment import node as node_module
-    from fedavg.errors import RunError
+    from fedavg.engines.deployment import node as node_module
+    from fedavg.util.errors import RunError
 
     monkeypatch.setattr(node_module.time, "sleep", lambda s: None)
     node, said = _node(tmp_path, once=True)
@@ -494,7 +495,7 @@ def test_a_key_already_connected_is_said_in_one_line(tmp_path, monkeypatch):
 def test_a_killed_supernode_is_not_blamed_on_the_coordinator(tmp_path, returncode, words):
     import types
 
-    from fedavg.errors import RunError
+    from fedavg.util.errors import RunError
 
     node, _ = _node(tmp_path, once=True)
     node.on_line("INFO : SuperNode ID: 42")
@@ -514,8 +515,8 @@ def test_a_key_refused_before_the_coordinator_registered_it_is_tried_again(tmp_p
     import types
 
     from fedavg import flower_compat
-    from fedavg.deployment import node as node_module
-    from fedavg.deployment import supernode
+    from fedavg.engines.deployment import node as node_module
+    from fedavg.engines.deployment import supernode
 
     node, said = _node(tmp_path, once=False)
     node.certs, node.auth_key = tmp_path, tmp_path / "node-0.key"
@@ -558,9 +559,10 @@ def test_a_failed_run_tells_the_nodes_why(tmp_path, monkeypatch, task_identity):
 
     from flwr.app import Context, RecordDict
 
-    from fedavg import apps, coordinator
-    from fedavg.errors import RunError
-    from fedavg.run import RunState
+    from fedavg.node import deployed as apps
+    from fedavg.run import server_app as coordinator
+    from fedavg.run.lifecycle import RunState
+    from fedavg.util.errors import RunError
 
     class Grid:  # each message goes to a node's ClientApp, which acknowledges it
         get_node_ids = staticmethod(lambda: [5])
@@ -583,7 +585,7 @@ def test_a_failed_run_tells_the_nodes_why(tmp_path, monkeypatch, task_identity):
 
 
 def test_verbose_coordinator_shows_every_superlink_line():
-    from fedavg.deployment.coordinator import _superlink_echo
+    from fedavg.engines.deployment.coordinator import _superlink_echo
 
     quiet, loud = [], []
     for said, verbose in ((quiet, False), (loud, True)):
@@ -599,9 +601,9 @@ def test_a_tls_mismatch_is_told_apart_from_an_absent_coordinator(tmp_path):
     import ssl
     import threading
 
-    from fedavg.certs import make_certs
-    from fedavg.deployment.processes import free_port
-    from fedavg.deployment.tls import speaks_tls, tls_mismatch
+    from fedavg.engines.deployment.certs import make_certs
+    from fedavg.engines.deployment.processes import free_port
+    from fedavg.engines.deployment.tls import speaks_tls, tls_mismatch
 
     make_certs(tmp_path / "c")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -639,8 +641,8 @@ def test_a_refused_certificate_says_whether_its_signer_or_its_name_is_wrong(tmp_
     import ssl
     import threading
 
-    from fedavg.certs import make_certs
-    from fedavg.deployment.tls import certificate_problem
+    from fedavg.engines.deployment.certs import make_certs
+    from fedavg.engines.deployment.tls import certificate_problem
 
     make_certs(tmp_path / "c")
     make_certs(tmp_path / "other")
@@ -689,7 +691,7 @@ def test_a_refused_certificate_says_whether_its_signer_or_its_name_is_wrong(tmp_
                    "with --certs")])
 def test_a_tls_mismatch_also_says_the_address_may_be_wrong(monkeypatch, tls, insecure, words):
     """Another server at that address (an HTTPS or HTTP one) looks like a TLS mismatch."""
-    from fedavg.deployment import tls as module
+    from fedavg.engines.deployment import tls as module
 
     monkeypatch.setattr(module, "speaks_tls", lambda host, port: tls)
     assert module.tls_mismatch("10.0.0.9", 9092, insecure=insecure) == (
@@ -724,7 +726,7 @@ def test_the_end_of_run_announcement_makes_no_call_after_it_returns(task_identit
     """A pull after the task is finished (its token void) makes Flower SIGINT the coordinator."""
     import time
 
-    from fedavg.coordinator import announce_end
+    from fedavg.run.server_app import announce_end
 
     grid = _SlowNodesGrid()
     started = time.monotonic()
@@ -737,8 +739,8 @@ def test_the_end_of_run_announcement_makes_no_call_after_it_returns(task_identit
 
 
 def test_a_once_nodes_wait_for_a_lost_coordinator_is_max_wait_time_or_30_s(tmp_path):
-    from fedavg.deployment.node import _Node
-    from fedavg.deployment.supernode import LOST_AFTER_S
+    from fedavg.engines.deployment.node import _Node
+    from fedavg.engines.deployment.supernode import LOST_AFTER_S
 
     def node(max_wait_time):
         return _Node("127.0.0.1:9092", [], None, None, True, max_wait_time, print, tmp_path)
@@ -753,7 +755,7 @@ def test_a_connection_attempt_that_hangs_gives_up_near_max_wait_time(tmp_path):
     Flower checks the limit between attempts only, and an attempt on a server that accepts
     and never answers hangs 30 s (65 s for 10, measured).
     """
-    from fedavg.deployment.node import _Node
+    from fedavg.engines.deployment.node import _Node
 
     node = _Node("127.0.0.1:9092", [], None, None, False, 10.0, print, tmp_path)
     assert node._overdue() is None  # no SuperNode yet
@@ -866,7 +868,7 @@ def test_a_runtime_api_that_answers_401_fails_the_call_instead_of_interrupting(m
 
 def test_a_flower_log_folder_that_is_not_there_is_one_line(tmp_path, monkeypatch):
     """FEDAVG_FLOWER_LOG naming a missing folder (or a file) was a FileNotFoundError."""
-    from fedavg.deployment.processes import FlowerProcess
+    from fedavg.engines.deployment.processes import FlowerProcess
 
     (tmp_path / "file").write_text("")
     for where, why in ((tmp_path / "gone", "No such file or directory"),
@@ -887,7 +889,7 @@ def test_an_end_notice_acknowledged_too_late_is_not_a_failed_task(tmp_path, monk
     from types import SimpleNamespace
 
     from fedavg import flower_compat
-    from fedavg.deployment import node as node_module
+    from fedavg.engines.deployment import node as node_module
 
     monkeypatch.setattr(node_module.time, "sleep", lambda s: None)
     node, said = _node(tmp_path, once=True)
@@ -914,7 +916,7 @@ def test_an_end_notice_acknowledged_too_late_is_not_a_failed_task(tmp_path, monk
 def test_a_node_says_which_device_auto_stands_for():
     import torch
 
-    from fedavg.deployment.node_options import describe_node
+    from fedavg.engines.deployment.node_options import describe_node
 
     here = "cuda" if torch.cuda.is_available() else "cpu"
     line = describe_node("digits", 0, 2, "auto", 1, None, "127.0.0.1:9092", tls=True)

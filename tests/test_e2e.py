@@ -24,7 +24,7 @@ def _read_jsonl(path):
 def test_a_run_whose_output_pipe_closes_trains_on_and_saves(tmp_path, no_leaks):
     """``fedavg simulate | head -2``: the reader leaves; the run finishes, exit code 0."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", "simulate", "--rounds", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli.app", "simulate", "--rounds", "2",
                              "--output", str(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     proc.stdout.readline()  # the first line, then the reader is gone
@@ -74,7 +74,7 @@ def test_default_simulate_on_digits_then_evaluate_and_predict(tmp_path, no_leaks
     assert ev["num_examples"] == 359  # the same seeded 20 % hold-out as in training
 
     # predict on PNG files of held-out digits, loading only the saved artifacts
-    from fedavg.data import load
+    from fedavg.data.load import load
 
     test = load("digits", seed=0).test
     folder = tmp_path / "pngs"
@@ -96,7 +96,7 @@ def test_python_api_dirichlet(tmp_path, no_leaks):
     import torch
 
     import fedavg
-    from fedavg.data import load, normalize
+    from fedavg.data.load import load, normalize
 
     res = fedavg.simulate(dataset="digits", partitioner="dirichlet", alpha=0.5, num_nodes=4,
                           rounds=4, fraction=0.5, output=tmp_path / "api")
@@ -145,7 +145,7 @@ def test_mnist_end_to_end(tmp_path, mnist_path, no_leaks):
     run_cli("predict", out, mnist_path, "--output", preds)
     rows = json.loads(preds.read_text())
     assert len(rows) == 10000
-    from fedavg.data import load
+    from fedavg.data.load import load
 
     labels = load(str(mnist_path)).test.y
     acc = np.mean([int(r["prediction"]) == y for r, y in zip(rows, labels)])
@@ -168,7 +168,8 @@ def test_interrupt_keeps_finished_rounds_and_leaves_no_process(tmp_path, sig):
     before = {p.split(":")[0] for p in engine_processes()}
     out = tmp_path / "stopped"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fedavg.cli", "simulate", "--rounds", "500", "--output", str(out)],
+        [sys.executable, "-m", "fedavg.cli.app", "simulate", "--rounds", "500",
+         "--output", str(out)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -258,7 +259,7 @@ def test_server_optimiser_and_fedprox_runs(tmp_path, no_leaks):
 def test_two_runs_at_once_do_not_touch_each_other(tmp_path, no_leaks):
     """Both in this process group: one run's clean-up must not stop the other's engine."""
     long_run = subprocess.Popen(
-        [sys.executable, "-m", "fedavg.cli", "simulate", "--rounds", "12", "--local-epochs",
+        [sys.executable, "-m", "fedavg.cli.app", "simulate", "--rounds", "12", "--local-epochs",
          "3", "--output", str(tmp_path / "long")],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -8,7 +8,7 @@ def test_a_partition_imports_no_plotting_library_and_the_plots_still_load():
     code = """
 import sys
 import numpy as np
-from fedavg.partition import partition
+from fedavg.data.partition import partition
 parts = partition(np.arange(100) % 10, 4, "dirichlet", alpha=0.5, seed=0)
 assert sum(len(p) for p in parts) == 100
 print(sorted(m for m in ("matplotlib", "seaborn", "scipy.stats") if m in sys.modules))

@@ -8,14 +8,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from fedavg import checkpoint
-from fedavg.cli import app
-from fedavg.config import RunConfig
-from fedavg.data import load
-from fedavg.errors import UserError
-from fedavg.inference import evaluate_model, load_model
-from fedavg.merge import merge_models
-from fedavg.models import build_model
+from fedavg.cli.app import app
+from fedavg.config.settings import RunConfig
+from fedavg.data.load import load
+from fedavg.models.registry import build_model
+from fedavg.run import checkpoint
+from fedavg.use.inference import evaluate_model, load_model
+from fedavg.use.merge import merge_models
+from fedavg.util.errors import UserError
 
 runner = CliRunner()
 
@@ -153,8 +153,8 @@ def _saved_run(tmp_path, kept: int, fraction: float = 0.1):
 def test_merge_validates_on_the_slice_the_run_kept_from_its_nodes(tmp_path):
     import numpy as np
 
-    from fedavg.data import holdout
-    from fedavg.merge_data import saved_merge_samples
+    from fedavg.data.held_out import saved_merge_samples
+    from fedavg.data.load import holdout
 
     _, meta = _saved_run(tmp_path, kept=288, fraction=0.2)
     got = saved_merge_samples("digits", meta, 0.1, None, held_out=True)
@@ -172,7 +172,7 @@ def test_merge_refuses_validation_data_the_nodes_trained_on(tmp_path):
     assert "trained on all of its train split" in res.output and "Traceback" not in res.output
     assert not (tmp_path / "soup").exists()
     # another dataset is data the nodes did not train on: a slice of it is fine
-    from fedavg.merge_data import saved_merge_samples
+    from fedavg.data.held_out import saved_merge_samples
 
     _, meta = _saved_run(tmp_path / "elsewhere", kept=0)
     meta["dataset"]["source"] = str(tmp_path / "their-data")
@@ -218,7 +218,7 @@ def test_merge_overwrite_replaces_a_run_as_a_whole(tmp_path, node_models):
 
 
 def test_merge_refuses_a_folder_another_command_is_writing(tmp_path, node_models):
-    from fedavg.output import make_output, release_output
+    from fedavg.run.output import make_output, release_output
 
     folder, _ = node_models
     busy = make_output(tmp_path / "busy", lock=True)  # as a running simulation holds it
@@ -397,7 +397,7 @@ def test_distillation_inputs_are_never_the_validation_samples(tmp_path):
     """Both from digits' train split: the student is not picked on what it learnt from."""
     import numpy as np
 
-    from fedavg.merge_data import saved_merge_samples
+    from fedavg.data.held_out import saved_merge_samples
 
     for kept in (0, 144):
         _, meta = _saved_run(tmp_path / str(kept), kept=kept)
@@ -414,9 +414,9 @@ def test_simulate_validation_on_its_own_dataset_is_the_slice_kept_from_the_nodes
     """Its train split is the nodes' data: validating on it would pick on trained samples."""
     import numpy as np
 
-    from fedavg.config import RunConfig
-    from fedavg.data import holdout
-    from fedavg.merge_data import run_merge_data
+    from fedavg.config.settings import RunConfig
+    from fedavg.data.held_out import run_merge_data
+    from fedavg.data.load import holdout
 
     train = load("digits", seed=0).train
     rest, want = holdout(train, 0.1, 1)
@@ -436,8 +436,8 @@ def test_simulate_validation_on_its_own_dataset_is_the_slice_kept_from_the_nodes
 
 
 def test_simulate_notes_data_its_strategy_does_not_use():
-    from fedavg.config import RunConfig
-    from fedavg.merge_data import run_merge_data
+    from fedavg.config.settings import RunConfig
+    from fedavg.data.held_out import run_merge_data
 
     config = RunConfig().replace(strategy="average", validation="digits", distill_data="x",
                                  rounds=1)
@@ -482,8 +482,8 @@ def test_a_simulated_distillation_that_never_beats_the_average_says_so(tmp_path,
 
 def test_a_simulated_trimmed_mean_that_trims_nothing_is_noted_not_refused():
     """The defaults (beta 0.1, 5 nodes) run, saying it is a plain mean; beta 0.2 trims one."""
-    from fedavg.config import RunConfig
-    from fedavg.run import prepare
+    from fedavg.config.settings import RunConfig
+    from fedavg.run.lifecycle import prepare
 
     notes = prepare(RunConfig().replace(strategy="trimmed-mean")).data.notes
     assert "trimmed-mean: --beta 0.1 trims floor(0.1 x 5) = 0 of 5 models per side, so it is " \
@@ -494,7 +494,7 @@ def test_a_simulated_trimmed_mean_that_trims_nothing_is_noted_not_refused():
 
 def test_a_validation_slice_of_other_data_is_not_the_runs_own_kept_slice(tmp_path):
     """A run validated on dataset B kept nothing of its own: --validation A is refused."""
-    from fedavg.merge_data import saved_merge_samples
+    from fedavg.data.held_out import saved_merge_samples
 
     for kept_key in (True, False):  # this version's metadata, and a run saved before it
         _, meta = _saved_run(tmp_path / str(kept_key), kept=144)
@@ -518,7 +518,7 @@ def _image_folder(root, classes, count=30):
     """Write ``count`` digits images as PNG files into ``root``, one subfolder per class."""
     from PIL import Image
 
-    from fedavg.data import load
+    from fedavg.data.load import load
 
     digits = load("digits").train
     for i in range(count):
@@ -608,7 +608,7 @@ def test_a_merge_names_the_folders_it_left_out_and_refuses_a_run_as_data(tmp_pat
 
 
 def test_merge_models_names_arguments_of_the_wrong_type(tmp_path, node_models):
-    from fedavg.merge import merge_models
+    from fedavg.use.merge import merge_models
 
     folder, dirs = node_models
     for kwargs, words in (({"models": None}, "models must be a list of model folders, got None"),
@@ -625,7 +625,7 @@ def test_a_merge_on_a_full_disk_says_merge_failed_and_leaves_no_folder(tmp_path,
     """It said "run failed: cannot write ..." and left its empty output folder."""
     import errno
 
-    from fedavg import merge
+    from fedavg.use import merge
 
     def full(folder, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(folder / "model.safetensors"))

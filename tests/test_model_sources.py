@@ -18,11 +18,12 @@ from torch import nn
 from typer.testing import CliRunner
 
 import strategies
-from fedavg import checkpoint, model_sources
-from fedavg.config import RunConfig
-from fedavg.errors import UserError
-from fedavg.model_sources import ImageAdapter, adapt_images, parse_model_args
-from fedavg.models import ModelSpec, build_model
+from fedavg.config.settings import RunConfig
+from fedavg.models import sources as model_sources
+from fedavg.models.registry import ModelSpec, build_model
+from fedavg.models.sources import ImageAdapter, adapt_images, parse_model_args
+from fedavg.run import checkpoint
+from fedavg.util.errors import UserError
 
 #: A user builder: an MLP whose two middle layers share ONE weight, with an integer counter.
 TIED_SOURCE = '''
@@ -129,7 +130,7 @@ def test_model_args_travel_as_one_json_key_of_the_run_config():
 
 
 def test_resume_refuses_other_model_args():
-    from fedavg import resume
+    from fedavg.run import resume
 
     saved = RunConfig().replace(model_args={"hidden": 64}, rounds=2)
     ckpt = resume.Checkpoint(round=1, model={}, config=saved.to_flat())
@@ -430,7 +431,7 @@ def test_tied_and_integer_tensors_save_load_and_merge(user_file, tmp_path):
     fresh.load_state_dict(merged)
     assert fresh.mid.weight is fresh.mid2.weight and torch.allclose(fresh.mid2.weight, want)
     # the run's checkpoint too
-    from fedavg import resume
+    from fedavg.run import resume
 
     resume.save(tmp_path / "a", resume.Checkpoint(round=1, model=a.state_dict(),
                                                   config=RunConfig().to_flat()))
@@ -504,7 +505,7 @@ def test_bad_user_code_is_one_line(tmp_path, source, name, words):
     words = words.replace("FILE", str(path)).replace("TXT", str(tmp_path / "models.txt")) \
         .replace("DIR", str(tmp_path))
     if name.startswith("TWO"):  # as a node loads the coordinator's weights
-        from fedavg.model_sources import first_line
+        from fedavg.models.sources import first_line
 
         torch.manual_seed(0)
         build = f"{path}:build"
@@ -623,7 +624,7 @@ def test_a_saved_model_never_imports_the_code_it_names_by_itself(tmp_path, monke
 
 
 def test_nodes_run_only_code_their_operator_named(user_file, tmp_path, monkeypatch):
-    from fedavg.model_sources import node_model, node_model_name
+    from fedavg.models.sources import node_model, node_model_name
 
     # no opt-in for models that are not code
     for name in ("mlp", "torchvision:resnet18", "hf:/models/tiny"):
@@ -650,8 +651,8 @@ def test_nodes_run_only_code_their_operator_named(user_file, tmp_path, monkeypat
 
 
 def test_a_node_refuses_a_user_code_model_it_was_not_started_with(user_file):
-    from fedavg import apps
-    from fedavg.wire import TrainSettings
+    from fedavg.node import deployed as apps
+    from fedavg.node.wire import TrainSettings
 
     settings = TrainSettings(model={"name": "/elsewhere/my_models.py:build",
                                     "input_shape": [1, 8, 8], "num_classes": 10, "args": {}},
@@ -803,7 +804,7 @@ def test_bad_hf_models_are_one_line(tmp_path, monkeypatch, case, words):
 @pytest.fixture
 def invoke(tmp_path, monkeypatch):
     """Run the typer app in-process from ``tmp_path``; return (exit code, stderr line)."""
-    from fedavg.cli import app
+    from fedavg.cli.app import app
 
     monkeypatch.chdir(tmp_path)
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -951,7 +952,7 @@ def test_torchvision_model_on_digits_then_predict_and_evaluate(tmp_path, no_leak
     run_cli("predict", out, "digits", "--output", preds)
     rows = json.loads(preds.read_text())
     assert len(rows) == ev["num_examples"] == 359
-    from fedavg.data import load
+    from fedavg.data.load import load
 
     labels = load("digits").test.y
     acc = sum(int(r["prediction"]) == y for r, y in zip(rows, labels)) / len(rows)
@@ -990,7 +991,7 @@ def _run_in(cwd, *args):
 
     from conftest import ROOT
 
-    return subprocess.run([sys.executable, "-m", "fedavg.cli", *map(str, args)], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "fedavg.cli.app", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "COLUMNS": "120", "PYTHONPATH": str(ROOT)})
 
@@ -1072,7 +1073,7 @@ def test_model_code_failing_in_the_coordinators_evaluation_is_one_line(tmp_path,
 
 def test_weights_nodes_cannot_send_are_refused_at_the_start():
     """bfloat16 weights and non-tensor extra state failed in Flower's arrays: a traceback."""
-    from fedavg.model_sources import check_output
+    from fedavg.models.sources import check_output
 
     half = nn.Sequential(nn.Flatten(), nn.Linear(64, 10).to(torch.bfloat16))
     with pytest.raises(UserError, match=r"has bfloat16 weights \(1\.weight\).*float32"):

@@ -71,9 +71,9 @@ def test_needs_a_linear_classifier_and_valid_options():
 
 
 def test_setup_refuses_a_model_without_linear_and_notes_a_linear_only_one():
-    from fedavg.config import RunConfig
-    from fedavg.errors import UserError
-    from fedavg.run import _strategy_notes
+    from fedavg.config.settings import RunConfig
+    from fedavg.run.lifecycle import _strategy_notes
+    from fedavg.util.errors import UserError
 
     moon = strategies.get("moon")
     assert moon.check_setup(net(), {}) == []

@@ -6,12 +6,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 import strategies
-from fedavg import keys, resume
-from fedavg.config import RunConfig
-from fedavg.flower_adapter import FlowerAdapter
-from fedavg.models import build_model
-from fedavg.node import node_state, node_state_records, run_train
-from fedavg.wire import TrainSettings
+from fedavg.config.settings import RunConfig
+from fedavg.models.registry import build_model
+from fedavg.node import keys
+from fedavg.node.clientapp import node_state, node_state_records, run_train
+from fedavg.node.wire import TrainSettings
+from fedavg.run import resume
+from fedavg.run.flower_adapter import FlowerAdapter
 from strategies.scaffold import SERVER_VARIATE, VARIATE_CHANGE
 
 SPEC = {"name": "mlp", "input_shape": [1, 8, 8], "num_classes": 3, "args": {}}
@@ -168,7 +169,7 @@ def test_sys_exit_in_model_code_is_the_nodes_error_reply_not_its_end(monkeypatch
     """It ended the node's Ray actor: the run said ActorDiedError, with no word of the code."""
     import sys
 
-    import fedavg.node
+    import fedavg.node.clientapp
 
     class Exits(torch.nn.Module):
         def __init__(self):
@@ -178,7 +179,7 @@ def test_sys_exit_in_model_code_is_the_nodes_error_reply_not_its_end(monkeypatch
         def forward(self, x):
             sys.exit(3)
 
-    monkeypatch.setattr(fedavg.node, "_model_for", lambda spec: Exits())
+    monkeypatch.setattr(fedavg.node.clientapp, "_model_for", lambda spec: Exits())
     x, y = data()
     msg, _ = message("fedavg", 1, lambda m: {})
     msg.content[keys.ARRAYS] = ArrayRecord(Exits().state_dict())

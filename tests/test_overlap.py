@@ -6,12 +6,12 @@ import numpy as np
 from PIL import Image
 from typer.testing import CliRunner
 
-from fedavg import checkpoint
-from fedavg.config import RunConfig
-from fedavg.data import load
-from fedavg.models import build_model
-from fedavg.overlap import overlap_note, shared_inputs
-from fedavg.run import prepare
+from fedavg.config.settings import RunConfig
+from fedavg.data.load import load
+from fedavg.data.overlap import overlap_note, shared_inputs
+from fedavg.models.registry import build_model
+from fedavg.run import checkpoint
+from fedavg.run.lifecycle import prepare
 
 
 def test_shared_inputs_counts_each_evaluation_input_found_in_train():
@@ -53,7 +53,7 @@ def test_a_run_says_when_test_samples_are_train_samples(tmp_path):
 
 
 def test_evaluate_says_when_the_split_holds_train_samples(tmp_path):
-    from fedavg.cli import build_app
+    from fedavg.cli.app import build_app
 
     leaky = _image_folder(tmp_path / "leaky", copies=3)
     meta = {"model": {"name": "mlp", "input_shape": [1, 8, 8], "num_classes": 10, "args": {}},

@@ -1,4 +1,4 @@
-"""``fedavg.partition``: the partitioner registry, ``partition`` and ``label_counts``."""
+"""``fedavg.data.partition``: the partitioner registry, ``partition`` and ``label_counts``."""
 
 import dataclasses
 import inspect
@@ -6,9 +6,8 @@ import inspect
 import numpy as np
 import pytest
 
-from fedavg import config
-from fedavg.errors import UserError
-from fedavg.partition import (
+from fedavg.config import settings as config
+from fedavg.data.partition import (
     PARAMETERS,
     available_partitioners,
     get_partitioner,
@@ -17,6 +16,7 @@ from fedavg.partition import (
     partitioner_names,
     register_partitioner,
 )
+from fedavg.util.errors import UserError
 
 N = 503  # not a multiple of the node count on purpose
 
@@ -194,7 +194,7 @@ def test_registry_names_in_order():
     """The four built-in partitioners are registered, in order, each with one line."""
     names = ("iid", "dirichlet", "pathological", "natural")
     assert partitioner_names() == names
-    from fedavg.config import RunConfig
+    from fedavg.config.settings import RunConfig
 
     assert all(RunConfig().replace(partitioner=n, partition_by="g").validate() for n in names)
     assert tuple(available_partitioners()) == names
@@ -283,7 +283,7 @@ def test_each_partitioner_disjoint_covering_by_hand(name):
 
 
 def test_an_impossible_pathological_split_names_its_own_remedy_in_whole_words():
-    from fedavg.partition import partition
+    from fedavg.data.partition import partition
 
     labels = np.arange(1438) % 10  # 143-144 samples a label; 1000 x 2 / 10 = 200 nodes each
     with pytest.raises(UserError) as info:
@@ -294,8 +294,8 @@ def test_an_impossible_pathological_split_names_its_own_remedy_in_whole_words():
 
 
 def test_partition_settings_a_partitioner_does_not_take_are_noted():
-    from fedavg.config import DataConfig
-    from fedavg.setting_use import setting_applies, unused_setting_notes
+    from fedavg.config.setting_use import setting_applies, unused_setting_notes
+    from fedavg.config.settings import DataConfig
 
     assert setting_applies("alpha", "dirichlet") and not setting_applies("alpha", "iid")
     assert setting_applies("partition_by", "natural") and setting_applies("lr", "iid")
@@ -312,8 +312,8 @@ def test_samples_and_classes_no_node_trains_on_are_noted(tmp_path):
     import datasets
     import numpy as np
 
-    from fedavg.config import RunConfig
-    from fedavg.run import prepare
+    from fedavg.config.settings import RunConfig
+    from fedavg.run.lifecycle import prepare
 
     p = prepare(RunConfig().replace(partitioner="pathological", classes_per_node=2,
                                     num_nodes=2), model=False)

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import strategies as merge_strategies
-from fedavg.cli import build_app
-from fedavg.config import MAX_SEED, RunConfig
-from fedavg.errors import UserError
-from fedavg.partition import partition, partitioner_names
+from fedavg.cli.app import build_app
+from fedavg.config.settings import MAX_SEED, RunConfig
+from fedavg.data.partition import partition, partitioner_names
+from fedavg.util.errors import UserError
 
 EXAMPLES = {"config": 300, "cli": 120, "partition": 300}
 QUICK = dict(deadline=None, derandomize=True, database=None,
@@ -139,9 +139,9 @@ def cli_env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stand_ins():
     """Replace the run steps after the checks with a stop, so no run ever starts."""
-    import fedavg.deployment
-    import fedavg.run
-    from fedavg.deployment import coordinator as deploy
+    import fedavg.engines.deployment
+    import fedavg.run.lifecycle
+    from fedavg.engines.deployment import coordinator as deploy
 
     def prepare(config):  # simulate checks every option, then prepares: stop there
         raise UserError(REACHED)
@@ -151,8 +151,8 @@ def stand_ins():
         raise UserError(REACHED)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fedavg.run, "prepare", prepare)
-        mp.setattr(fedavg.deployment, "coordinate", coordinate)
+        mp.setattr(fedavg.run.lifecycle, "prepare", prepare)
+        mp.setattr(deploy, "coordinate", coordinate)
         yield
 
 

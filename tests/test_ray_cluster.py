@@ -142,8 +142,8 @@ def test_an_address_nothing_answers_at_is_one_line(tmp_path):
 
 def test_auto_is_the_cluster_ray_start_recorded_never_any_running_instance(tmp_path,
                                                                           monkeypatch):
-    from fedavg.errors import UserError
-    from fedavg.simulation import cluster_address
+    from fedavg.engines.simulation.simulate import cluster_address
+    from fedavg.util.errors import UserError
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))

@@ -7,7 +7,7 @@ import threading
 import pytest
 from flwr.simulation.ray_transport import ray_actor
 
-from fedavg import ray_start
+from fedavg.engines.simulation import ray_start
 from fedavg.flower_compat import prestarted_actors
 
 

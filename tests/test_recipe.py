@@ -1,4 +1,4 @@
-"""The node training recipe: learning-rate schedules and augmentation (fedavg.recipe)."""
+"""The node training recipe: learning-rate schedules and augmentation (fedavg.node.recipe)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-import fedavg.train as train_mod
-from fedavg.config import RunConfig
-from fedavg.display import _recipe
-from fedavg.errors import UserError
-from fedavg.recipe import LogitAdjustment, augmenter, make_scheduler, round_lr
-from fedavg.train import train
-from fedavg.wire import TrainSettings
+import fedavg.node.train as train_mod
+from fedavg.config.settings import RunConfig
+from fedavg.node.recipe import LogitAdjustment, augmenter, make_scheduler, round_lr
+from fedavg.node.train import train
+from fedavg.node.wire import TrainSettings
+from fedavg.run.display import _recipe
+from fedavg.util.errors import UserError
 
 TABULAR = {"kind": "tabular", "shape": [2], "scale": 1.0, "mean": [0.0, 0.0],
            "std": [1.0, 1.0]}
@@ -76,7 +76,7 @@ def test_round_lr_decays_by_hand():
 
 
 def test_a_node_trains_round_three_from_the_decayed_rate_then_its_schedule(stepped_lrs):
-    from fedavg.node import _train_with
+    from fedavg.node.clientapp import _train_with
 
     x = np.random.default_rng(0).normal(size=(8, 2)).astype(np.float32)
     cfg = TrainSettings(model={"name": "mlp"}, input=TABULAR, classes=["a", "b"],
@@ -181,7 +181,7 @@ def test_recipe_settings_are_checked_and_travel_to_the_nodes():
 
 
 def test_sam_gradient_by_hand():
-    from fedavg.train import sharpness_aware_gradient
+    from fedavg.node.train import sharpness_aware_gradient
 
     model = nn.Linear(2, 1, bias=False)
     with torch.no_grad():
@@ -203,7 +203,7 @@ def test_sam_gradient_by_hand():
 
 
 def test_sam_keeps_batchnorm_running_statistics():
-    from fedavg.train import sharpness_aware_gradient
+    from fedavg.node.train import sharpness_aware_gradient
 
     model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 1)).train()
     xb = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 1.0]])
@@ -332,8 +332,8 @@ def test_logit_adjusted_training_takes_the_adjusted_gradient_and_spares_absent_c
 
 def test_logit_adjust_notes_nodes_that_hold_one_or_two_labels():
     """The prior alone nearly fits such a node's data: the plan says so, naming how many."""
-    from fedavg.display import logit_adjust_note
-    from fedavg.partition import label_counts
+    from fedavg.data.partition import label_counts
+    from fedavg.run.display import logit_adjust_note
 
     y = np.array([0] * 10 + [1] * 10 + [2] * 10 + [0, 1, 2] * 10)
     parts = [np.arange(0, 10),  # one label

@@ -17,9 +17,9 @@ import torch
 from test_deploy import Cluster, rounds_of
 
 import strategies
-from fedavg import resume, resume_checks
-from fedavg.config import RunConfig
-from fedavg.errors import UserError
+from fedavg.config.settings import RunConfig
+from fedavg.run import resume, resume_checks
+from fedavg.util.errors import UserError
 
 
 def rec(r):
@@ -228,14 +228,14 @@ def test_a_resume_whose_tokenizer_file_is_gone_names_the_runs_copy(tmp_path, mon
 
 STOPPED_WHILE_LOADING = """
 import os, signal, sys, time
-import fedavg.simulation
+import fedavg.engines.simulation.simulate
 
 def loading(*args, **kwargs):  # a Ctrl-C while the resumed run loads its data
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(30)
 
-fedavg.simulation.simulate = loading
-from fedavg.cli import main
+fedavg.engines.simulation.simulate.simulate = loading
+from fedavg.cli.app import main
 sys.argv = ["fedavg", "simulate", "--resume", sys.argv[1], "--rounds", "60"]
 main()
 """
@@ -256,7 +256,7 @@ def test_a_resume_stopped_before_its_folder_opens_keeps_and_names_its_rounds(tmp
 
 
 def test_one_writer_per_run_folder(tmp_path):
-    from fedavg.output import make_output, release_output
+    from fedavg.run.output import make_output, release_output
 
     out = make_output(tmp_path / "run", lock=True)
     with pytest.raises(UserError, match="another fedavg command is writing into"):
@@ -277,7 +277,7 @@ def test_a_signal_right_after_the_run_folder_is_made_removes_it(tmp_path, monkey
 
     It was left behind, empty, when the folder was recorded only after the lock.
     """
-    from fedavg import output
+    from fedavg.run import output
 
     def signal_arrives(out):  # what the signal handler of cli_support.on_signal does
         if output.RUN_OUTPUT:
@@ -299,7 +299,7 @@ def test_a_signal_right_after_the_run_folder_is_made_removes_it(tmp_path, monkey
 
 
 def test_the_resume_hint_is_only_for_this_runs_checkpoint(tmp_path, monkeypatch):
-    from fedavg import cli_support
+    from fedavg.cli import support as cli_support
 
     ckpt = resume.capture(1, {"a": torch.zeros(1)}, RunConfig(), strategies.get("fedavg"),
                           [rec(1)], [])
@@ -368,9 +368,9 @@ def test_a_run_resumed_to_train_longer_keeps_only_its_last_rounds_node_models(tm
     """Node models of the earlier last round go once the new last round is checkpointed."""
     import types
 
-    from fedavg import checkpoint
-    from fedavg.coordinator import ServerRun
-    from fedavg.run import RunState
+    from fedavg.run import checkpoint
+    from fedavg.run.lifecycle import RunState
+    from fedavg.run.server_app import ServerRun
 
     def saved(folder, rounds):
         checkpoint.save(tmp_path / "nodes" / folder, {"w": torch.zeros(2)},
@@ -417,7 +417,7 @@ def test_resume_refuses_a_model_now_built_from_other_files(tmp_path):
 
 def test_resume_refuses_data_that_are_now_other_samples(tmp_path):
     """Another file at the data's path: the run went on, scoring later rounds on other data."""
-    from fedavg.resume_checks import check_same_data
+    from fedavg.run.resume_checks import check_same_data
 
     image = {"kind": "image", "shape": [1, 8, 8]}
     counts = {"source": "d.csv", "train_samples": 1438, "test_samples": 359}
@@ -676,7 +676,7 @@ def test_a_finished_run_stopped_while_training_longer_is_a_stopped_run(runs, tmp
 
 def test_a_resumed_coordinator_waits_for_the_runs_own_number_of_nodes(tmp_path):
     """``--min-nodes`` left out on resume: the run's own 3, not the default 2."""
-    from fedavg.deployment import coordinator as deploy
+    from fedavg.engines.deployment import coordinator as deploy
 
     config = RunConfig().replace(num_nodes=3, rounds=4)
     w = {"a": torch.zeros(3)}
@@ -696,8 +696,8 @@ def test_two_nodes_of_one_partition_keep_both_node_models_and_say_so(tmp_path):
     """The second one's model replaced the first's in nodes/node-0, with no word."""
     import types
 
-    from fedavg.coordinator import ServerRun
-    from fedavg.run import RunState
+    from fedavg.run.lifecycle import RunState
+    from fedavg.run.server_app import ServerRun
 
     notes = []
     progress = types.SimpleNamespace(on_note=notes.append)
@@ -718,7 +718,8 @@ def test_two_nodes_of_one_partition_keep_both_node_models_and_say_so(tmp_path):
 
 def test_an_interrupt_says_when_overwrite_removed_the_previous_run(tmp_path, monkeypatch):
     """It said only "nothing of this run was saved" while the old run was gone too."""
-    from fedavg import cli_support, output
+    from fedavg.cli import support as cli_support
+    from fedavg.run import output
 
     monkeypatch.setattr(output, "REPLACED", [])
     (tmp_path / "model.json").write_text("{}")  # the previous run

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedavg import checkpoint
-from fedavg.config import RunConfig
-from fedavg.data import decode_images, load
-from fedavg.errors import UserError
-from fedavg.models import build_model
-from fedavg.partition import partition
-from fedavg.run import check_output, default_output, prepare
-from fedavg.train import evaluation_device, resolve_device
+from fedavg.config.settings import RunConfig
+from fedavg.data.load import decode_images, load
+from fedavg.data.partition import partition
+from fedavg.models.registry import build_model
+from fedavg.node.train import evaluation_device, resolve_device
+from fedavg.run import checkpoint
+from fedavg.run.lifecycle import check_output, default_output, prepare
+from fedavg.util.errors import UserError
 
 
 def write_csv(path, header, rows):

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import strategies
-from fedavg.train import train
+from fedavg.node.train import train
 from strategies.scaffold import SERVER_VARIATE, VARIATE_CHANGE, ScaffoldNode, effective_lr
 
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import strategies
-from fedavg.models import EnsembleModel
-from fedavg.train import train
+from fedavg.models.registry import EnsembleModel
+from fedavg.node.train import train
 from strategies import MergeContext
 from strategies.ensemble import fit_weights
 
@@ -120,8 +120,8 @@ def test_krum_and_multi_krum_by_hand():
 
 @pytest.mark.parametrize("name", ["krum", "multi-krum"])
 def test_krum_needs_more_than_2f_plus_2_models_per_merge(name):
-    from fedavg.config import RunConfig
-    from fedavg.errors import UserError
+    from fedavg.config.settings import RunConfig
+    from fedavg.util.errors import UserError
 
     # f = 1: 2f + 2 = 4, so 5 nodes per round are the fewest
     five = RunConfig().replace(strategy=name, num_nodes=5, num_malicious=1)

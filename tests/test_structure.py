@@ -51,7 +51,7 @@ def scaled_strategy(monkeypatch):
 
 
 def _app():
-    from fedavg.cli import build_app
+    from fedavg.cli.app import build_app
 
     return build_app()
 
@@ -80,7 +80,7 @@ def test_an_option_the_strategy_does_not_take_is_one_line(scaled_strategy):
 
 @pytest.mark.e2e
 def test_a_new_strategy_option_reaches_its_merge(scaled_strategy, tmp_path, no_leaks):
-    from fedavg import checkpoint
+    from fedavg.run import checkpoint
 
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -144,11 +144,11 @@ def test_an_installed_package_adds_a_strategy_through_its_entry_point(tmp_path):
     (info / "entry_points.txt").write_text("[fedavg.strategies]\nhalved = my_plugin\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "COLUMNS": "200"}
-    listed = subprocess.run([sys.executable, "-m", "fedavg.cli", "strategies"], env=env,
+    listed = subprocess.run([sys.executable, "-m", "fedavg.cli.app", "strategies"], env=env,
                             capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0, listed.stderr
     assert "plugin-halved" in listed.stdout and "--plugin-factor" in listed.stdout
-    refused = subprocess.run([sys.executable, "-m", "fedavg.cli", "simulate", "--strategy",
+    refused = subprocess.run([sys.executable, "-m", "fedavg.cli.app", "simulate", "--strategy",
                               "fedavg", "--plugin-factor", "2"], env=env, capture_output=True,
                              text=True, timeout=120)
     assert refused.returncode == 2

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 import strategies
-from fedavg import resume
-from fedavg.config import RunConfig
-from fedavg.coordinator import ServerRun
-from fedavg.errors import UserError
-from fedavg.run import RunState
+from fedavg.config.settings import RunConfig
+from fedavg.run import resume
+from fedavg.run.lifecycle import RunState
+from fedavg.run.server_app import ServerRun
+from fedavg.util.errors import UserError
 from strategies.swa import WeightAverage
 
 

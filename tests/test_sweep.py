@@ -1,7 +1,8 @@
 """Sweeps and reports: config parsing, point names, resume decisions, tables, CSV and plots.
 
 Unit tests read configs and fake run folders written here in the exact format fedavg writes
-(``summary.json`` as :func:`fedavg.run.write_summary`, ``metrics.jsonl`` one round a line);
+(``summary.json`` as :func:`fedavg.run.lifecycle.write_summary`, ``metrics.jsonl`` one round a
+line);
 the end-to-end ones (marker ``e2e``) run ``fedavg sweep`` and ``fedavg report`` for real.
 """
 
@@ -22,13 +23,13 @@ from conftest import ROOT, assert_one_error_line, engine_processes, run_cli
 from PIL import Image
 from typer.testing import CliRunner
 
-from fedavg.cli import app
-from fedavg.config import RunConfig
-from fedavg.errors import UserError
-from fedavg.report import Run, find_runs, write_report
-from fedavg.sweep import load_sweep
-from fedavg.sweep_plan import KEEP_FAILED, RERUN, RESUME, RUN, SKIP, plan, select
-from fedavg.sweep_run import cpu_note, last_error
+from fedavg.cli.app import app
+from fedavg.config.settings import RunConfig
+from fedavg.sweeps.grid import load_sweep
+from fedavg.sweeps.plan import KEEP_FAILED, RERUN, RESUME, RUN, SKIP, plan, select
+from fedavg.sweeps.report import Run, find_runs, write_report
+from fedavg.sweeps.runner import cpu_note, last_error
+from fedavg.util.errors import UserError
 
 TINY = ROOT / "experiments" / "configs" / "tiny.toml"
 
@@ -110,7 +111,7 @@ def test_model_args_is_a_table_of_builder_arguments(tmp_path):
     assert sweep.points[1].config.train.model_args == {"hidden": 32, "act": "64"}
     args = sweep.points[1].simulate_args()
     assert args[-2:] == ["--model-arg=hidden=32", '--model-arg=act="64"']  # "64" stays text
-    from fedavg.model_sources import parse_model_args
+    from fedavg.models.sources import parse_model_args
 
     assert parse_model_args([a.split("=", 1)[1] for a in args[-2:]]) == {"hidden": 32,
                                                                          "act": "64"}
@@ -124,7 +125,7 @@ def test_model_args_is_a_table_of_builder_arguments(tmp_path):
 
 
 def test_report_names_model_args_as_sweep_points_do():
-    from fedavg.report_runs import flat_settings
+    from fedavg.sweeps.runs import flat_settings
 
     config = RunConfig().replace(model_args={"hidden": 16, "act": "gelu"}).as_dict()
     assert flat_settings({"config": config})["model-args"] == "hidden=16,act=gelu"
@@ -133,8 +134,8 @@ def test_report_names_model_args_as_sweep_points_do():
 
 def test_report_names_a_local_dataset_by_its_absolute_path(tmp_path, monkeypatch):
     """The same file given relative and absolute is one dataset in a report."""
-    from fedavg.report_runs import flat_settings
-    from fedavg.run import prepare, write_summary
+    from fedavg.run.lifecycle import prepare, write_summary
+    from fedavg.sweeps.runs import flat_settings
 
     (tmp_path / "t.csv").write_text("\n".join(
         ["a,b,label"] + [f"{i},{i % 5},{'xy'[i % 2]}" for i in range(20)]) + "\n")
@@ -365,7 +366,7 @@ def test_plan_resumes_a_stopped_point_with_a_checkpoint_of_its_settings(tmp_path
     import torch
 
     import strategies
-    from fedavg import resume
+    from fedavg.run import resume
 
     sweep = load_sweep(TINY)
     out = tmp_path / "out"
@@ -400,7 +401,7 @@ def test_a_finished_point_whose_dataset_path_is_written_otherwise_is_skipped(tmp
     import torch
 
     import strategies
-    from fedavg import resume
+    from fedavg.run import resume
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
@@ -430,7 +431,7 @@ def test_a_sweep_record_of_another_shape_is_ignored(tmp_path, record):
 
 
 def test_points_left_out_by_only_stay_in_the_record(tmp_path):
-    from fedavg.sweep_run import Runner
+    from fedavg.sweeps.runner import Runner
 
     whole = load_sweep(TINY)
     out = tmp_path / "out"
@@ -464,7 +465,7 @@ def _finish_with_checkpoint(folder: Path, config: RunConfig) -> None:
     import torch
 
     import strategies
-    from fedavg import resume
+    from fedavg.run import resume
 
     _finish(folder, config)
     rounds = config.merge.rounds
@@ -493,7 +494,7 @@ def test_runs_of_points_a_config_edit_renamed_are_found_and_moved(tmp_path):
     import torch
 
     import strategies
-    from fedavg import resume
+    from fedavg.run import resume
 
     resume.save(out / seed1.name, resume.capture(
         1, {"w": torch.zeros(2)}, half.from_flat(resume.absolute_paths(half.to_flat())),
@@ -615,7 +616,7 @@ def test_dry_run_lists_points_and_runs_nothing(tmp_path):
 
 
 def test_points_that_train_exactly_as_another_are_named(tmp_path):
-    from fedavg.setting_use import repeated_runs
+    from fedavg.config.setting_use import repeated_runs
 
     config = toml(tmp_path, '[base]\nrounds = 1\n[grid]\npartitioner = ["iid", "dirichlet", '
                             '"pathological"]\nalpha = [0.1, 1.0]\nclasses-per-node = [2, 3]\n')
@@ -642,8 +643,8 @@ def test_points_that_train_exactly_as_another_are_named(tmp_path):
 
 
 def test_dry_run_finds_the_points_that_would_fail_at_their_start(tmp_path, monkeypatch):
-    from fedavg import data
-    from fedavg.sweep_plan import check_points
+    from fedavg.data import load as data
+    from fedavg.sweeps.plan import check_points
 
     loads = []
     real_load = data.load
@@ -667,8 +668,8 @@ def test_dry_run_finds_the_points_that_would_fail_at_their_start(tmp_path, monke
 
 
 def test_a_prepared_run_on_data_loaded_once_is_the_same_as_on_its_own_load():
-    from fedavg.data import data_settings, load
-    from fedavg.run import prepare
+    from fedavg.data.load import data_settings, load
+    from fedavg.run.lifecycle import prepare
 
     config = RunConfig().replace(strategy="greedy-soup", rounds=1, num_nodes=4, alpha=0.5,
                                  partitioner="dirichlet")
@@ -685,7 +686,7 @@ def test_a_prepared_run_on_data_loaded_once_is_the_same_as_on_its_own_load():
 
 
 def test_a_sweep_folder_that_is_or_lies_below_a_file_is_refused(tmp_path):
-    from fedavg.output import check_folder
+    from fedavg.run.output import check_folder
 
     (tmp_path / "afile").write_text("x")
     check_folder(tmp_path / "new" / "deeper")  # to be made: fine
@@ -721,7 +722,7 @@ def test_a_bad_config_on_the_command_line_is_one_line(tmp_path):
 
 
 def _app():
-    from fedavg.cli import build_app
+    from fedavg.cli.app import build_app
 
     return build_app()
 
@@ -901,7 +902,7 @@ def test_report_groups_over_seeds_with_mean_and_std(runs):
 
 
 def test_settings_apply_by_partitioner():
-    from fedavg.report import applies
+    from fedavg.sweeps.report import applies
 
     assert applies("alpha", {"partitioner": "dirichlet"})
     assert not applies("alpha", {"partitioner": "iid"})
@@ -1158,7 +1159,7 @@ def test_sigterm_stops_the_running_points_and_exits_130(tmp_path, no_leaks):
     config = toml(tmp_path, "[base]\nnum-nodes = 2\nrounds = 1000\ncpus-per-node = 2\n"
                             "[grid]\nseed = [0, 1, 2]\n")
     out = tmp_path / "sweep"
-    sweep = subprocess.Popen([sys.executable, "-m", "fedavg.cli", "sweep", str(config),
+    sweep = subprocess.Popen([sys.executable, "-m", "fedavg.cli.app", "sweep", str(config),
                               "--output", str(out), "--parallel", "2"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -1187,7 +1188,7 @@ def test_sigterm_stops_the_running_points_and_exits_130(tmp_path, no_leaks):
     # the stopped point goes on from its checkpoint: its first rounds stay as they were
     metrics = out / "seed=0" / "metrics.jsonl"
     before = metrics.read_text().splitlines()
-    again = subprocess.Popen([sys.executable, "-m", "fedavg.cli", "sweep", str(config),
+    again = subprocess.Popen([sys.executable, "-m", "fedavg.cli.app", "sweep", str(config),
                               "--output", str(out), "--only", "seed=0"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -1223,7 +1224,7 @@ def test_a_point_stops_when_its_sweep_is_killed(tmp_path):
     import psutil
 
     code = ("import subprocess, sys, time\n"
-            "from fedavg.sweep_run import point_process\n"
+            "from fedavg.sweeps.runner import point_process\n"
             "p = point_process([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
             "print(p.pid, flush=True)\n"
             "time.sleep(120)\n")
@@ -1311,7 +1312,7 @@ def test_a_sweep_refuses_model_arguments_its_model_cannot_take_before_any_run(tm
         assert f"point model-args={bad}-16:" in line and f"argument {bad!r}" in line
         assert f"it takes: {good}" in line
         assert not (tmp_path / "sw").exists()  # nothing ran, no folder was made
-    from fedavg.models import check_model_args
+    from fedavg.models.registry import check_model_args
 
     check_model_args("fasttext", {})  # vocab_size: the text data's, not missing
     check_model_args("fasttext", {"dim": 16})
@@ -1403,7 +1404,7 @@ def test_the_sweep_end_names_the_report_command_quoted_for_a_shell(tmp_path, mon
 
     from rich.console import Console
 
-    from fedavg import cli_sweep
+    from fedavg.cli import sweep as cli_sweep
 
     shown = io.StringIO()
     monkeypatch.setattr(cli_sweep, "console", Console(file=shown, width=500))
@@ -1423,7 +1424,7 @@ def test_an_interrupted_point_without_a_reason_has_no_dangling_colon(monkeypatch
 
     from rich.console import Console
 
-    from fedavg import cli_sweep
+    from fedavg.cli import sweep as cli_sweep
 
     shown = io.StringIO()
     monkeypatch.setattr(cli_sweep, "console", Console(file=shown, width=200))

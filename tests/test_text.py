@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import SHARED_DATA
 
-from fedavg.errors import UserError
-from fedavg.text import FileTokenizer, HashedTokenizer, from_spec, make_tokenizer
+from fedavg.data.text import FileTokenizer, HashedTokenizer, from_spec, make_tokenizer
+from fedavg.util.errors import UserError
 
 AG_NEWS = SHARED_DATA / "ag_news"
 
@@ -38,7 +38,7 @@ def test_hashed_words_then_bigrams_cut_to_max_length():
 def test_hashed_ids_are_the_same_in_another_process():
     text = "Stocks rally as the Fed holds rates"
     here = HashedTokenizer().ids(text)
-    code = f"from fedavg.text import HashedTokenizer; print(HashedTokenizer().ids({text!r}))"
+    code = f"from fedavg.data.text import HashedTokenizer; print(HashedTokenizer().ids({text!r}))"
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, env={"PYTHONHASHSEED": "123"}).stdout
     assert json.loads(there) == here
@@ -134,7 +134,7 @@ def test_bad_tokenizer_paths_say_what_to_fix(tmp_path, name, match):
 
 
 def test_ag_news_is_detected_as_text_and_tokenized():
-    from fedavg.data import load
+    from fedavg.data.load import load
 
     data = load(str(AG_NEWS), max_tokens=64)
     assert data.kind == "text" and data.columns == {"text": "text", "label": "label"}
@@ -151,7 +151,7 @@ def test_ag_news_is_detected_as_text_and_tokenized():
 def test_text_column_override_and_its_errors(tmp_path):
     import pandas as pd
 
-    from fedavg.data import load
+    from fedavg.data.load import load
 
     csv = tmp_path / "t.csv"
     pd.DataFrame({"title": [f"a {'good' if i % 2 else 'bad'} day, the {i}th" for i in range(10)],
@@ -182,7 +182,7 @@ def test_text_column_override_and_its_errors(tmp_path):
 
 
 def test_bag_of_embeddings_sums_token_vectors_and_ignores_padding():
-    from fedavg.text_models import BagOfEmbeddings
+    from fedavg.models.text import BagOfEmbeddings
 
     net = BagOfEmbeddings(vocab_size=5, num_classes=2, pad_id=0, dim=3)
     with torch.no_grad():
@@ -198,7 +198,7 @@ def test_bag_of_embeddings_sums_token_vectors_and_ignores_padding():
 
 
 def test_text_transformer_ignores_padding():
-    from fedavg.text_models import TextTransformer
+    from fedavg.models.text import TextTransformer
 
     torch.manual_seed(0)
     net = TextTransformer(vocab_size=50, max_length=8, num_classes=3).eval()
@@ -209,7 +209,7 @@ def test_text_transformer_ignores_padding():
 
 
 def test_image_models_refuse_text_and_text_models_refuse_images():
-    from fedavg.models import build_model, resolve_model
+    from fedavg.models.registry import build_model, resolve_model
 
     assert resolve_model("auto", (256,), "text") == "fasttext"
     with pytest.raises(UserError, match="takes image inputs, and this data is text"):
@@ -221,7 +221,7 @@ def test_image_models_refuse_text_and_text_models_refuse_images():
 
 
 def test_check_kind_names_both_kinds_and_tokenizer_differences():
-    from fedavg.data import check_kind, load
+    from fedavg.data.load import check_kind, load
 
     digits = load("digits")
     text = load(str(AG_NEWS), max_tokens=32)
@@ -236,7 +236,7 @@ def test_check_kind_names_both_kinds_and_tokenizer_differences():
 
 
 def test_a_damaged_text_input_description_is_one_line():
-    from fedavg.checkpoint import _meta_problem
+    from fedavg.run.checkpoint import _meta_problem
 
     spec = {"kind": "text", "shape": [8], "dtype": "int64", "vocab_size": 10, "pad_id": 0,
             "tokenizer": {"kind": "hashed", "buckets": 10, "max_length": 8, "ngrams": 2}}
@@ -264,9 +264,9 @@ def test_cli_refuses_an_image_model_for_text_in_one_line(tmp_path):
 def test_cli_predict_text_with_an_image_model_is_one_line(tmp_path):
     from conftest import assert_one_error_line, run_cli
 
-    from fedavg import checkpoint
-    from fedavg.data import load
-    from fedavg.models import build_model
+    from fedavg.data.load import load
+    from fedavg.models.registry import build_model
+    from fedavg.run import checkpoint
 
     data = load("digits")
     net = build_model("mlp", data.input_shape, 10)
@@ -279,9 +279,9 @@ def test_cli_predict_text_with_an_image_model_is_one_line(tmp_path):
 
 
 def _text_model_folders(tmp_path, data, count=2):
-    from fedavg import checkpoint
-    from fedavg.models import ModelSpec
-    from fedavg.run import text_model_args
+    from fedavg.models.registry import ModelSpec
+    from fedavg.run import checkpoint
+    from fedavg.run.lifecycle import text_model_args
 
     spec = ModelSpec("fasttext", data.input_shape, len(data.classes), text_model_args(data))
     folders = []
@@ -296,10 +296,10 @@ def _text_model_folders(tmp_path, data, count=2):
 
 
 def test_merging_text_models_keeps_their_tokenizer_file(tmp_path):
-    from fedavg.config import RunConfig
-    from fedavg.data import load
-    from fedavg.inference import load_model
-    from fedavg.merge import merge_models
+    from fedavg.config.settings import RunConfig
+    from fedavg.data.load import load
+    from fedavg.use.inference import load_model
+    from fedavg.use.merge import merge_models
 
     path, _ = _word_tokenizer_json(tmp_path)
     data = load(str(AG_NEWS), tokenizer=str(path), max_tokens=16)
@@ -313,9 +313,9 @@ def test_merging_text_models_keeps_their_tokenizer_file(tmp_path):
 
 
 def test_distilling_text_models_on_unlabeled_texts(tmp_path):
-    from fedavg.config import RunConfig
-    from fedavg.data import load
-    from fedavg.merge import merge_models
+    from fedavg.config.settings import RunConfig
+    from fedavg.data.load import load
+    from fedavg.use.merge import merge_models
 
     data = load(str(AG_NEWS), max_tokens=32, hash_buckets=4096)
     folders = _text_model_folders(tmp_path, data)
@@ -329,8 +329,8 @@ def test_distilling_text_models_on_unlabeled_texts(tmp_path):
 
 
 def test_predict_text_notes_an_input_that_is_a_file(tmp_path):
-    from fedavg.data import load
-    from fedavg.inference import predict
+    from fedavg.data.load import load
+    from fedavg.use.inference import predict
 
     data = load(str(AG_NEWS), max_tokens=16, hash_buckets=512)
     (folder,) = _text_model_folders(tmp_path, data, count=1)
@@ -364,14 +364,14 @@ def test_a_tokenizer_without_vocabulary_and_too_many_tokens_are_refused(tmp_path
     assert make_tokenizer(str(empty)).vocab_size == 7
     with pytest.raises(UserError, match=r"--max-tokens must be in 1\.\.8192"):
         HashedTokenizer(max_length=10**20)
-    from fedavg.config import RunConfig
+    from fedavg.config.settings import RunConfig
 
     with pytest.raises(UserError, match=r"--max-tokens must be in 1\.\.8192"):
         RunConfig().replace(max_tokens=100_000_000).validate()
 
 
 def test_tampered_text_descriptions_say_the_artifact_is_damaged():
-    from fedavg.checkpoint import _meta_problem
+    from fedavg.run.checkpoint import _meta_problem
 
     spec = {"kind": "text", "shape": [8], "dtype": "int64", "vocab_size": 10, "pad_id": 0,
             "tokenizer": {"kind": "hashed", "buckets": 10, "max_length": 8, "ngrams": 2}}
@@ -389,7 +389,7 @@ def test_tampered_text_descriptions_say_the_artifact_is_damaged():
 
 
 def test_bad_builder_arguments_of_built_in_models_are_one_line():
-    from fedavg.models import build_model
+    from fedavg.models.registry import build_model
 
     for args, words in (({"hidden": "abc"}, "--model-arg hidden='abc' must be a whole number"),
                         ({"dim": 0}, "--model-arg dim=0 must be a whole number >= 1")):
@@ -402,8 +402,8 @@ def test_bad_builder_arguments_of_built_in_models_are_one_line():
 
 
 def test_vocab_size_and_pad_id_come_from_the_tokenizer():
-    from fedavg.config import RunConfig
-    from fedavg.run import prepare
+    from fedavg.config.settings import RunConfig
+    from fedavg.run.lifecycle import prepare
 
     config = RunConfig().replace(dataset=str(AG_NEWS), max_tokens=16, hash_buckets=256,
                                  num_nodes=2, model_args={"vocab_size": 5})
@@ -412,7 +412,7 @@ def test_vocab_size_and_pad_id_come_from_the_tokenizer():
 
 
 def test_resume_refuses_texts_tokenized_otherwise(tmp_path):
-    from fedavg.resume_checks import check_same_data
+    from fedavg.run.resume_checks import check_same_data
 
     spec = {"kind": "text", "tokenizer": {"kind": "file", "sha256": "aa", "max_length": 8}}
     (tmp_path / "model.json").write_text(json.dumps({"input": spec}))
@@ -423,7 +423,7 @@ def test_resume_refuses_texts_tokenized_otherwise(tmp_path):
 
 
 def test_text_that_is_not_utf8_is_one_line(tmp_path):
-    from fedavg.data import load
+    from fedavg.data.load import load
 
     bad = tmp_path / "t.jsonl"
     bad.write_bytes(b'{"text": "caf\xe9 au lait", "label": 0}\n{"text": "tea", "label": 1}\n'
@@ -438,9 +438,9 @@ def test_evaluate_takes_a_text_column_of_another_dataset(tmp_path):
     import pandas as pd
     from typer.testing import CliRunner
 
-    from fedavg.cli import app
-    from fedavg.data import load
-    from fedavg.inference import evaluate_model
+    from fedavg.cli.app import app
+    from fedavg.data.load import load
+    from fedavg.use.inference import evaluate_model
 
     data = load(str(AG_NEWS), max_tokens=32, hash_buckets=4096)
     folder = _text_model_folders(tmp_path, data, count=1)[0]
@@ -459,7 +459,7 @@ def test_evaluate_takes_a_text_column_of_another_dataset(tmp_path):
     named = tmp_path / "named.csv"  # a column named as the run's ("text"), second: taken
     pd.read_csv(table).rename(columns={"story": "text"}).to_csv(named, index=False)
     assert evaluate_model(folder, str(named))["loss"] == pytest.approx(own["loss"], rel=1e-5)
-    from fedavg.inference import predict
+    from fedavg.use.inference import predict
 
     expected = [r["prediction"] for r in predict(folder, [str(AG_NEWS)])]
     assert [r["prediction"] for r in predict(folder, [str(named)])] == expected
@@ -504,7 +504,7 @@ def test_evaluate_takes_a_text_column_of_another_dataset(tmp_path):
 
 def test_a_txt_file_with_a_byte_order_mark_reads_its_first_text_as_written(tmp_path):
     """Notepad's UTF-8 files start with a byte order mark; it was kept in the first text."""
-    from fedavg.text import text_inputs
+    from fedavg.data.text import text_inputs
 
     path = tmp_path / "news.txt"
     path.write_bytes("oil price up\n\nteam wins\n".encode("utf-8-sig"))

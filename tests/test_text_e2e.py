@@ -19,7 +19,7 @@ def _predict_texts(run, *texts):
 
 
 def test_ag_news_federated_then_predict_a_one_shot_ensemble_and_tracking(tmp_path, no_leaks):
-    from fedavg.tracking import default_mlflow_uri
+    from fedavg.run.tracking import default_mlflow_uri
 
     out = tmp_path / "run"
     uri = default_mlflow_uri(tmp_path / "mlruns")

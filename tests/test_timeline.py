@@ -3,7 +3,7 @@
 import time
 
 import fedavg
-from fedavg.timeline import phases
+from fedavg.util.timeline import phases
 
 
 def test_phases_are_differences_of_consecutive_marks_and_missing_ones_are_left_out():

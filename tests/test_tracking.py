@@ -8,8 +8,8 @@ import warnings
 
 import pytest
 
-from fedavg.errors import UserError
-from fedavg.tracking import Trackers, TrackingOptions, default_mlflow_uri, tracked
+from fedavg.run.tracking import Trackers, TrackingOptions, default_mlflow_uri, tracked
+from fedavg.util.errors import UserError
 
 ROUNDS = [{"round": 1, "accuracy": 0.5, "loss": 1.5, "train_loss": 2.0, "wall_s": 1.25,
            "train_s": 0.5, "num_nodes": 3, "num_failed": 0},

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import strategies
-from fedavg.errors import RunError
-from fedavg.flower_adapter import FlowerAdapter
+from fedavg.run.flower_adapter import FlowerAdapter
+from fedavg.util.errors import RunError
 from strategies.fedavg import FedAvg
 
 
@@ -148,7 +148,7 @@ def test_a_round_is_folded_in_partition_order_whatever_the_arrival(task_identity
     """Float sums depend on their order: a held round saves the same bits for any arrival."""
     from itertools import permutations
 
-    from fedavg import flower_adapter
+    from fedavg.run import flower_adapter
 
     gen = torch.Generator().manual_seed(0)
     models = [torch.randn(500, generator=gen) * 10.0 ** p for p in range(4)]
@@ -181,7 +181,7 @@ def test_a_round_is_folded_in_partition_order_whatever_the_arrival(task_identity
 
 def test_a_round_failure_line_counts_the_nodes_it_does_not_name():
     """Four nodes refused for four different norms: three named, the fourth counted."""
-    from fedavg.flower_adapter import _RoundTally
+    from fedavg.run.flower_adapter import _RoundTally
 
     tally = _RoundTally()
     for node, norm in enumerate((1.5, 2.5, 3.5, 4.5)):

@@ -3,9 +3,9 @@
 import pytest
 from flwr.app import ConfigRecord
 
-from fedavg import keys
-from fedavg.config import RunConfig
-from fedavg.wire import TrainSettings
+from fedavg.config.settings import RunConfig
+from fedavg.node import keys
+from fedavg.node.wire import TrainSettings
 
 
 def _settings(**change):

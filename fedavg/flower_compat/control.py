@@ -9,8 +9,8 @@ import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from fedavg.errors import RunError
 from fedavg.flower_compat.logs import is_certificate_failure
+from fedavg.util.errors import RunError
 
 
 class CertificateRejected(RuntimeError):

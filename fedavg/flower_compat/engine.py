@@ -69,7 +69,7 @@ def prompt_stop():
     and its Ray backend then runs ``ray.shutdown()``, which gives every Ray process a second
     to exit, one after another (about 1.4 s). Here the threads wait at most
     :data:`QUEUE_WAIT_S` seconds, and the backend only ends its actors: the caller stops Ray
-    (:func:`fedavg.ray_cleanup.shutdown_ray`).
+    (:func:`fedavg.engines.simulation.ray_cleanup.shutdown_ray`).
     """
     from flwr.server.superlink.fleet.vce import vce_api
     from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
@@ -116,7 +116,7 @@ def prestarted_actors(actors: list):
 
     Flower's Ray backend creates its node actors when the engine builds its pool, just
     before the first round, and each then spends seconds importing (see
-    :mod:`fedavg.ray_start`). Actors created earlier with the pool's resources
+    :mod:`fedavg.engines.simulation.ray_start`). Actors created earlier with the pool's resources
     (:func:`node_actors`) join the pool in their place; the pool creates
     only the ones still missing.
     """

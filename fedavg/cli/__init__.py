@@ -1,0 +1,1 @@
+"""The ``fedavg`` command line: typer commands, options generated from the settings."""

@@ -1,0 +1,126 @@
+"""The checks of a run's settings (:class:`~fedavg.config.settings.RunConfig`), in order.
+
+:meth:`RunConfig.validate <fedavg.config.settings.RunConfig.validate>` runs them in order
+(:data:`CHECKS`) and raises the first problem as a :class:`~fedavg.util.errors.UserError`; the
+messages name the command-line flags.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from fedavg.config.settings import MAX_SEED, OPTIMIZERS
+
+if TYPE_CHECKING:
+    from fedavg.config.settings import RunConfig
+
+
+def check_data(c: RunConfig) -> str | None:
+    """Check the data settings: partitioner, alpha, seed, text limits, column choices."""
+    from fedavg.data.partition import partitioner_names
+
+    d = c.data
+    if d.partitioner not in partitioner_names():
+        return (f"unknown partitioner {d.partitioner!r}; choose one of "
+                f"{', '.join(partitioner_names())}")
+    if not d.alpha > 0:
+        return f"--alpha must be > 0 (got {d.alpha}); try 0.5 for label skew"
+    if not math.isfinite(d.alpha):
+        return f"--alpha must be finite (got {d.alpha}); try 0.5 for label skew"
+    if d.classes_per_node < 1:
+        return f"--classes-per-node must be >= 1 (got {d.classes_per_node})"
+    if d.partitioner == "natural" and not d.partition_by:
+        return "--partitioner natural needs --partition-by COLUMN"
+    if not 0 <= d.seed < MAX_SEED:
+        return f"--seed must be >= 0 and < {MAX_SEED} (got {d.seed})"
+    if not 0 < d.test_fraction < 1:
+        return f"test fraction must be in (0, 1) (got {d.test_fraction})"
+    if not 1 <= d.max_tokens <= 8192:
+        return f"--max-tokens must be in 1..8192 (got {d.max_tokens})"
+    if d.hash_buckets < 2:
+        return f"hash-buckets must be >= 2 (got {d.hash_buckets})"
+    if d.image_column and d.text_column:
+        return "pass --image-column or --text-column, not both"
+    return None
+
+
+def check_train(c: RunConfig) -> str | None:
+    """Check the node training settings: rates, epochs, optimizer, schedule, recipe."""
+    t = c.train
+    bad = next((k for k in t.model_args if not (isinstance(k, str) and k.isidentifier())), None)
+    if bad is not None:
+        return f"--model-arg {bad!r}: argument names must be Python names (hidden=64)"
+    if t.pretrained and not t.model.startswith("torchvision:"):
+        return ("--pretrained takes a torchvision:NAME model (an hf: folder starts from its "
+                "own weights; your own builder can take a --model-arg for it)")
+    for flag, value, ok, need in (
+            ("local-epochs", t.local_epochs, t.local_epochs >= 1, ">= 1"),
+            ("batch-size", t.batch_size, t.batch_size >= 1, ">= 1"),
+            ("lr", t.lr, 0 < t.lr < math.inf, "> 0 and finite"),
+            ("momentum", t.momentum, 0 <= t.momentum < 1, "in [0, 1)"),
+            ("weight-decay", t.weight_decay, 0 <= t.weight_decay < math.inf, ">= 0 and finite"),
+            ("lr-decay", t.lr_decay, 0 < t.lr_decay <= 1, "in (0, 1]"),
+            ("sam-rho", t.sam_rho, 0 <= t.sam_rho < math.inf, ">= 0 and finite"),
+            ("logit-adjust", t.logit_adjust, 0 <= t.logit_adjust < math.inf,
+             ">= 0 and finite")):
+        if not ok:
+            return f"--{flag} must be {need} (got {value})"
+    if t.optimizer not in OPTIMIZERS:
+        return f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {t.optimizer!r})"
+    from fedavg.node.recipe import LR_SCHEDULES
+
+    if t.lr_schedule not in LR_SCHEDULES:
+        return (f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)} "
+                f"(got {t.lr_schedule!r})")
+    return None
+
+
+def check_merge(c: RunConfig) -> str | None:
+    """Check the round settings: rounds, nodes, fraction, timeout, SWA, held-out shares."""
+    m = c.merge
+    if m.rounds < 1:
+        return f"--rounds must be >= 1 (got {m.rounds})"
+    if m.num_nodes < 1:
+        return f"--num-nodes must be >= 1 (got {m.num_nodes})"
+    if not 0 < m.fraction <= 1:
+        return f"--fraction must be in (0, 1] (got {m.fraction})"
+    if not m.round_timeout > 0:
+        return f"--round-timeout must be > 0 seconds (got {m.round_timeout})"
+    if m.max_update_norm is not None and not 0 < m.max_update_norm < math.inf:
+        return f"--max-update-norm must be > 0 and finite (got {m.max_update_norm})"
+    if m.swa_start is not None and not 1 <= m.swa_start <= m.rounds:
+        return (f"--swa-start must be a round from 1 to --rounds {m.rounds} "
+                f"(got {m.swa_start}); try 3/4 of the rounds")
+    for name in ("validation_fraction", "distill_fraction"):
+        if not 0 < getattr(m, name) < 0.5:
+            return f"--{name.replace('_', '-')} must be in (0, 0.5)"
+    return None
+
+
+def check_strategy(c: RunConfig) -> str | None:
+    """Check the strategy: known, its options, one-shot rules, its node optimizer."""
+    import strategies
+
+    m = c.merge
+    try:
+        cls = strategies.strategy_class(m.strategy)
+    except strategies.UnknownStrategyError as exc:
+        return str(exc)
+    unknown = cls.unknown_options(m.options)
+    if unknown:
+        return unknown
+    if cls.one_shot and m.rounds != 1:
+        return (f"{m.strategy} is a one-shot merge of fully trained node models: "
+                "use --rounds 1 (and --local-epochs to train longer)")
+    if cls.one_shot and m.swa_start is not None:
+        return (f"--swa-start averages the models of several rounds; {m.strategy} is a "
+                "one-shot merge of one round: leave --swa-start out")
+    if cls.node_rule is not None and c.train.optimizer not in cls.node_rule.optimizers:
+        return (f"{m.strategy}'s update rule assumes {' or '.join(cls.node_rule.optimizers)} "
+                f"local steps; use --optimizer {cls.node_rule.optimizers[0]}")
+    return None
+
+
+#: The checks in the order :meth:`RunConfig.validate` runs them.
+CHECKS = (check_data, check_train, check_merge, check_strategy)

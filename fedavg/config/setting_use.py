@@ -1,0 +1,74 @@
+"""Which settings shape a run: a partition setting only with a partitioner that takes it.
+
+``--alpha`` means something only with ``--partitioner dirichlet``; a run notes such settings
+when they are given and not used (:func:`unused_setting_notes`), ``fedavg report`` leaves
+them out of its shared settings (:func:`setting_applies`), and ``fedavg sweep`` names the
+points that would train exactly as another one (:func:`repeated_runs`).
+"""
+
+from __future__ import annotations
+
+from fedavg.data.partition import get_partitioner, partitioner_names
+
+#: Config settings that feed a partitioner parameter (``partition_by`` gives ``groups``).
+SETTING_PARAMS = {"alpha": "alpha", "classes_per_node": "classes_per_node",
+                  "partition_by": "groups"}
+
+
+def setting_applies(setting: str, partitioner: str | None) -> bool:
+    """Whether config ``setting`` (snake case) shapes ``partitioner``'s partitions.
+
+    Only the settings of :data:`SETTING_PARAMS` depend on the partitioner; any other
+    setting, or an unknown partitioner, gives ``True``.
+    """
+    param = SETTING_PARAMS.get(setting)
+    if param is None or partitioner not in partitioner_names():
+        return True
+    return param in get_partitioner(partitioner).params
+
+
+def unused_setting_notes(data_config) -> list[str]:
+    """Say which partition settings, given other than their default, the partitioner ignores.
+
+    ``data_config`` is a :class:`fedavg.config.settings.DataConfig`.
+    """
+    notes, default = [], type(data_config)()
+    for setting, param in SETTING_PARAMS.items():
+        value = getattr(data_config, setting)
+        if value != getattr(default, setting) and \
+                not setting_applies(setting, data_config.partitioner):
+            users = [n for n in partitioner_names() if param in get_partitioner(n).params]
+            notes.append(f"--{setting.replace('_', '-')} {value} does nothing with "
+                         f"--partitioner {data_config.partitioner} (it is for --partitioner "
+                         f"{' or '.join(users)})")
+    return notes
+
+
+def repeated_runs(points) -> dict[str, str]:
+    """Map each sweep point that trains exactly as an earlier one to that one's name.
+
+    Such points differ only in partition settings their partitioner ignores: a grid of
+    ``partitioner = ["iid", "dirichlet"]`` and ``alpha = [0.1, 1.0]`` trains the iid run
+    twice, with the same seed, and gets the same result.
+
+    Parameters
+    ----------
+    points : sequence of fedavg.sweeps.grid.Point
+        The sweep's points, in their order.
+    """
+    import json
+
+    from fedavg.sweeps.grid import effective_settings
+
+    first: dict[str, str] = {}
+    repeats = {}
+    for point in points:
+        settings = effective_settings(point.settings, point.config)
+        shaping = {k: v for k, v in settings.items()
+                   if setting_applies(k.replace("-", "_"), settings.get("partitioner"))}
+        key = json.dumps(shaping, sort_keys=True, default=str)
+        if key in first:
+            repeats[point.name] = first[key]
+        else:
+            first[key] = point.name
+    return repeats

@@ -1,0 +1,359 @@
+"""One typed, validated configuration for a run, fed by the CLI and by Flower's run config.
+
+The tree is ``RunConfig(data=DataConfig, train=TrainConfig, merge=MergeConfig)``. Python uses
+snake_case field names; Flower's ``run_config`` (and TOML) use the same names in kebab-case,
+flattened (``local-epochs``, ``alpha``, ...). Each field declares its command-line help next
+to it (:func:`setting`), and each strategy declares its own options
+(:class:`strategies.Option`); the CLI is generated from both. :meth:`RunConfig.validate`
+runs once and raises :class:`~fedavg.util.errors.UserError` with a message that says what to change.
+
+What the coordinator sends a node each round is :class:`fedavg.node.wire.TrainSettings`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from fedavg.config.values import MODEL_ARGS, convert, convert_option, model_args_value
+from fedavg.util.errors import UserError
+
+
+def setting(default: Any, help: str, *, cli: bool = True) -> Any:
+    """Return a config field with its command-line help (``cli=False``: config and TOML only)."""
+    return field(default=default, metadata={"help": help, "cli": cli})
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Which data, and how it is split across nodes.
+
+    Attributes
+    ----------
+    dataset : str
+        ``digits`` (built in), a local path (Parquet/CSV/Arrow files, a ``save_to_disk``
+        folder, an image folder with one subfolder per class) or a Hugging Face hub id.
+    image_column, label_column : str or None
+        Override the detected input and label columns.
+    partitioner : str
+        A registered partitioner (:func:`fedavg.data.partition.partitioner_names`).
+    alpha : float
+        Dirichlet concentration; smaller is more skewed. Must be > 0.
+    classes_per_node : int
+        Labels per node for the pathological partitioner.
+    partition_by : str or None
+        Column holding a natural node id (writer, user, site) for ``natural``.
+    seed : int
+        Seed for partitioning, the test hold-out, model initialisation and node sampling.
+    test_fraction : float
+        Share of train held out as test when the dataset has no test split.
+    text_column : str or None
+        Override the detected text column.
+    tokenizer : str
+        ``hashed`` (word and bigram ids hashed into ``hash_buckets``, no vocabulary), a
+        Hugging Face ``tokenizers`` JSON file or a local ``transformers`` tokenizer folder
+        (:func:`fedavg.data.text.make_tokenizer`).
+    max_tokens : int
+        Tokens per text; longer texts are cut.
+    hash_buckets : int
+        Ids of the hashed tokenizer (the text model's embedding rows).
+    """
+
+    dataset: str = setting("digits", "digits (built in), a local path, or a hub id")
+    image_column: str | None = setting(None, "Input column (default: detected)")
+    label_column: str | None = setting(None, "Label column (default: detected)")
+    partitioner: str = setting("iid", "iid | dirichlet | pathological | natural")
+    alpha: float = setting(0.5, "Dirichlet alpha (> 0; smaller = more skew)")
+    classes_per_node: int = setting(2, "Labels per node (pathological)")
+    partition_by: str | None = setting(None, "Column of natural node ids (natural)")
+    seed: int = setting(0, "Seed of partitioning, hold-out, init and sampling")
+    test_fraction: float = setting(0.2, "Share of train held out as test", cli=False)
+    text_column: str | None = setting(None, "Text input column (default: detected)")
+    tokenizer: str = setting("hashed", "Text: hashed (no vocabulary), a tokenizer.json or a "
+                             "transformers tokenizer folder")
+    max_tokens: int = setting(256, "Text: tokens per text (longer texts are cut)")
+    hash_buckets: int = setting(131072, "Text: ids of the hashed tokenizer", cli=False)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How each node trains its copy of the model.
+
+    Attributes
+    ----------
+    model : str
+        Registered model name (see ``fedavg models``), ``auto``, ``torchvision:NAME``,
+        ``hf:PATH``, ``module:function`` or ``file.py:function``.
+    model_args : mapping
+        Arguments of the model's builder (``--model-arg KEY=VALUE``); in Flower's run config
+        one key, ``model-args``, holding them as JSON text.
+    pretrained : bool
+        Start the run from the torchvision model's pretrained weights (downloaded).
+    local_epochs : int
+        Passes over the node's partition per round.
+    batch_size : int
+        Samples per SGD step.
+    lr : float
+        Learning rate of the optimizer.
+    momentum : float
+        SGD momentum, in [0, 1) (unused by Adam).
+    weight_decay : float
+        L2 penalty.
+    optimizer : str
+        ``sgd`` or ``adam`` (:data:`OPTIMIZERS`), fresh each round on each node.
+    lr_schedule : str
+        ``constant``, ``cosine`` or ``step`` over a node's local epochs of a round
+        (:mod:`fedavg.node.recipe`).
+    lr_decay : float
+        In (0, 1]: round ``r`` trains from ``lr * lr_decay ** (r - 1)`` (1: every round
+        from ``lr``; :func:`fedavg.node.recipe.round_lr`).
+    augment : bool
+        Augment the nodes' training batches (random crop, and flip for colour images;
+        nothing for text or tabular data); never the evaluation.
+    sam_rho : float
+        FedSAM's radius on the nodes, >= 0 (0: off;
+        :func:`fedavg.node.train.sharpness_aware_gradient`).
+    logit_adjust : float
+        ``tau`` of the nodes' logit-adjusted loss, >= 0 (0: off;
+        :class:`fedavg.node.recipe.LogitAdjustment`).
+    device : str
+        ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
+    """
+
+    model: str = setting("auto", "Model (see `fedavg models`): a name, torchvision:NAME, "
+                         "hf:PATH, module:function or file.py:function")
+    model_args: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
+    pretrained: bool = setting(False, "Start from the torchvision model's pretrained weights "
+                               "(downloaded)")
+    local_epochs: int = setting(1, "Local epochs per round")
+    batch_size: int = setting(32, "Samples per SGD step")
+    lr: float = setting(0.05, "Learning rate (of --optimizer)")
+    momentum: float = setting(0.9, "SGD momentum")
+    weight_decay: float = setting(0.0, "L2 penalty")
+    optimizer: str = setting("sgd", "Node optimizer: sgd (with --momentum) or adam")
+    lr_schedule: str = setting("constant", "Learning rate over a node's local epochs: "
+                               "constant, cosine (to 0) or step (x0.1 at 1/2 and 3/4)")
+    lr_decay: float = setting(1.0, "Learning-rate decay per round: round r starts from "
+                              "--lr x lr-decay^(r-1)")
+    augment: bool = setting(False, "Augment node batches: random crop (+ flip for colour "
+                            "images); never at evaluation")
+    sam_rho: float = setting(0.0, "Sharpness-aware minimisation on the nodes (FedSAM): "
+                             "neighbourhood radius rho, e.g. 0.05; twice a step's cost; 0: off")
+    logit_adjust: float = setting(0.0, "Logit-adjusted node loss against label skew: logits + "
+                                  "TAU x log(the node's label frequencies), e.g. 1; 0: off")
+    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """How the coordinator runs rounds and merges node models.
+
+    Attributes
+    ----------
+    strategy : str
+        Registered strategy name (see ``fedavg strategies``).
+    rounds : int
+        Number of rounds.
+    num_nodes : int
+        Number of nodes (= partitions).
+    fraction : float
+        Participation fraction: share of nodes sampled per round, in (0, 1].
+    round_timeout : float
+        Seconds to wait for node replies in one round.
+    validation : str or None
+        Held-out set for greedy soup, fitted/accuracy weights and distillation: a dataset
+        (its train split); default a seeded ``validation_fraction`` slice of train, kept
+        from the nodes. Never the test split.
+    validation_fraction : float
+        Share of train held out for validation when ``validation`` is not given.
+    distill_data : str or None
+        Unlabeled inputs for distillation (a dataset; labels ignored); default a seeded
+        ``distill_fraction`` slice of train with labels removed.
+    distill_fraction : float
+        Share of train held out as unlabeled distillation data by default.
+    save_node_models : bool
+        Also save every node's final local model under ``nodes/<partition-id>/``.
+    max_update_norm : float or None
+        Reject a node's model whose L2 distance from the round's starting model is larger
+        (:func:`strategies.tensors.update_norm`); ``None`` accepts any finite update.
+    swa_start : int or None
+        Server-side stochastic weight averaging (:mod:`strategies.swa`): from this round on,
+        the run evaluates and saves the mean of the rounds' merged models (rounds
+        ``swa_start`` to the current one) while nodes go on from the last merged model;
+        ``None``: off.
+    options : mapping
+        The strategy's options given explicitly (``mu``, ``server_lr`` ...); each strategy
+        declares its own (``strategies.Option``) and defaults the rest.
+    """
+
+    strategy: str = setting("fedavg", "Merge strategy (see `fedavg strategies`)")
+    rounds: int = setting(10, "Number of rounds")
+    num_nodes: int = setting(5, "Number of nodes (= partitions)")
+    fraction: float = setting(1.0, "Participation fraction: share of nodes per round")
+    round_timeout: float = setting(600.0, "Seconds to wait for nodes in a round")
+    validation: str | None = setting(None, "Held-out dataset for greedy-soup, fitted "
+                                     "weights, distill (default: a slice of train)")
+    validation_fraction: float = setting(0.1, "Share of train held out for validation",
+                                         cli=False)
+    distill_data: str | None = setting(None, "Dataset for distill, its labels dropped (default: a "
+                                       "slice of train, labels removed)")
+    distill_fraction: float = setting(0.1, "Share of train held out for distillation",
+                                      cli=False)
+    save_node_models: bool = setting(False, "Also save each node's final model in "
+                                     "OUTPUT/nodes/")
+    max_update_norm: float | None = setting(None, "Reject node updates whose L2 distance "
+                                            "from the round's model exceeds this (default: "
+                                            "off)")
+    swa_start: int | None = setting(None, "Average the merged models from this round on "
+                                    "(server-side SWA); the average is evaluated and saved "
+                                    "(default: off)")
+    options: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
+
+
+#: Node optimizers (:func:`fedavg.node.train.train`).
+OPTIMIZERS = ("sgd", "adam")
+#: Seeds are below 2**31: nodes derive their own seeds from the run's without overflow.
+MAX_SEED = 2**31
+
+SECTIONS = {"data": DataConfig, "train": TrainConfig, "merge": MergeConfig}
+#: The flat key of ``TrainConfig.model_args`` (JSON text in Flower's run config).
+#: Mapping fields, not flattened one key per field.
+_NOT_FLAT = ("options", "model_args")
+
+
+@functools.cache
+def _typed_fields(klass) -> tuple[tuple[dataclasses.Field, Any], ...]:
+    """Return the fields of a config section with their resolved types (resolved once)."""
+    hints = typing.get_type_hints(klass)
+    return tuple((f, hints[f.name]) for f in fields(klass))
+
+
+def cli_fields() -> list[tuple[dataclasses.Field, type]]:
+    """Every config field shown on the command line, with its resolved type."""
+    return [(f, hint) for klass in SECTIONS.values() for f, hint in _typed_fields(klass)
+            if f.metadata.get("cli", True)]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The whole configuration of a run."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    merge: MergeConfig = field(default_factory=MergeConfig)
+
+    @property
+    def nodes_per_round(self) -> int:
+        """Nodes sampled per round: ``ceil(fraction * num_nodes)``, at least 1."""
+        return max(1, math.ceil(self.merge.fraction * self.merge.num_nodes - 1e-9))
+
+    def validate(self) -> RunConfig:
+        """Check every value, the strategy's options too (:meth:`build_strategy`); return self.
+
+        ``device`` and ``model_args`` are checked where they are used, as the run starts.
+
+        Raises
+        ------
+        UserError
+            On the first invalid value, naming the option and the accepted range.
+        """
+        from fedavg.config.checks import CHECKS
+
+        for check in CHECKS:
+            if problem := check(self):
+                raise UserError(problem)
+        self.build_strategy()
+        return self
+
+    def build_strategy(self):
+        """Build the configured merge strategy (a new ``strategies.Strategy``).
+
+        Raises
+        ------
+        UserError
+            Unknown strategy, an option it does not take or a value it refuses, too few
+            nodes per round, a one-shot strategy with more than one round.
+        """
+        import strategies
+        from fedavg.config.checks import check_strategy
+
+        if problem := check_strategy(self):
+            raise UserError(problem)
+        try:  # its option values, then the nodes it merges each round
+            strategy = strategies.get(self.merge.strategy, **dict(self.merge.options))
+            strategy.check_nodes(self.nodes_per_round)
+        except ValueError as exc:
+            raise UserError(f"{self.merge.strategy}: {exc}") from None
+        return strategy
+
+    def to_flat(self) -> dict[str, Any]:
+        """Flatten to Flower ``run_config`` style: kebab-case keys, no ``None`` values."""
+        flat: dict[str, Any] = {}
+        for section in (self.data, self.train, self.merge):
+            for f in fields(section):
+                value = getattr(section, f.name)
+                if f.name not in _NOT_FLAT and value is not None:
+                    flat[_kebab(f.name)] = value
+        if self.train.model_args:  # run_config values are scalars: one JSON text
+            flat[MODEL_ARGS] = json.dumps(dict(self.train.model_args), sort_keys=True)
+        flat.update({_kebab(k): v for k, v in self.merge.options.items() if v is not None})
+        return flat
+
+    @classmethod
+    def from_flat(cls, flat: Mapping[str, Any]) -> RunConfig:
+        """Build from a flat kebab- or snake-case mapping (Flower ``run_config``, CLI).
+
+        Keys are config fields or strategy options (``strategies.all_options``); missing
+        keys keep their defaults, ``None`` values are left out. Values are converted to
+        each field's type.
+
+        Raises
+        ------
+        UserError
+            An unknown key, or a value of the wrong type.
+        """
+        import strategies
+
+        known = {_kebab(f.name): (name, f, hint)
+                 for name, klass in SECTIONS.items()
+                 for f, hint in _typed_fields(klass) if f.name not in _NOT_FLAT}
+        declared = {_kebab(name): decl[0][1] for name, decl in strategies.all_options().items()}
+        values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        options: dict[str, Any] = {}
+        for raw_key, value in flat.items():
+            key = _kebab(raw_key)
+            if key == MODEL_ARGS:
+                values["train"]["model_args"] = model_args_value(value)
+            elif key in declared:
+                if value is not None:
+                    options[declared[key].name] = convert_option(declared[key], value)
+            elif key in known:
+                name, f, hint = known[key]
+                values[name][f.name] = convert(key, value, f, hint)
+            else:  # a typo: say the closest known settings
+                from fedavg.config.values import unknown_setting
+                raise UserError(unknown_setting(raw_key, [*known, *declared, MODEL_ARGS]))
+        values["merge"]["options"] = options
+        return cls(**{name: klass(**values[name]) for name, klass in SECTIONS.items()})
+
+    def replace(self, **flat: Any) -> RunConfig:
+        """Return a copy with some flat (snake- or kebab-case) settings changed."""
+        merged = self.to_flat()
+        merged.update({_kebab(k): v for k, v in flat.items() if v is not None})
+        return RunConfig.from_flat(merged)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Nested plain dict, for JSON artifacts."""
+        out = dataclasses.asdict(self)
+        out["merge"]["options"] = dict(self.merge.options)
+        out["train"]["model_args"] = dict(self.train.model_args)
+        return out
+
+
+def _kebab(name: str) -> str:
+    return name.replace("_", "-")

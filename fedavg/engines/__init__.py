@@ -1,0 +1,1 @@
+"""The engines a run executes on: Flower's simulation (Ray) and deployment engines."""

@@ -1,0 +1,1 @@
+"""``fedavg simulate``: every node on one machine, on Flower's simulation engine (Ray backend)."""

@@ -1,0 +1,1 @@
+"""Models: the registry of builders, outside sources (torchvision, Hugging Face, your code)."""

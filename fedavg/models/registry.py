@@ -1,0 +1,398 @@
+"""Registry of model builders: ``@register_model(name)`` and ``build_model(name, ...)``.
+
+Every builder takes ``input_shape`` (``(C, H, W)`` or ``(D,)``) and ``num_classes`` and
+returns a ``torch.nn.Module`` mapping a normalised ``(N, *input_shape)`` float batch to
+``(N, num_classes)`` logits. Names holding a ``:`` (``torchvision:NAME``, ``hf:PATH``,
+``module:function``, ``file.py:function``) are built by :mod:`fedavg.models.sources`.
+Builder arguments (``--model-arg``) are checked against the builder's signature first.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedavg.models import images as _images  # noqa: F401  (registers the built-in builders)
+from fedavg.models import text as _text  # noqa: F401
+from fedavg.models.register import _MODELS, INPUT_KINDS, register_model  # noqa: F401
+from fedavg.util.errors import UserError, first_line
+
+
+def available_models() -> dict[str, str]:
+    """Return the registered model names and their one-line descriptions."""
+    return {name: desc for name, (_, desc, _) in sorted(_MODELS.items())}
+
+
+def resolve_model(name: str, input_shape: tuple[int, ...], kind: str | None = None) -> str:
+    """Pick a model for ``auto``; otherwise check that ``name`` is registered and fits.
+
+    ``auto``: ``fasttext`` for text, ``mlp`` for tabular inputs and images smaller than
+    16x16 (e.g. 8x8 digits), ``cnn`` for one-channel images (28x28 MNIST), ``cnn-cifar``
+    for colour images. A name holding a ``:`` is returned as the spec stores it (a file or
+    ``hf:`` folder made absolute, see :func:`fedavg.models.sources.canonical`).
+
+    Parameters
+    ----------
+    name : str
+        Registered name or ``auto``.
+    input_shape : tuple of int
+        One sample's shape.
+    kind : str, optional
+        One of :data:`INPUT_KINDS`; default ``image`` for 3-d shapes, else ``tabular``.
+
+    Raises
+    ------
+    UserError
+        Unknown name, listing the registered ones; a model that does not take this kind
+        of input, listing those that do.
+    """
+    kind = kind or ("image" if len(input_shape) == 3 else "tabular")
+    if name == "auto":
+        if kind == "text":
+            return "fasttext"
+        if len(input_shape) != 3 or min(input_shape[1:]) < 16:
+            return "mlp"
+        return "cnn" if input_shape[0] == 1 else "cnn-cifar"
+    if ":" in name:
+        from fedavg.models.sources import canonical
+
+        return canonical(name)
+    if name not in _MODELS:
+        if name.endswith(".py"):
+            raise UserError(f"--model {name}: name the builder function in it too, "
+                            f"{name}:FUNCTION (e.g. {name}:build)")
+        raise UserError(f"unknown model {name!r}; choose auto or one of: {', '.join(_MODELS)}; "
+                        "or torchvision:NAME, hf:PATH, FILE.py:FUNCTION (see fedavg models)")
+    if kind not in _MODELS[name][2]:
+        fits = [n for n, (_, _, kinds) in _MODELS.items() if kind in kinds]
+        raise UserError(f"model {name!r} takes {' or '.join(_MODELS[name][2])} inputs, and "
+                        f"this data is {kind}: use --model auto or one of {', '.join(fits)}")
+    return name
+
+
+def build_model(
+    name: str, input_shape: tuple[int, ...], num_classes: int, **args
+) -> nn.Module:
+    """Build a model: registered, ``torchvision:NAME``, ``hf:PATH`` or your own code.
+
+    Parameters
+    ----------
+    name : str
+        Registered name (``auto`` is resolved by :func:`resolve_model`), or a name holding
+        a ``:`` (see :mod:`fedavg.models.sources`).
+    input_shape : tuple of int
+        ``(C, H, W)``, ``(D,)``, or ``(L,)`` token ids.
+    num_classes : int
+        Output width.
+    **args
+        Builder-specific arguments (stored in ``model.json``); for text data also
+        ``vocab_size`` and ``pad_id`` (:data:`fedavg.models.sources.DATA_ARGS`), passed only
+        to builders that take them.
+
+    Raises
+    ------
+    UserError
+        Unknown model, an argument the builder does not take, or an input shape the model
+        cannot take.
+    """
+    return make_model(name, input_shape, num_classes, args)
+
+
+def make_model(name: str, input_shape: tuple[int, ...], num_classes: int,
+               args: dict[str, Any] | None = None, *, initial: bool = False,
+               pretrained: bool = False) -> nn.Module:
+    """Build a model as :func:`build_model` does, with its arguments in ``args``.
+
+    ``initial``: the run's initial model, the only one that loads weights (torchvision's
+    pretrained weights with ``pretrained``, an ``hf:`` folder's); registered and user-code
+    models ignore both.
+    """
+    from fedavg.models import sources as model_sources
+
+    shape, args = tuple(int(s) for s in input_shape), dict(args or {})
+    try:
+        if ":" in name:
+            return model_sources.build(name, shape, int(num_classes), args, initial=initial,
+                                       pretrained=pretrained)
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a library's own check of a builder argument
+        given = {k: v for k, v in args.items() if k != "hf_config"}  # not its whole config
+        raise UserError(f"model {name!r} cannot be built with {given}: "
+                        f"{type(exc).__name__}: {first_line(exc)}") from None
+    name = resolve_model(name, shape, _kind(name, args))
+    fn = _MODELS[name][0]
+    what = f"model {name!r}"
+    kwargs = model_sources.Takes.of(fn, what).kwargs(what, args)
+    _check_sizes(fn, what, kwargs)
+    try:
+        return fn(shape, int(num_classes), **kwargs)
+    except (ValueError, RuntimeError, MemoryError) as exc:
+        if too_big := _allocation_failed(exc):
+            raise UserError(f"model {name!r}" + (f" with {kwargs}" if kwargs else "")
+                            + f" is too big to build: {too_big}; choose "
+                            + ("smaller --model-arg values" if kwargs else "a smaller model")
+                            ) from None
+        raise UserError(f"model {name!r} cannot take inputs of shape {shape}"
+                        + (f" with {kwargs}" if kwargs else "")
+                        + f": {first_line(exc)}") from None
+    except (TypeError, ArithmeticError, AssertionError) as exc:  # a bad builder argument
+        raise UserError(f"model {name!r} cannot be built with {kwargs}: "
+                        f"{type(exc).__name__}: {first_line(exc)}") from None
+
+
+
+def _allocation_failed(exc: BaseException) -> str | None:
+    """Say how much memory a failed tensor allocation asked for; ``None`` for other errors."""
+    text = str(exc)
+    if not (isinstance(exc, MemoryError) or "can't allocate memory" in text
+            or "out of memory" in text.lower() or "not enough memory" in text):
+        return None
+    asked = re.search(r"allocate (\d+) bytes", text)
+    return (f"one of its tensors needs {int(asked.group(1)) / 2**30:,.1f} GiB" if asked
+            else "not enough memory for its weights")
+
+
+def check_model_args(name: str, args: dict[str, Any]) -> None:
+    """Refuse, before any data is loaded, builder arguments that model ``name`` cannot take.
+
+    Checks registered models and user code (``module:function`` / ``file.py:function``, which
+    it imports). ``auto`` depends on the data, and ``torchvision:`` / ``hf:`` models are
+    checked when they are built.
+
+    Raises
+    ------
+    UserError
+        An unknown model, an argument the builder does not take (naming those it takes), a
+        required one missing, or a size argument below 1.
+    """
+    from fedavg.models import sources as model_sources
+
+    kind = model_sources.source_kind(name)
+    if kind == "registry" and name not in _MODELS and name != "auto":
+        resolve_model(name, (1,))  # its error: unknown, with the registered names
+    if kind not in ("registry", "code") or (kind == "registry" and name not in _MODELS):
+        return
+    fn = model_sources.user_builder(name) if kind == "code" else _MODELS[name][0]
+    what = f"model {name!r}"
+    data = dict.fromkeys(model_sources.DATA_ARGS, 1)  # text data gives these: not missing
+    kwargs = model_sources.Takes.of(fn, what).kwargs(what, {**args, **data})
+    if kind == "registry":
+        _check_sizes(fn, what, {k: v for k, v in kwargs.items() if k not in data})
+
+
+def _check_sizes(fn, what: str, kwargs: dict[str, Any]) -> None:
+    """Refuse a size argument (an ``int`` defaulting to >= 1: ``hidden``, ``width``) below 1.
+
+    Raises
+    ------
+    UserError
+        Naming the argument; a layer of 0 units trains a constant model.
+    """
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    for key, value in kwargs.items():
+        default = params[key].default if key in params else None
+        if type(default) is int and default >= 1 and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UserError(f"{what}: --model-arg {key}={value!r} must be a whole number "
+                            f">= 1 (default {default})")
+
+
+def _kind(name: str, args: dict) -> str | None:
+    """Return the input kind a build implies: text when a tokenizer's ``vocab_size`` is given."""
+    if "vocab_size" in args:
+        return "text"
+    kinds = _MODELS[name][2] if name in _MODELS else ()
+    return kinds[0] if len(kinds) == 1 else None
+
+
+class EnsembleModel(nn.Module):
+    """Weighted output ensemble: ``log(sum_i w_i softmax(member_i(x)))``.
+
+    The output is a log-probability, so it can stand in for logits: its softmax is the
+    ensemble's probability, its argmax the prediction, and cross-entropy on it the
+    ensemble's negative log-likelihood.
+
+    Parameters
+    ----------
+    members : list of torch.nn.Module
+        Networks with the same input and output shapes.
+    weights : sequence of float
+        Non-negative member weights (normalised to sum to 1).
+
+    Raises
+    ------
+    ValueError
+        No members, a weight count that differs from the member count, or weights that are
+        negative or sum to 0.
+    """
+
+    def __init__(self, members: list[nn.Module], weights) -> None:
+        super().__init__()
+        w = torch.as_tensor(list(weights), dtype=torch.float32)
+        if not members or len(w) != len(members) or (w < 0).any() or w.sum() <= 0:
+            raise ValueError("an ensemble needs members and as many non-negative weights")
+        self.members = nn.ModuleList(members)
+        self.register_buffer("weights", w / w.sum())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(N, ...)`` normalised inputs -> ``(N, K)`` log-probabilities."""
+        probs = sum(w * torch.softmax(m(x).float(), dim=1)
+                    for w, m in zip(self.weights, self.members))
+        return torch.log(probs.clamp_min(1e-12))
+
+
+@dataclass
+class ModelSpec:
+    """How to rebuild the model: registry name, builder args, input shape, classes.
+
+    Attributes
+    ----------
+    name : str
+        Registered model name (``auto`` already resolved), or a ``torchvision:``, ``hf:`` or
+        user-code name (a file made absolute).
+    input_shape : tuple of int
+        ``(C, H, W)`` or ``(D,)``.
+    num_classes : int
+        Output width.
+    args : dict
+        Builder-specific arguments (``--model-arg``; an ``hf:`` model's ``hf_config``; text
+        data's ``vocab_size`` and ``pad_id``).
+    pretrained : bool
+        The initial model (:meth:`build` with ``initial=True``) loads torchvision's
+        pretrained weights. Not stored: every other copy gets its weights as a state dict.
+    """
+
+    name: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+    args: dict[str, Any] = field(default_factory=dict)
+    pretrained: bool = False
+
+    @classmethod
+    def resolve(cls, name: str, input_shape: tuple[int, ...], num_classes: int,
+                args: dict[str, Any] | None = None, *, pretrained: bool = False,
+                kind: str | None = None) -> "ModelSpec":
+        """Return the spec of model ``name`` (``auto`` resolved, what rebuilding needs added).
+
+        ``kind`` is the data's (:data:`INPUT_KINDS`): a registered model must take it.
+
+        Raises
+        ------
+        UserError
+            Unknown model, or a model source that cannot be read (see
+            :func:`fedavg.models.sources.stored_args`).
+        """
+        from fedavg.models.sources import stored_args
+
+        shape = tuple(int(s) for s in input_shape)
+        name = resolve_model(name, shape, kind)
+        args = dict(args or {})
+        if ":" in name:
+            args = stored_args(name, shape, int(num_classes), args)
+        return cls(name, shape, int(num_classes), args, pretrained)
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any]) -> "ModelSpec":
+        """Inverse of :meth:`as_dict` (the ``model`` entry of ``model.json``)."""
+        return cls(spec["name"], tuple(spec["input_shape"]), int(spec["num_classes"]),
+                   dict(spec.get("args", {})))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON and the wire."""
+        return {"name": self.name, "input_shape": list(self.input_shape),
+                "num_classes": self.num_classes, "args": dict(self.args)}
+
+    def build(self, initial: bool = False) -> nn.Module:
+        """Build a fresh instance; ``initial``: the run's initial model (loads weights).
+
+        Raises
+        ------
+        UserError
+            See :func:`build_model`.
+        """
+        return make_model(self.name, self.input_shape, self.num_classes, self.args,
+                          initial=initial, pretrained=self.pretrained)
+
+    def check(self, model: nn.Module) -> list[str]:
+        """Check ``model`` maps a ``(2, *input_shape)`` batch to ``(2, K)``; return its notes.
+
+        The notes say how inputs are adapted and which weights the initial model loads.
+
+        Raises
+        ------
+        UserError
+            The forward pass fails or gives another shape; your own builder gives another
+            architecture on a second call.
+        """
+        from fedavg.models.sources import DATA_ARGS, check_output, source_kind, source_notes
+
+        check_output(model, self.input_shape, self.num_classes, self.name,
+                     text=DATA_ARGS[0] in self.args, vocab_size=self.args.get(DATA_ARGS[0]))
+        if source_kind(self.name) == "code":  # every node builds its own copy
+            again = {k: tuple(t.shape) for k, t in self.build().state_dict().items()}
+            first = {k: tuple(t.shape) for k, t in model.state_dict().items()}
+            if again != first:
+                key = next(k for k in sorted(set(first) | set(again))
+                           if first.get(k) != again.get(k))
+                raise UserError(f"model {self.name} builds another model on each call "
+                                f"({key}: {first.get(key)}, then {again.get(key)}): nodes "
+                                "must all build the same one; make the builder deterministic")
+        return [*getattr(model, "fedavg_notes", []), *source_notes(self.name, self.pretrained)]
+
+    def build_ensemble(self, members: list[dict[str, torch.Tensor]],
+                       weights: list[float]) -> nn.Module:
+        """Return an :class:`EnsembleModel` of instances loaded with the ``members`` state dicts."""
+        nets = []
+        for state in members:
+            net = self.build()
+            net.load_state_dict(state)
+            nets.append(net)
+        return EnsembleModel(nets, weights)
+
+
+def merge_context(spec: ModelSpec, input_spec: dict[str, Any], seed: int,
+                  validation=None, distill_x=None, device: str = "auto"):
+    """Return what data-driven merges may use: model builder, normalisation, held-out data.
+
+    Parameters
+    ----------
+    spec : ModelSpec
+        The architecture being merged.
+    input_spec : dict
+        Input normalisation (``model.json``'s ``input``).
+    seed : int
+        Seed of any random choice in the merge.
+    validation : fedavg.data.load.Split, optional
+        Held-out labelled data: ``(N, ...)`` inputs, ``(N,)`` labels.
+    distill_x : numpy.ndarray, optional
+        ``(M, ...)`` unlabeled inputs.
+    device : str
+        ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Returns
+    -------
+    strategies.MergeContext
+    """
+    import strategies
+    from fedavg.data.load import normalize
+    from fedavg.node.recipe import augmenter
+    from fedavg.node.train import resolve_device
+
+    return strategies.MergeContext(
+        build_model=spec.build,
+        normalize=lambda x: normalize(x, input_spec),
+        val_x=None if validation is None else torch.as_tensor(validation.x),
+        val_y=None if validation is None else torch.as_tensor(validation.y, dtype=torch.long),
+        distill_x=None if distill_x is None else torch.as_tensor(distill_x),
+        device=resolve_device(device),
+        seed=seed,
+        augment=augmenter(input_spec),
+    )
+

@@ -1,0 +1,340 @@
+"""Plain PyTorch local training and evaluation. No Flower import."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedavg.data.load import normalize
+from fedavg.node.recipe import LogitAdjustment, augmenter, make_scheduler
+from fedavg.util.errors import UserError
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; anything else as given.
+
+    Raises
+    ------
+    fedavg.util.errors.UserError
+        A CUDA device asked for on a machine without one, or an unknown device string.
+    """
+    from fedavg.util.errors import UserError
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise UserError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device}: no CUDA device here; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(
+                f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here"
+            )
+    return dev
+
+
+def evaluation_device(device: str = "auto") -> torch.device:
+    """Where the coordinator evaluates the merged model, for the run's ``--device``.
+
+    The run's CUDA device when this machine has it, the first CUDA device when it has another
+    one (a coordinator whose nodes have more GPUs), else the CPU; ``cpu`` stays on the CPU.
+    Never raises for a device the nodes have and this machine lacks.
+    """
+    if device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    from fedavg.util.errors import UserError
+
+    try:
+        return resolve_device(device)
+    except UserError:
+        return torch.device("cuda")
+
+
+def _batches(n: int, batch_size: int, generator: torch.Generator | None, smallest: int = 1):
+    """Yield the index batches of one epoch, leaving out one smaller than ``smallest``."""
+    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+    for start in range(0, n, batch_size):
+        if min(batch_size, n - start) >= smallest:
+            yield order[start : start + batch_size]
+
+
+def make_optimizer(model: nn.Module, name: str, *, lr: float, momentum: float,
+                   weight_decay: float) -> torch.optim.Optimizer:
+    """Return a fresh ``sgd`` (with ``momentum``) or ``adam`` optimizer over ``model``.
+
+    Raises
+    ------
+    ValueError
+        Another name.
+    """
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
+                               weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; use sgd or adam")
+
+
+def train(
+    model: nn.Module,
+    x: np.ndarray | torch.Tensor,
+    y: np.ndarray | torch.Tensor,
+    input_spec: dict[str, Any],
+    *,
+    epochs: int = 1,
+    batch_size: int = 32,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    proximal_mu: float = 0.0,
+    optimizer: str = "sgd",
+    lr_schedule: str = "constant",
+    augment: bool = False,
+    sam_rho: float = 0.0,
+    logit_adjust: float = 0.0,
+    rule=None,
+) -> dict[str, float]:
+    """Train ``model`` in place with SGD (or Adam) on one node's samples.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Maps ``(N, *input_shape)`` normalised floats to ``(N, K)`` logits.
+    x, y : array
+        ``(N, C, H, W)`` or ``(N, D)`` raw inputs (:func:`fedavg.data.load.normalize`); ``(N,)``
+        labels.
+    input_spec : dict
+        Normalisation, :meth:`fedavg.data.load.LoadedData.input_spec`.
+    epochs, batch_size, lr, momentum, weight_decay
+        Passes over the data, samples per step, and the optimizer's settings.
+    device, seed
+        Where to train; the seed of the batch order and of the augmentations.
+    proximal_mu : float
+        FedProx (Li et al. 2020, arXiv:1812.06127): adds ``mu/2 * ||w - w_start||^2`` to
+        the loss, ``w_start`` being the weights the node received. 0 is plain SGD.
+    optimizer : str
+        ``sgd`` or ``adam`` (Kingma and Ba 2015, arXiv:1412.6980; no ``momentum``), fresh
+        each call: a node's optimizer state does not outlive its round.
+    lr_schedule, augment
+        ``constant``, ``cosine`` or ``step`` over this call's steps; augment each batch with
+        the default of its kind of input (both :mod:`fedavg.node.recipe`).
+    sam_rho, logit_adjust : float
+        SAM's radius, each step's gradient taken at ``w + rho * g / ||g||`` (FedSAM on the
+        nodes, :func:`sharpness_aware_gradient`; twice a step's cost), and ``tau`` of the
+        logit-adjusted loss with the partition's label frequencies (Menon et al. 2021,
+        :class:`fedavg.node.recipe.LogitAdjustment`). 0: off.
+    rule : strategies.NodeRule, optional
+        A method's node side, begun: its ``loss`` joins each batch's, ``before_step`` runs.
+
+    Returns
+    -------
+    dict
+        ``train_loss`` (mean cross-entropy of the (adjusted) logits over all steps, nats,
+        without the proximal term or the rule's), ``num_examples`` (samples), ``steps``.
+    """
+    model.to(device).train()
+    xt, yt = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.long)
+    opt = make_optimizer(model, optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    sched = make_scheduler(opt, lr_schedule, epochs * math.ceil(len(yt) / batch_size))
+    aug = augmenter(input_spec) if augment else None
+    g = torch.Generator().manual_seed(seed)
+    extras = _extras(model, yt, proximal_mu, rule, sam_rho, logit_adjust)
+    smallest = 2 if _batchnorms(model) else 1  # BatchNorm cannot train on one sample
+    total = count = steps = 0
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # the augmentations' draws, without touching the caller's
+        for _ in range(epochs):
+            for idx in _batches(len(yt), batch_size, g, smallest):
+                xb = normalize((xt[idx] if aug is None else aug(xt[idx])).to(device), input_spec)
+                loss = _step(model, opt, xb, yt[idx].to(device), *extras)
+                if sched is not None:
+                    sched.step()
+                total, count, steps = total + loss * len(idx), count + len(idx), steps + 1
+    if count and not math.isfinite(total):
+        raise FloatingPointError(_diverged(total / count, *extras[1:]))
+    return {"train_loss": total / max(count, 1), "num_examples": int(len(yt)), "steps": steps}
+
+
+def check_batch_size(model: nn.Module, batch_size: int) -> None:
+    """Refuse ``--batch-size 1`` for a model with BatchNorm layers.
+
+    BatchNorm cannot train on one sample, so every batch would be left out and the nodes
+    would train nothing.
+
+    Raises
+    ------
+    UserError
+        ``batch_size`` below 2 and ``model`` holds a BatchNorm layer.
+    """
+    if batch_size < 2 and _batchnorms(model):
+        raise UserError("the model has BatchNorm layers, which cannot train on batches of one "
+                        "sample: every batch would be left out; use --batch-size 2 or more")
+
+
+def _batchnorms(model: nn.Module) -> list[nn.Module]:
+    """Return ``model``'s BatchNorm layers (any dimension)."""
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def _extras(model: nn.Module, yt: torch.Tensor, proximal_mu: float, rule, sam_rho: float,
+            logit_adjust: float) -> tuple:
+    """Return what :func:`_step` takes beyond the batch: the proximal anchor, SAM, the rest."""
+    anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
+    adjust = LogitAdjustment(yt, logit_adjust) if logit_adjust > 0 else None
+    return anchor, proximal_mu, rule, sam_rho, adjust
+
+
+def _diverged(loss: float, proximal_mu: float, rule, sam_rho: float, adjust=None) -> str:
+    """Say that training diverged and what to change: the rates, or the method's options."""
+    own = [] if rule is None else ["--" + k.replace("_", "-") for k in rule.options]
+    own += ["--mu"] if proximal_mu > 0 else []  # FedProx's proximal term
+    rates = ["--lr"] + ["--sam-rho"] * (sam_rho > 0) + ["--logit-adjust"] * (adjust is not None)
+    lower = " or ".join(rates) if len(rates) < 3 else f"{', '.join(rates[:-1])} or {rates[-1]}"
+    return f"training diverged (loss {loss}); lower {lower}" + (
+        f" or check {', '.join(own)}" if own else "")
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor,
+          anchor: list[torch.Tensor] | None, proximal_mu: float, rule=None,
+          sam_rho: float = 0.0, adjust=None) -> float:
+    """One optimizer step on a batch; return its cross-entropy (without the extra terms)."""
+    opt.zero_grad(set_to_none=True)
+    loss, total = _losses(model, xb, yb, anchor, proximal_mu, rule, adjust)
+    total.backward()
+    if sam_rho > 0:
+        sharpness_aware_gradient(
+            model, lambda: _losses(model, xb, yb, anchor, proximal_mu, rule, adjust)[1],
+            sam_rho)
+    if rule is not None:
+        rule.before_step(model, float(opt.param_groups[0]["lr"]))
+    opt.step()
+    return float(loss.detach())
+
+
+def _losses(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor,
+            anchor: list[torch.Tensor] | None, proximal_mu: float, rule, adjust=None):
+    """Return the batch's cross-entropy and the loss to descend (plus the extra terms)."""
+    logits = model(xb)
+    loss = nn.functional.cross_entropy(logits if adjust is None else adjust(logits), yb)
+    total = loss
+    if anchor is not None:
+        prox = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+        total = total + 0.5 * proximal_mu * prox
+    if rule is not None:
+        extra = rule.loss(model, xb, logits)
+        if extra is not None:
+            total = total + extra
+    return loss, total
+
+
+def sharpness_aware_gradient(model: nn.Module, loss_fn, rho: float) -> None:
+    """Replace the parameters' gradients ``g`` by SAM's: the gradient at ``w + rho*g/||g||``.
+
+    Foret et al. 2021 (arXiv:2010.01412), the first-order form: the weights move by
+    ``e = rho * g / ||g||`` (``||g||`` the L2 norm over all parameters' gradients), the loss
+    is taken and differentiated there, and the weights move back by ``e``; the optimizer
+    then steps with the new gradient from the original weights. BatchNorm layers keep their
+    running statistics through the perturbed pass (it is not a step of its own). A zero or
+    non-finite ``||g||`` leaves ``g`` as it is.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Its parameters hold ``g`` (after ``backward``); they hold SAM's gradient after.
+    loss_fn : callable
+        Returns the scalar loss to differentiate, computed afresh from ``model``.
+    rho : float
+        Neighbourhood radius, in the parameters' own units (L2), > 0.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return
+    norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+    if not (math.isfinite(norm) and norm > 0):
+        return
+    moves = [p.grad * (rho / norm) for p in params]
+    norms = [m for m in _batchnorms(model) if m.track_running_stats]
+    with torch.no_grad():
+        for p, e in zip(params, moves):
+            p.add_(e)
+    for p in model.parameters():
+        p.grad = None
+    try:
+        for m in norms:  # batch statistics, without updating the running ones
+            m.track_running_stats = False
+        loss_fn().backward()
+    finally:
+        for m in norms:
+            m.track_running_stats = True
+        with torch.no_grad():
+            for p, e in zip(params, moves):
+                p.sub_(e)
+
+
+@torch.no_grad()
+def predict_proba(
+    model: nn.Module,
+    x: np.ndarray | torch.Tensor,
+    input_spec: dict[str, Any],
+    *,
+    batch_size: int = 512,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """Class probabilities, ``(N, K)`` float32 on the CPU (softmax of the logits)."""
+    device = torch.device(device)
+    model.to(device).eval()
+    xt = torch.as_tensor(x)
+    out = []
+    for start in range(0, len(xt), batch_size):
+        xb = normalize(xt[start : start + batch_size].to(device), input_spec)
+        out.append(torch.softmax(model(xb).float(), dim=1).cpu())
+    if not out:
+        return torch.zeros(0, 0)
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    x: np.ndarray | torch.Tensor,
+    y: np.ndarray | torch.Tensor,
+    input_spec: dict[str, Any],
+    *,
+    batch_size: int = 512,
+    device: str | torch.device = "cpu",
+) -> dict[str, float]:
+    """Accuracy and mean cross-entropy of ``model`` on ``(x, y)``.
+
+    Returns
+    -------
+    dict
+        ``accuracy`` (fraction in [0, 1]), ``loss`` (mean cross-entropy, nats),
+        ``num_examples``.
+    """
+    device = torch.device(device)
+    model.to(device).eval()
+    xt, yt = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.long)
+    loss_sum, correct = 0.0, 0
+    for start in range(0, len(yt), batch_size):
+        xb = normalize(xt[start : start + batch_size].to(device), input_spec)
+        yb = yt[start : start + batch_size].to(device)
+        logits = model(xb).float()
+        loss_sum += float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
+        correct += int((logits.argmax(1) == yb).sum())
+    n = len(yt)
+    return {
+        "accuracy": correct / n if n else 0.0,
+        "loss": loss_sum / n if n else 0.0,
+        "num_examples": n,
+    }

@@ -1,0 +1,1 @@
+"""A run's lifecycle on either engine: prepare, the ServerApp, resume, artifacts, output."""

@@ -1,0 +1,196 @@
+"""The finished runs under a folder, as ``fedavg report`` reads them.
+
+A folder holding ``summary.json``, ``model.json`` and ``metrics.jsonl`` (:data:`REQUIRED`) is
+a run: its settings (flat, kebab-case, as the CLI names them), final and best accuracy, the
+accuracy curve and the seconds of each round. Folders that cannot be read are left out with
+a note (:func:`find_runs`).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedavg.config.values import finite_number
+from fedavg.util.errors import UserError
+
+REQUIRED = ("summary.json", "model.json", "metrics.jsonl")
+
+
+@dataclass
+class Run:
+    """One finished run, as its folder records it.
+
+    Attributes
+    ----------
+    path : pathlib.Path
+        The run folder.
+    settings : dict
+        Flat kebab-case settings (``model`` as resolved, ``num-nodes`` as run).
+    accuracy, best_accuracy : float
+        Final and best test accuracy (fractions).
+    rounds : int
+        Rounds run.
+    wall_s : float
+        Seconds the whole command took.
+    curve : list of (int, float)
+        ``(round, test accuracy)`` per round, from ``metrics.jsonl``.
+    round_walls : list of float
+        Seconds per round of the rounds that did not wait for a start-up: not round 1,
+        nor the first round of a resumed run.
+    """
+
+    path: Path
+    settings: dict[str, Any]
+    accuracy: float
+    best_accuracy: float
+    rounds: int
+    wall_s: float
+    curve: list[tuple[int, float]]
+    round_walls: list[float]
+
+    def target_round(self, target: float) -> int | None:
+        """Return the first round whose test accuracy is >= ``target``, or ``None``."""
+        return target_round(self.curve, target)
+
+    @property
+    def round_s(self) -> float | None:
+        """Lower median of :attr:`round_walls` (``None`` without any)."""
+        return statistics.median_low(self.round_walls) if self.round_walls else None
+
+
+def target_round(curve: list[tuple[int, float]], target: float) -> int | None:
+    """Return the first ``round`` of ``curve`` (``(round, accuracy)`` pairs) reaching ``target``."""
+    return next((r for r, acc in curve if acc >= target), None)
+
+
+def find_runs(root: str | Path) -> tuple[list[Run], list[str]]:
+    """Return the runs under ``root`` (sorted by folder) and notes on folders left out.
+
+    A folder holding the three files of :data:`REQUIRED` is a run; one with rounds but no
+    ``summary.json`` (a run stopped before its end) gets a note. Run folders are searched
+    too (an ``--output`` chosen inside one).
+
+    Raises
+    ------
+    UserError
+        ``root`` is not a folder, or holds no readable run.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"{root} is not a folder; give the folder holding the run folders")
+    runs, notes, stack = [], [], [root]
+    while stack:
+        folder = stack.pop()
+        has = {name for name in REQUIRED if (folder / name).is_file()}
+        if "summary.json" not in has and (folder / "summary.json").exists():
+            notes.append(f"{folder} left out: its summary.json is not a file")
+        elif "metrics.jsonl" in has and "summary.json" not in has:  # rounds, but no end
+            notes.append(f"{folder} left out: no summary.json (a run stopped before its end; "
+                         f"--resume {folder} finishes it)")
+        elif len(has) == len(REQUIRED):
+            try:
+                runs.append(read_run(folder, notes))
+            except (OSError, ValueError, OverflowError) as exc:
+                notes.append(f"{folder} left out: cannot read it ({exc})")
+            except KeyError as exc:
+                notes.append(f"{folder} left out: its summary.json lacks {exc}")
+            except (TypeError, AttributeError):  # "config": "x"
+                notes.append(f"{folder} left out: its summary.json holds a field of the "
+                             "wrong type (not a fedavg run's summary)")
+            else:
+                if not runs[-1].curve:
+                    notes.append(f"{folder}: its metrics.jsonl holds no rounds, so it has no "
+                                 "curve, target round or round time")
+        try:  # a run folder may hold runs too (an --output chosen inside it)
+            stack += sorted((p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()),
+                            reverse=True)
+        except OSError as exc:
+            notes.append(f"{folder} left out: {exc.strerror}")
+    if not runs and notes:  # say why the run folders found were left out
+        raise UserError(f"no readable run under {root}: {notes[0]}"
+                        + (f" (and {len(notes) - 1} more)" if len(notes) > 1 else ""))
+    if not runs:
+        raise UserError(f"no runs under {root} (folders holding summary.json, model.json and "
+                        "metrics.jsonl); run `fedavg sweep` or `fedavg simulate` first")
+    return sorted(runs, key=lambda r: str(r.path)), notes
+
+
+def read_run(folder: Path, notes: list[str] | None = None) -> Run:
+    """Read one run folder (``summary.json`` and ``metrics.jsonl``).
+
+    A ``metrics.jsonl`` line that is not a round's record (cut short, edited) is left out,
+    and ``notes`` gets a line naming it; of a round recorded twice, the last record counts.
+
+    Raises
+    ------
+    ValueError, KeyError, TypeError, OSError
+        An unreadable ``summary.json`` or one without finite figures.
+    """
+    summary = json.loads((folder / "summary.json").read_text())
+    if not isinstance(summary, dict):
+        raise ValueError(f"its summary.json holds a {type(summary).__name__}, not a run's "
+                         "summary (an object)")
+    by_round, bad = {}, []
+    for number, line in enumerate((folder / "metrics.jsonl").read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not (finite_number(row["accuracy"]) and 0 <= row["accuracy"] <= 1
+                    and finite_number(row["round"]) and row["round"] == int(row["round"]) >= 1):
+                raise ValueError(line)
+            by_round[int(row["round"])] = row
+        except (ValueError, KeyError, TypeError, AttributeError):
+            bad.append(number)
+    if bad and notes is not None:
+        notes.append(f"{folder}: line(s) {', '.join(map(str, bad[:5]))} of its metrics.jsonl "
+                     "are not round records; they are left out of its curve")
+    rows = [by_round[r] for r in sorted(by_round)]
+    accuracies = [summary["accuracy"], summary["best_accuracy"]]
+    counts = [summary["rounds"], summary.get("num_nodes", 1)]
+    if not (all(finite_number(v) and 0 <= v <= 1 for v in accuracies)
+            and finite_number(summary["wall_s"])
+            and all(finite_number(v) and v == int(v) >= 1 for v in counts)):
+        raise ValueError("its summary.json holds an accuracy outside [0, 1], a time that is "
+                         "not a finite number, or rounds or nodes that are not counts")
+    settings = flat_settings(summary)
+    if not all(v is None or finite_number(v)
+               for v in (settings.get("alpha"), settings["num-nodes"])):
+        raise ValueError("its summary.json's alpha or num-nodes is not a number")
+    return Run(path=folder, settings=settings,
+               accuracy=float(summary["accuracy"]),
+               best_accuracy=float(summary["best_accuracy"]), rounds=int(summary["rounds"]),
+               wall_s=float(summary["wall_s"]),
+               curve=[(int(r["round"]), float(r["accuracy"])) for r in rows],
+               round_walls=[float(r["wall_s"]) for r in rows[1:]  # not a start-up's round
+                            if finite_number(r.get("wall_s")) and not r.get("resumed")])
+
+
+def flat_settings(summary: dict[str, Any]) -> dict[str, Any]:
+    """Flatten a ``summary.json``'s config to kebab-case settings, as the CLI names them.
+
+    A setting the config lacks (a run made before it existed) is at its default.
+    """
+    from fedavg.config.settings import RunConfig
+
+    flat: dict[str, Any] = dict(RunConfig().to_flat())
+    config = summary.get("config") or {}
+    for section in ("data", "train", "merge"):
+        for key, value in (config.get(section) or {}).items():
+            if key == "options":
+                flat.update({k.replace("_", "-"): v for k, v in (value or {}).items()})
+            elif key == "model_args":  # hidden=64,act=gelu, as sweep points name them
+                from fedavg.sweeps.grid import format_value
+
+                flat["model-args"] = format_value(dict(value)) if value else None
+            else:
+                flat[key.replace("_", "-")] = value
+    flat["model"] = summary.get("model", flat.get("model"))  # "auto" resolved
+    flat["dataset"] = summary.get("dataset") or flat.get("dataset")  # a path made absolute
+    flat["num-nodes"] = summary.get("num_nodes", flat.get("num-nodes"))
+    flat.setdefault("strategy", summary.get("strategy"))
+    return flat

@@ -1,0 +1,1 @@
+"""What every layer may use: user errors, atomic files, private temp folders, interrupts."""
