@@ -40,8 +40,8 @@ from rich.table import Table
 import fedavg
 import strategies
 from fedavg.config.settings import RunConfig
+from fedavg.models.evaluation import evaluate, evaluation_device
 from fedavg.models.registry import ModelSpec, merge_context
-from fedavg.node.train import evaluate, evaluation_device
 from fedavg.run import checkpoint
 from fedavg.run.lifecycle import prepare
 from fedavg.util.errors import RunError, UserError, first_line

@@ -510,7 +510,7 @@ class SafetensorError(Exception):
      "Read-only file system")])
 def test_a_file_the_disk_has_no_room_for_is_named_and_the_old_one_kept(tmp_path, exc, why):
     """The writer names the file itself, not its half-written copy nor "the model file"."""
-    from fedavg.run.checkpoint import atomic_write
+    from fedavg.util.atomic import atomic_write
     from fedavg.util.errors import RunError
 
     path = tmp_path / "model.safetensors"

@@ -651,13 +651,14 @@ def test_nodes_run_only_code_their_operator_named(user_file, tmp_path, monkeypat
 
 
 def test_a_node_refuses_a_user_code_model_it_was_not_started_with(user_file):
+    from fedavg.config.settings import LocalTraining
     from fedavg.node import deployed as apps
     from fedavg.node.wire import TrainSettings
 
+    local = LocalTraining(local_epochs=1, batch_size=8, lr=0.1, momentum=0.0, weight_decay=0.0)
     settings = TrainSettings(model={"name": "/elsewhere/my_models.py:build",
                                     "input_shape": [1, 8, 8], "num_classes": 10, "args": {}},
-                             input={}, classes=["a"], local_epochs=1, batch_size=8, lr=0.1,
-                             momentum=0.0, weight_decay=0.0, seed=0)
+                             input={}, classes=["a"], seed=0, local=local)
     with pytest.raises(UserError, match="start the node with --model my_models.py:build"):
         apps._own_model(settings, None)
     own = apps._own_model(settings, f"{user_file}:build")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import fedavg.node.train as train_mod
-from fedavg.config.settings import RunConfig
+from fedavg.config.settings import LocalTraining, RunConfig
 from fedavg.node.recipe import LogitAdjustment, augmenter, make_scheduler, round_lr
 from fedavg.node.train import train
 from fedavg.node.wire import TrainSettings
@@ -62,8 +62,8 @@ def test_train_steps_the_schedule_over_the_local_epochs(stepped_lrs):
     x = np.random.default_rng(0).normal(size=(8, 2)).astype(np.float32)
     y = np.array([0, 1] * 4)
     # 8 samples, batch 4: 2 steps per epoch, 2 epochs: 4 steps of a cosine from 0.1
-    stats = train(nn.Linear(2, 2), x, y, TABULAR, epochs=2, batch_size=4, lr=0.1,
-                  lr_schedule="cosine")
+    stats = train(nn.Linear(2, 2), x, y, TABULAR, LocalTraining(local_epochs=2, batch_size=4,
+                                                                lr=0.1, lr_schedule="cosine"))
     assert stats["steps"] == 4
     assert stepped_lrs == pytest.approx([0.1, 0.0853553, 0.05, 0.0146447], abs=1e-7)
 
@@ -79,9 +79,10 @@ def test_a_node_trains_round_three_from_the_decayed_rate_then_its_schedule(stepp
     from fedavg.node.clientapp import _train_with
 
     x = np.random.default_rng(0).normal(size=(8, 2)).astype(np.float32)
-    cfg = TrainSettings(model={"name": "mlp"}, input=TABULAR, classes=["a", "b"],
-                        local_epochs=1, batch_size=4, lr=0.1, momentum=0.0, weight_decay=0.0,
-                        seed=0, lr_schedule="cosine", lr_decay=0.5, server_round=3)
+    local = LocalTraining(local_epochs=1, batch_size=4, lr=0.1, momentum=0.0, weight_decay=0.0,
+                          lr_schedule="cosine", lr_decay=0.5)
+    cfg = TrainSettings(model={"name": "mlp"}, input=TABULAR, classes=["a", "b"], seed=0,
+                        server_round=3, local=local)
     _train_with(None, nn.Linear(2, 2), x, np.array([0, 1] * 4), cfg, "cpu", 0)
     # round 3 starts from 0.1 * 0.5^2 = 0.025; a cosine over 2 steps: 0.025, 0.0125
     assert stepped_lrs == pytest.approx([0.025, 0.0125], abs=1e-9)
@@ -137,7 +138,8 @@ def test_augmented_training_is_seeded_and_leaves_the_data_alone():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Flatten(), nn.Linear(64, 3))
         state = torch.random.get_rng_state()
-        train(model, x, y, spec, epochs=2, batch_size=4, seed=seed, augment=augment)
+        train(model, x, y, spec, LocalTraining(local_epochs=2, batch_size=4, augment=augment),
+              seed=seed)
         assert torch.equal(torch.random.get_rng_state(), state)  # caller's RNG untouched
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
@@ -161,12 +163,12 @@ def test_recipe_settings_are_checked_and_travel_to_the_nodes():
 
     record = TrainSettings.for_run(config, meta, Plain()).to_record()
     settings = TrainSettings.from_record(record)
-    assert (settings.lr_schedule, settings.augment) == ("step", True)
+    assert (settings.local.lr_schedule, settings.local.augment) == ("step", True)
     with pytest.raises(UserError, match=r"--lr-decay must be in \(0, 1\] \(got 0.0\)"):
         RunConfig().replace(lr_decay=0.0).validate()
     decayed = RunConfig().replace(lr_decay=0.95)
     assert TrainSettings.from_record(
-        TrainSettings.for_run(decayed, meta, Plain()).to_record()).lr_decay == 0.95
+        TrainSettings.for_run(decayed, meta, Plain()).to_record()).local.lr_decay == 0.95
     bad = TrainSettings.for_run(decayed, meta, Plain()).to_record()
     bad["lr-decay"] = 1.5
     with pytest.raises(ValueError, match="'lr-decay' must be in"):
@@ -177,7 +179,7 @@ def test_recipe_settings_are_checked_and_travel_to_the_nodes():
     record["augment"], record["lr-schedule"] = False, "linear"
     with pytest.raises(ValueError, match="lr-schedule"):
         TrainSettings.from_record(record)
-    assert math.isclose(settings.lr, config.train.lr)
+    assert math.isclose(settings.local.lr, config.train.lr)
 
 
 def test_sam_gradient_by_hand():
@@ -237,12 +239,13 @@ def test_train_with_sam_steps_with_the_gradient_at_the_perturbed_weights():
 
     model = nn.Linear(2, 2)
     model.load_state_dict(start.state_dict())
-    train(model, x, y, TABULAR, epochs=1, batch_size=4, lr=lr, momentum=0.0, sam_rho=rho)
+    train(model, x, y, TABULAR, LocalTraining(local_epochs=1, batch_size=4, lr=lr, momentum=0.0,
+                                              sam_rho=rho))
     for p, e in zip(model.parameters(), expected):
         assert torch.allclose(p.detach(), e, atol=1e-6)
     plain = nn.Linear(2, 2)
     plain.load_state_dict(start.state_dict())
-    train(plain, x, y, TABULAR, epochs=1, batch_size=4, lr=lr, momentum=0.0)
+    train(plain, x, y, TABULAR, LocalTraining(local_epochs=1, batch_size=4, lr=lr, momentum=0.0))
     assert not torch.allclose(plain.weight, model.weight, atol=1e-4)  # SAM changed the step
 
 
@@ -264,27 +267,29 @@ def test_a_node_recipe_value_is_checked_shown_and_travels_to_the_nodes(key, valu
         node_rule = None
 
     record = TrainSettings.for_run(config, meta, Plain()).to_record()
-    assert getattr(TrainSettings.from_record(record), name) == value
+    assert getattr(TrainSettings.from_record(record).local, name) == value
     record[key] = bad
     with pytest.raises(ValueError, match=f"'{key}' must be >= 0 and finite"):
         TrainSettings.from_record(record)
     del record[key]  # a coordinator that sends none: plain steps, the plain loss
-    assert getattr(TrainSettings.from_record(record), name) == 0.0
+    assert getattr(TrainSettings.from_record(record).local, name) == 0.0
     assert _recipe(config, TABULAR) == shown
 
 
 def test_a_diverged_sam_run_names_sam_rho_as_a_remedy():
     x = np.array([[np.inf, -1.0], [0.5, 2.0]], dtype=np.float32)  # a NaN loss at once
     with pytest.raises(FloatingPointError, match=r"lower --lr or --sam-rho$"):
-        train(nn.Linear(2, 2), x, np.array([0, 1]), TABULAR, batch_size=2, sam_rho=0.05)
+        train(nn.Linear(2, 2), x, np.array([0, 1]), TABULAR, LocalTraining(batch_size=2,
+                                                                           sam_rho=0.05))
     with pytest.raises(FloatingPointError, match=r"lower --lr$"):  # no SAM: not named
-        train(nn.Linear(2, 2), x, np.array([0, 1]), TABULAR, batch_size=2)
+        train(nn.Linear(2, 2), x, np.array([0, 1]), TABULAR, LocalTraining(batch_size=2))
 
 
 def test_a_diverged_fedprox_run_names_mu_as_a_remedy():
     x = np.array([[np.inf, -1.0], [0.5, 2.0]], dtype=np.float32)  # a NaN loss at once
     with pytest.raises(FloatingPointError, match=r"lower --lr or check --mu$"):
-        train(nn.Linear(2, 2), x, np.array([0, 1]), TABULAR, batch_size=2, proximal_mu=1e30)
+        train(nn.Linear(2, 2), x, np.array([0, 1]), TABULAR, LocalTraining(batch_size=2),
+              proximal_mu=1e30)
 
 
 def test_logit_adjustment_adds_tau_log_of_the_smoothed_label_frequencies():
@@ -316,16 +321,17 @@ def test_logit_adjusted_training_takes_the_adjusted_gradient_and_spares_absent_c
     expected = [wi.detach() - lr * gi for wi, gi in zip(w, g)]
     model = nn.Linear(2, 3)
     model.load_state_dict(start.state_dict())
-    train(model, x, y, TABULAR, epochs=1, batch_size=4, lr=lr, momentum=0.0, logit_adjust=1.0)
+    train(model, x, y, TABULAR, LocalTraining(local_epochs=1, batch_size=4, lr=lr, momentum=0.0,
+                                              logit_adjust=1.0))
     for p, e in zip(model.parameters(), expected):
         assert torch.allclose(p.detach(), e, atol=1e-6)
     plain = nn.Linear(2, 3)
     plain.load_state_dict(start.state_dict())
-    train(plain, x, y, TABULAR, epochs=5, batch_size=4, lr=lr, momentum=0.0)
+    train(plain, x, y, TABULAR, LocalTraining(local_epochs=5, batch_size=4, lr=lr, momentum=0.0))
     adjusted = nn.Linear(2, 3)
     adjusted.load_state_dict(start.state_dict())
-    train(adjusted, x, y, TABULAR, epochs=5, batch_size=4, lr=lr, momentum=0.0,
-          logit_adjust=1.0)
+    train(adjusted, x, y, TABULAR, LocalTraining(local_epochs=5, batch_size=4, lr=lr, momentum=0.0,
+                                                 logit_adjust=1.0))
     kept, pushed = float(adjusted.bias[2].detach()), float(plain.bias[2].detach())
     assert kept > pushed + 0.1  # the absent class is pushed down less
 
@@ -354,6 +360,7 @@ def test_a_diverged_run_names_logit_adjust_as_a_remedy():
     x = np.array([[np.inf, -1.0], [0.5, 2.0]], dtype=np.float32)  # a NaN loss at once
     y = np.array([0, 1])
     with pytest.raises(FloatingPointError, match=r"lower --lr or --logit-adjust$"):
-        train(nn.Linear(2, 2), x, y, TABULAR, batch_size=2, logit_adjust=1.0)
+        train(nn.Linear(2, 2), x, y, TABULAR, LocalTraining(batch_size=2, logit_adjust=1.0))
     with pytest.raises(FloatingPointError, match=r"lower --lr, --sam-rho or --logit-adjust$"):
-        train(nn.Linear(2, 2), x, y, TABULAR, batch_size=2, sam_rho=0.05, logit_adjust=1.0)
+        train(nn.Linear(2, 2), x, y, TABULAR, LocalTraining(batch_size=2, sam_rho=0.05,
+                                                            logit_adjust=1.0))

@@ -11,8 +11,8 @@ from PIL import Image
 from fedavg.config.settings import RunConfig
 from fedavg.data.load import decode_images, load
 from fedavg.data.partition import partition
+from fedavg.models.evaluation import evaluation_device, resolve_device
 from fedavg.models.registry import build_model
-from fedavg.node.train import evaluation_device, resolve_device
 from fedavg.run import checkpoint
 from fedavg.run.lifecycle import check_output, default_output, prepare
 from fedavg.util.errors import UserError

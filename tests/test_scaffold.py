@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import strategies
+from fedavg.config.settings import LocalTraining
 from fedavg.node.train import train
 from strategies.scaffold import SERVER_VARIATE, VARIATE_CHANGE, ScaffoldNode, effective_lr
 
@@ -111,8 +112,8 @@ def test_train_applies_the_correction_to_each_step():
     spec = {"kind": "tabular", "mean": [0.0, 0.0], "std": [1.0, 1.0], "scale": 1.0}
     rule = ScaffoldNode({})
     rule.begin(model, {SERVER_VARIATE: c}, c_i)
-    train(model, x.numpy(), y.numpy(), spec, epochs=1, batch_size=1, lr=0.1, momentum=0.0,
-          rule=rule)
+    train(model, x.numpy(), y.numpy(), spec, LocalTraining(local_epochs=1, batch_size=1, lr=0.1,
+                                                           momentum=0.0), rule=rule)
     twin = nn.Linear(2, 2)
     twin.load_state_dict(start)
     nn.functional.cross_entropy(twin(x), y).backward()
@@ -163,8 +164,8 @@ def test_node_agrees_with_flower_baselines_without_momentum():
     rule = ScaffoldNode({}, momentum=0.0)
     rule.begin(ours, {SERVER_VARIATE: c}, c_i)
     spec = {"kind": "tabular", "mean": [0.0] * 4, "std": [1.0] * 4, "scale": 1.0}
-    train(ours, x.numpy(), y.numpy(), spec, epochs=3, batch_size=6, lr=0.05, momentum=0.0,
-          weight_decay=1e-3, rule=rule)
+    local = LocalTraining(local_epochs=3, batch_size=6, lr=0.05, momentum=0.0, weight_decay=1e-3)
+    train(ours, x.numpy(), y.numpy(), spec, local, rule=rule)
     want_c = _baselines_scaffold(theirs, x, y, 0.05, c, c_i, 3)
     got_c = rule.finish(ours).state
     for k, p in theirs.named_parameters():
@@ -197,7 +198,7 @@ def test_frozen_and_shared_parameters_have_variates_on_both_sides():
     rule.begin(model, {SERVER_VARIATE: sent}, None)
     spec = {"kind": "tabular", "mean": [0.0] * 3, "std": [1.0] * 3, "scale": 1.0}
     train(model, torch.randn(8, 3).numpy(), torch.randint(0, 2, (8,)).numpy(), spec,
-          epochs=1, batch_size=4, lr=0.1, momentum=0.0, rule=rule)
+          LocalTraining(local_epochs=1, batch_size=4, lr=0.1, momentum=0.0), rule=rule)
     update = rule.finish(model)
     change = update.arrays[VARIATE_CHANGE]
     assert torch.equal(change["first.weight"], torch.zeros(4, 3))  # frozen: no drift
@@ -232,7 +233,7 @@ def test_an_integer_parameter_has_no_variate_on_either_side():
     rule.begin(model, {SERVER_VARIATE: sent}, None)  # was MergeError: ... has no 'steps'
     spec = {"kind": "tabular", "mean": [0.0] * 3, "std": [1.0] * 3, "scale": 1.0}
     train(model, torch.randn(8, 3).numpy(), torch.randint(0, 2, (8,)).numpy(), spec,
-          epochs=1, batch_size=4, lr=0.1, momentum=0.0, rule=rule)
+          LocalTraining(local_epochs=1, batch_size=4, lr=0.1, momentum=0.0), rule=rule)
     update = rule.finish(model)
     assert set(update.arrays[VARIATE_CHANGE]) == {"lin.weight", "lin.bias"}
     server.begin(reference, context=ctx(1))

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import strategies
+from fedavg.config.settings import LocalTraining
 from fedavg.models.registry import EnsembleModel
 from fedavg.node.train import train
 from strategies import MergeContext
@@ -44,7 +45,8 @@ def test_fedprox_term_pulls_local_weights_to_the_start():
     for mu in (0.0, 2.0):
         model = nn.Sequential(nn.Flatten(), nn.Linear(4, 2))
         model.load_state_dict(start.state_dict())
-        train(model, x, y, spec, epochs=5, lr=0.1, momentum=0.0, proximal_mu=mu)
+        train(model, x, y, spec, LocalTraining(local_epochs=5, lr=0.1, momentum=0.0),
+              proximal_mu=mu)
         drift[mu] = sum(float(((p - q) ** 2).sum().detach()) for p, q in
                         zip(model.parameters(), start.parameters()))
     assert drift[2.0] < 0.5 * drift[0.0]
@@ -60,12 +62,12 @@ def test_adam_first_local_step_moves_each_weight_by_lr():
         model.weight.copy_(torch.tensor([[0.5], [-0.5]]))
         model.bias.zero_()
     before = model.weight.detach().clone()
-    train(model, x, y, spec, epochs=1, batch_size=2, lr=0.01, optimizer="adam")
+    train(model, x, y, spec, LocalTraining(local_epochs=1, batch_size=2, lr=0.01, optimizer="adam"))
     # class 0's logit is too high on the class-1 sample (x = 4) more than it helps x = 2
     torch.testing.assert_close(model.weight.detach() - before,
                                torch.tensor([[-0.01], [0.01]]), atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="unknown optimizer"):
-        train(model, x, y, spec, optimizer="lbfgs")
+        train(model, x, y, spec, LocalTraining(optimizer="lbfgs"))
 
 
 def test_fedavgm_momentum_by_hand():

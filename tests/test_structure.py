@@ -1,10 +1,9 @@
-"""The shape of the code: a new strategy is one file plus one test; no oversized functions.
+"""The shape of the code: a new strategy, or a new node option, is one declaration plus its use.
 
 The throwaway strategy below lives in this file only. Registering it is all it takes for its
 option to appear in ``fedavg simulate --help`` and to reach its merge in a real run.
 """
 
-import ast
 import signal
 from pathlib import Path
 
@@ -16,8 +15,6 @@ import strategies
 from strategies.fedavg import FedAvg
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_FUNCTION_LINES = 80
-MAX_MODULE_LINES = 450
 
 
 @pytest.fixture
@@ -96,26 +93,6 @@ def test_a_new_strategy_option_reaches_its_merge(scaled_strategy, tmp_path, no_l
     assert meta["config"]["merge"]["options"] == {"scale": 0.5}
     assert meta["strategy"] == "test-scaled"
     assert all(torch.isfinite(v).all() for v in state.values())
-
-
-def _functions(path: Path):
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield node.name, node.end_lineno - node.lineno + 1
-
-
-def test_no_function_over_80_lines_and_no_oversized_module():
-    long_functions, long_modules = [], []
-    for package in ("fedavg", "strategies"):
-        for path in sorted((ROOT / package).rglob("*.py")):
-            rel = path.relative_to(ROOT)
-            long_functions += [f"{rel}:{name} ({n} lines)" for name, n in _functions(path)
-                               if n > MAX_FUNCTION_LINES]
-            lines = len(path.read_text().splitlines())
-            if lines > MAX_MODULE_LINES:
-                long_modules.append(f"{rel} ({lines} lines)")
-    assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
-    assert not long_modules, f"modules over {MAX_MODULE_LINES} lines: {long_modules}"
 
 
 PLUGIN = '''

@@ -616,7 +616,7 @@ def test_dry_run_lists_points_and_runs_nothing(tmp_path):
 
 
 def test_points_that_train_exactly_as_another_are_named(tmp_path):
-    from fedavg.config.setting_use import repeated_runs
+    from fedavg.sweeps.grid import repeated_runs
 
     config = toml(tmp_path, '[base]\nrounds = 1\n[grid]\npartitioner = ["iid", "dirichlet", '
                             '"pathological"]\nalpha = [0.1, 1.0]\nclasses-per-node = [2, 3]\n')

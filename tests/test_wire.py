@@ -1,9 +1,11 @@
 """The round's train settings on the wire: one schema, both directions."""
 
+from dataclasses import fields
+
 import pytest
 from flwr.app import ConfigRecord
 
-from fedavg.config.settings import RunConfig
+from fedavg.config.settings import LocalTraining, RunConfig
 from fedavg.node import keys
 from fedavg.node.wire import TrainSettings
 
@@ -11,9 +13,9 @@ from fedavg.node.wire import TrainSettings
 def _settings(**change):
     values = dict(model={"name": "mlp", "input_shape": [1, 8, 8], "num_classes": 10,
                          "args": {}},
-                  input={"kind": "image", "shape": [1, 8, 8]}, classes=["a", "b"],
-                  local_epochs=3, batch_size=16, lr=0.1, momentum=0.5, weight_decay=1e-4,
-                  seed=7)
+                  input={"kind": "image", "shape": [1, 8, 8]}, classes=["a", "b"], seed=7,
+                  local=LocalTraining(local_epochs=3, batch_size=16, lr=0.1, momentum=0.5,
+                                      weight_decay=1e-4))
     values.update(change)
     return TrainSettings(**values)
 
@@ -27,14 +29,19 @@ def test_record_round_trip_with_kebab_keys():
     record[keys.SERVER_ROUND] = 4
     got = TrainSettings.from_record(record)
     assert got == _settings(proximal_mu=0.25, server_round=4)
-    assert isinstance(got.local_epochs, int) and isinstance(got.lr, float)
+    assert isinstance(got.local.local_epochs, int) and isinstance(got.local.lr, float)
+    # every node training option travels, as LocalTraining declares it
+    assert {f.name.replace("_", "-") for f in fields(LocalTraining)} <= set(record.keys())
 
 
-def test_missing_entry_is_named():
+def test_missing_entry_is_named_and_a_missing_node_option_takes_its_declared_default():
     record = _settings().to_record()
-    del record["batch-size"]
-    with pytest.raises(ValueError, match="'batch-size'"):
+    del record["classes"]
+    with pytest.raises(ValueError, match="'classes'"):
         TrainSettings.from_record(record)
+    record = _settings().to_record()
+    del record["batch-size"]  # a coordinator that does not know the option: its default
+    assert TrainSettings.from_record(record).local.batch_size == LocalTraining().batch_size
     optional = ConfigRecord({k: v for k, v in _settings().to_record().items()
                              if k != "proximal-mu"})
     assert TrainSettings.from_record(optional).proximal_mu == 0.0
@@ -46,7 +53,7 @@ def test_for_run_takes_the_strategy_node_settings():
     config = RunConfig().replace(strategy="fedprox", mu=0.3, lr=0.02, local_epochs=2, seed=5)
     meta = {"model": {"name": "mlp"}, "input": {}, "classes": ["x"]}
     got = TrainSettings.for_run(config, meta, config.build_strategy())
-    assert (got.proximal_mu, got.lr, got.local_epochs, got.seed) == (0.3, 0.02, 2, 5)
+    assert (got.proximal_mu, got.local.lr, got.local.local_epochs, got.seed) == (0.3, 0.02, 2, 5)
     plain = TrainSettings.for_run(RunConfig(), meta, strategies.get("fedavg"))
     assert plain.proximal_mu == 0.0
 
@@ -54,9 +61,10 @@ def test_for_run_takes_the_strategy_node_settings():
 @pytest.mark.parametrize("key, value, message", [
     ("local-epochs", 0, "'local-epochs' must be >= 1"),
     ("batch-size", -5, "'batch-size' must be >= 1"),
-    ("lr", float("inf"), "'lr' must be a finite number > 0"),
+    ("lr", float("inf"), "'lr' must be > 0 and finite"),
     ("momentum", 5.0, "'momentum' must be in [0, 1)"),
-    ("optimizer", "lbfgs", "'optimizer' must be sgd or adam"),
+    ("optimizer", "lbfgs", "'optimizer' must be one of sgd, adam"),
+    ("lr-schedule", "cyclic", "'lr-schedule' must be one of constant, cosine, step"),
     ("local-epochs", 1.7, "'local-epochs' is not int"),
     ("lr", "fast", "'lr' is not float"),
     ("model", "{bad json", "'model' is not JSON"),

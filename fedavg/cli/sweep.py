@@ -105,7 +105,7 @@ def _check_points(planned) -> None:
 
 def _repeats_note(planned) -> str | None:
     """Say which points that would start train exactly as another point of the sweep."""
-    from fedavg.config.setting_use import repeated_runs
+    from fedavg.sweeps.grid import repeated_runs
     from fedavg.sweeps.plan import STARTS
 
     same = repeated_runs([p.point for p in planned])

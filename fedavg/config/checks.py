@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from fedavg.config.settings import MAX_SEED, OPTIMIZERS
+from fedavg.config.rules import first_problem
 
 if TYPE_CHECKING:
     from fedavg.config.settings import RunConfig
@@ -32,8 +32,8 @@ def check_data(c: RunConfig) -> str | None:
         return f"--classes-per-node must be >= 1 (got {d.classes_per_node})"
     if d.partitioner == "natural" and not d.partition_by:
         return "--partitioner natural needs --partition-by COLUMN"
-    if not 0 <= d.seed < MAX_SEED:
-        return f"--seed must be >= 0 and < {MAX_SEED} (got {d.seed})"
+    if problem := first_problem(d):  # the rules declared with the fields (--seed)
+        return problem
     if not 0 < d.test_fraction < 1:
         return f"test fraction must be in (0, 1) (got {d.test_fraction})"
     if not 1 <= d.max_tokens <= 8192:
@@ -46,7 +46,7 @@ def check_data(c: RunConfig) -> str | None:
 
 
 def check_train(c: RunConfig) -> str | None:
-    """Check the node training settings: rates, epochs, optimizer, schedule, recipe."""
+    """Check the node training settings: each by its declared rule, then the model's."""
     t = c.train
     bad = next((k for k in t.model_args if not (isinstance(k, str) and k.isidentifier())), None)
     if bad is not None:
@@ -54,26 +54,7 @@ def check_train(c: RunConfig) -> str | None:
     if t.pretrained and not t.model.startswith("torchvision:"):
         return ("--pretrained takes a torchvision:NAME model (an hf: folder starts from its "
                 "own weights; your own builder can take a --model-arg for it)")
-    for flag, value, ok, need in (
-            ("local-epochs", t.local_epochs, t.local_epochs >= 1, ">= 1"),
-            ("batch-size", t.batch_size, t.batch_size >= 1, ">= 1"),
-            ("lr", t.lr, 0 < t.lr < math.inf, "> 0 and finite"),
-            ("momentum", t.momentum, 0 <= t.momentum < 1, "in [0, 1)"),
-            ("weight-decay", t.weight_decay, 0 <= t.weight_decay < math.inf, ">= 0 and finite"),
-            ("lr-decay", t.lr_decay, 0 < t.lr_decay <= 1, "in (0, 1]"),
-            ("sam-rho", t.sam_rho, 0 <= t.sam_rho < math.inf, ">= 0 and finite"),
-            ("logit-adjust", t.logit_adjust, 0 <= t.logit_adjust < math.inf,
-             ">= 0 and finite")):
-        if not ok:
-            return f"--{flag} must be {need} (got {value})"
-    if t.optimizer not in OPTIMIZERS:
-        return f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {t.optimizer!r})"
-    from fedavg.node.recipe import LR_SCHEDULES
-
-    if t.lr_schedule not in LR_SCHEDULES:
-        return (f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)} "
-                f"(got {t.lr_schedule!r})")
-    return None
+    return t.problem()
 
 
 def check_merge(c: RunConfig) -> str | None:

@@ -3,7 +3,7 @@
 ``--alpha`` means something only with ``--partitioner dirichlet``; a run notes such settings
 when they are given and not used (:func:`unused_setting_notes`), ``fedavg report`` leaves
 them out of its shared settings (:func:`setting_applies`), and ``fedavg sweep`` names the
-points that would train exactly as another one (:func:`repeated_runs`).
+points that would train exactly as another one (:func:`fedavg.sweeps.grid.repeated_runs`).
 """
 
 from __future__ import annotations
@@ -42,33 +42,3 @@ def unused_setting_notes(data_config) -> list[str]:
                          f"--partitioner {data_config.partitioner} (it is for --partitioner "
                          f"{' or '.join(users)})")
     return notes
-
-
-def repeated_runs(points) -> dict[str, str]:
-    """Map each sweep point that trains exactly as an earlier one to that one's name.
-
-    Such points differ only in partition settings their partitioner ignores: a grid of
-    ``partitioner = ["iid", "dirichlet"]`` and ``alpha = [0.1, 1.0]`` trains the iid run
-    twice, with the same seed, and gets the same result.
-
-    Parameters
-    ----------
-    points : sequence of fedavg.sweeps.grid.Point
-        The sweep's points, in their order.
-    """
-    import json
-
-    from fedavg.sweeps.grid import effective_settings
-
-    first: dict[str, str] = {}
-    repeats = {}
-    for point in points:
-        settings = effective_settings(point.settings, point.config)
-        shaping = {k: v for k, v in settings.items()
-                   if setting_applies(k.replace("-", "_"), settings.get("partitioner"))}
-        key = json.dumps(shaping, sort_keys=True, default=str)
-        if key in first:
-            repeats[point.name] = first[key]
-        else:
-            first[key] = point.name
-    return repeats

@@ -18,15 +18,42 @@ import json
 import math
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from fedavg.config.values import MODEL_ARGS, convert, convert_option, model_args_value
+from fedavg.config.checks import CHECKS, check_strategy
+from fedavg.config.rules import (
+    Rule,
+    at_least,
+    first_problem,
+    fraction,
+    non_negative,
+    one_of,
+    positive,
+)
+from fedavg.config.values import (
+    MODEL_ARGS,
+    convert,
+    convert_option,
+    model_args_value,
+    unknown_setting,
+)
 from fedavg.util.errors import UserError
 
+#: Node optimizers (:func:`fedavg.node.train.train`).
+OPTIMIZERS = ("sgd", "adam")
+#: Learning-rate schedules over a node's local epochs (:func:`fedavg.node.recipe.make_scheduler`).
+LR_SCHEDULES = ("constant", "cosine", "step")
+#: Seeds are below 2**31: nodes derive their own seeds from the run's without overflow.
+MAX_SEED = 2**31
 
-def setting(default: Any, help: str, *, cli: bool = True) -> Any:
-    """Return a config field with its command-line help (``cli=False``: config and TOML only)."""
-    return field(default=default, metadata={"help": help, "cli": cli})
+
+def setting(default: Any, help: str, *, cli: bool = True, rule: Rule | None = None) -> Any:
+    """Return a config field with its command-line help and the values it accepts.
+
+    ``cli=False``: a setting of the config and TOML only; ``rule``: checked by the run
+    (and, for :class:`LocalTraining`, by each node).
+    """
+    return field(default=default, metadata={"help": help, "cli": cli, "rule": rule})
 
 
 @dataclass(frozen=True)
@@ -71,7 +98,8 @@ class DataConfig:
     alpha: float = setting(0.5, "Dirichlet alpha (> 0; smaller = more skew)")
     classes_per_node: int = setting(2, "Labels per node (pathological)")
     partition_by: str | None = setting(None, "Column of natural node ids (natural)")
-    seed: int = setting(0, "Seed of partitioning, hold-out, init and sampling")
+    seed: int = setting(0, "Seed of partitioning, hold-out, init and sampling",
+                        rule=Rule(lambda v: 0 <= v < MAX_SEED, f">= 0 and < {MAX_SEED}"))
     test_fraction: float = setting(0.2, "Share of train held out as test", cli=False)
     text_column: str | None = setting(None, "Text input column (default: detected)")
     tokenizer: str = setting("hashed", "Text: hashed (no vocabulary), a tokenizer.json or a "
@@ -81,19 +109,18 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """How each node trains its copy of the model.
+class LocalTraining:
+    """How a node trains in each round: the one declaration of every node training option.
+
+    Each field is declared here once, with its default, help and rule; from this
+    declaration come the command-line option (``--local-epochs``), the run's check
+    (:func:`fedavg.config.checks.check_train`), the entry of each round's message to the
+    nodes and the node's check of it (:class:`fedavg.node.wire.TrainSettings`), and what
+    :func:`fedavg.node.train.train` reads. Adding an option here, and its use in ``train``,
+    is all a new node option takes.
 
     Attributes
     ----------
-    model : str
-        Registered model name (see ``fedavg models``), ``auto``, ``torchvision:NAME``,
-        ``hf:PATH``, ``module:function`` or ``file.py:function``.
-    model_args : mapping
-        Arguments of the model's builder (``--model-arg KEY=VALUE``); in Flower's run config
-        one key, ``model-args``, holding them as JSON text.
-    pretrained : bool
-        Start the run from the torchvision model's pretrained weights (downloaded).
     local_epochs : int
         Passes over the node's partition per round.
     batch_size : int
@@ -121,6 +148,59 @@ class TrainConfig:
     logit_adjust : float
         ``tau`` of the nodes' logit-adjusted loss, >= 0 (0: off;
         :class:`fedavg.node.recipe.LogitAdjustment`).
+    """
+
+    local_epochs: int = setting(1, "Local epochs per round", rule=at_least(1))
+    batch_size: int = setting(32, "Samples per SGD step", rule=at_least(1))
+    lr: float = setting(0.05, "Learning rate (of --optimizer)", rule=positive())
+    momentum: float = setting(0.9, "SGD momentum",
+                              rule=fraction(closed_low=True, closed_high=False))
+    weight_decay: float = setting(0.0, "L2 penalty", rule=non_negative())
+    optimizer: str = setting("sgd", "Node optimizer: sgd (with --momentum) or adam",
+                             rule=one_of(OPTIMIZERS))
+    lr_schedule: str = setting("constant", "Learning rate over a node's local epochs: "
+                               "constant, cosine (to 0) or step (x0.1 at 1/2 and 3/4)",
+                               rule=one_of(LR_SCHEDULES))
+    lr_decay: float = setting(1.0, "Learning-rate decay per round: round r starts from "
+                              "--lr x lr-decay^(r-1)",
+                              rule=fraction(closed_low=False, closed_high=True))
+    augment: bool = setting(False, "Augment node batches: random crop (+ flip for colour "
+                            "images); never at evaluation")
+    sam_rho: float = setting(0.0, "Sharpness-aware minimisation on the nodes (FedSAM): "
+                             "neighbourhood radius rho, e.g. 0.05; twice a step's cost; 0: off",
+                             rule=non_negative())
+    logit_adjust: float = setting(0.0, "Logit-adjusted node loss against label skew: logits + "
+                                  "TAU x log(the node's label frequencies), e.g. 1; 0: off",
+                                  rule=non_negative())
+
+    @classmethod
+    def of(cls, train: LocalTraining) -> LocalTraining:
+        """Return the node training options of ``train`` (a :class:`TrainConfig`) alone."""
+        return cls(**{f.name: getattr(train, f.name) for f in fields(cls)})
+
+    def problem(self, name: Callable[[str], str] = lambda key: f"--{key}") -> str | None:
+        """Return the first value a field's rule refuses, said with ``name(kebab-key)``.
+
+        ``None`` when every value is accepted. The run says ``--lr must be ...``; a node
+        checking its round says ``the round's 'lr' must be ...``.
+        """
+        return first_problem(LocalTraining.of(self), name)
+
+
+@dataclass(frozen=True)
+class TrainConfig(LocalTraining):
+    """What each node trains: the model and device, and how it trains (:class:`LocalTraining`).
+
+    Attributes
+    ----------
+    model : str
+        Registered model name (see ``fedavg models``), ``auto``, ``torchvision:NAME``,
+        ``hf:PATH``, ``module:function`` or ``file.py:function``.
+    model_args : mapping
+        Arguments of the model's builder (``--model-arg KEY=VALUE``); in Flower's run config
+        one key, ``model-args``, holding them as JSON text.
+    pretrained : bool
+        Start the run from the torchvision model's pretrained weights (downloaded).
     device : str
         ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
     """
@@ -130,22 +210,6 @@ class TrainConfig:
     model_args: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
     pretrained: bool = setting(False, "Start from the torchvision model's pretrained weights "
                                "(downloaded)")
-    local_epochs: int = setting(1, "Local epochs per round")
-    batch_size: int = setting(32, "Samples per SGD step")
-    lr: float = setting(0.05, "Learning rate (of --optimizer)")
-    momentum: float = setting(0.9, "SGD momentum")
-    weight_decay: float = setting(0.0, "L2 penalty")
-    optimizer: str = setting("sgd", "Node optimizer: sgd (with --momentum) or adam")
-    lr_schedule: str = setting("constant", "Learning rate over a node's local epochs: "
-                               "constant, cosine (to 0) or step (x0.1 at 1/2 and 3/4)")
-    lr_decay: float = setting(1.0, "Learning-rate decay per round: round r starts from "
-                              "--lr x lr-decay^(r-1)")
-    augment: bool = setting(False, "Augment node batches: random crop (+ flip for colour "
-                            "images); never at evaluation")
-    sam_rho: float = setting(0.0, "Sharpness-aware minimisation on the nodes (FedSAM): "
-                             "neighbourhood radius rho, e.g. 0.05; twice a step's cost; 0: off")
-    logit_adjust: float = setting(0.0, "Logit-adjusted node loss against label skew: logits + "
-                                  "TAU x log(the node's label frequencies), e.g. 1; 0: off")
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
 
 
@@ -215,10 +279,6 @@ class MergeConfig:
     options: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
 
 
-#: Node optimizers (:func:`fedavg.node.train.train`).
-OPTIMIZERS = ("sgd", "adam")
-#: Seeds are below 2**31: nodes derive their own seeds from the run's without overflow.
-MAX_SEED = 2**31
 
 SECTIONS = {"data": DataConfig, "train": TrainConfig, "merge": MergeConfig}
 #: The flat key of ``TrainConfig.model_args`` (JSON text in Flower's run config).
@@ -262,8 +322,6 @@ class RunConfig:
         UserError
             On the first invalid value, naming the option and the accepted range.
         """
-        from fedavg.config.checks import CHECKS
-
         for check in CHECKS:
             if problem := check(self):
                 raise UserError(problem)
@@ -280,8 +338,6 @@ class RunConfig:
             nodes per round, a one-shot strategy with more than one round.
         """
         import strategies
-        from fedavg.config.checks import check_strategy
-
         if problem := check_strategy(self):
             raise UserError(problem)
         try:  # its option values, then the nodes it merges each round
@@ -336,7 +392,6 @@ class RunConfig:
                 name, f, hint = known[key]
                 values[name][f.name] = convert(key, value, f, hint)
             else:  # a typo: say the closest known settings
-                from fedavg.config.values import unknown_setting
                 raise UserError(unknown_setting(raw_key, [*known, *declared, MODEL_ARGS]))
         values["merge"]["options"] = options
         return cls(**{name: klass(**values[name]) for name, klass in SECTIONS.items()})

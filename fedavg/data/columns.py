@@ -7,7 +7,6 @@ numeric column); the label a ``ClassLabel`` or the most usual label name.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from fedavg.util.errors import NoLabelColumn, UserError
 
@@ -221,31 +220,6 @@ def hinted_input(features, hint: str | None, image_column: str | None,
     if is_text(features[hint]):
         return None, hint
     return (hint, None) if is_image(features[hint]) else (None, None)
-
-
-def saved_load_args(meta: dict[str, Any], source: str, whole: bool = False) -> dict[str, Any]:
-    """Return :func:`fedavg.data.load.load`'s column and hold-out arguments for a saved model.
-
-    The run's seed and test fraction (the same hold-out); the columns its run recorded: all
-    of them for its own dataset; for another, as hints taken where that data has them: a
-    tabular model's ``feature_columns`` (a table's column names are its schema), its label
-    (``label_hint``) and its image or text column (``input_hint``); with ``whole``, no
-    hold-out either: such a dataset without a test split is scored or predicted whole
-    (``hold_out=False``).
-    """
-    from fedavg.data.sources import same_source
-
-    ds_meta = meta.get("dataset", {})
-    args: dict[str, Any] = {"seed": int(ds_meta.get("seed", 0)),
-                            "test_fraction": float(ds_meta.get("test_fraction", 0.2))}
-    cols = ds_meta.get("columns") or {}
-    if same_source(source, ds_meta.get("source")):
-        args.update(image_column=cols.get("image"), label_column=cols.get("label"),
-                    text_column=cols.get("text"), feature_columns=cols.get("features"))
-    else:
-        args.update(hold_out=not whole, feature_columns=cols.get("features") or None,
-                    label_hint=cols.get("label"), input_hint=cols.get("text") or cols.get("image"))
-    return args
 
 
 def numeric_columns(features, label: str, partition_by: str | None) -> list[str]:

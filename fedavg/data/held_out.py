@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedavg.data.columns import saved_load_args
 from fedavg.data.load import LoadedData, Split, check_kind, conform, holdout, load
-from fedavg.data.sources import same_source
+from fedavg.data.sources import same_source, saved_load_args
 from fedavg.util.errors import NoLabelColumn, UserError
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from fedavg.data.sources import FILE_BUILDERS, IMAGE_SUFFIXES
+from fedavg.data.formats import FILE_BUILDERS, IMAGE_SUFFIXES
 from fedavg.util.errors import UserError
 
 #: Top-level folder names (any case) read as splits (``root/train/<class>/...``), and the

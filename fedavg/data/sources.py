@@ -10,23 +10,16 @@ here. No Flower import.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from fedavg.data.columns import is_bytes, is_image
+from fedavg.data.formats import FILE_BUILDERS, IMAGE_SUFFIXES  # noqa: F401  (re-exported)
 from fedavg.data.images import decode_images
 from fedavg.util.errors import UserError, first_line
 
 BUILTIN = ("digits",)
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
-FILE_BUILDERS = {
-    ".parquet": "parquet",
-    ".csv": "csv",
-    ".tsv": "csv",
-    ".arrow": "arrow",
-    ".json": "json",
-    ".jsonl": "json",
-}
 TEST_NAMES = ("test", "validation", "valid", "val")
 
 
@@ -274,3 +267,26 @@ def same_source(given: str, recorded: str | None) -> bool:
         return True
     a, b = Path(given).expanduser(), Path(recorded).expanduser()
     return a.exists() and b.exists() and a.resolve() == b.resolve()
+
+
+def saved_load_args(meta: dict[str, Any], source: str, whole: bool = False) -> dict[str, Any]:
+    """Return :func:`fedavg.data.load.load`'s column and hold-out arguments for a saved model.
+
+    The run's seed and test fraction (the same hold-out); the columns its run recorded: all
+    of them for its own dataset; for another, as hints taken where that data has them: a
+    tabular model's ``feature_columns`` (a table's column names are its schema), its label
+    (``label_hint``) and its image or text column (``input_hint``); with ``whole``, no
+    hold-out either: such a dataset without a test split is scored or predicted whole
+    (``hold_out=False``).
+    """
+    ds_meta = meta.get("dataset", {})
+    args: dict[str, Any] = {"seed": int(ds_meta.get("seed", 0)),
+                            "test_fraction": float(ds_meta.get("test_fraction", 0.2))}
+    cols = ds_meta.get("columns") or {}
+    if same_source(source, ds_meta.get("source")):
+        args.update(image_column=cols.get("image"), label_column=cols.get("label"),
+                    text_column=cols.get("text"), feature_columns=cols.get("features"))
+    else:
+        args.update(hold_out=not whole, feature_columns=cols.get("features") or None,
+                    label_hint=cols.get("label"), input_hint=cols.get("text") or cols.get("image"))
+    return args

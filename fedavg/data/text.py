@@ -191,7 +191,7 @@ class FileTokenizer:
 
     def save(self, folder: str | Path) -> None:
         """Write ``tokenizer.json`` into ``folder`` (atomically)."""
-        from fedavg.run.checkpoint import atomic_write
+        from fedavg.util.atomic import atomic_write
 
         atomic_write(Path(folder) / TOKENIZER_FILE,
                      lambda tmp: Path(tmp).write_text(self.json_text))
@@ -218,7 +218,7 @@ def save_for(input_spec: dict[str, Any], folder: str | Path) -> None:
         return
     if sha not in _KNOWN:
         raise RuntimeError(f"tokenizer {sha} was not loaded in this process")
-    from fedavg.run.checkpoint import atomic_write
+    from fedavg.util.atomic import atomic_write
 
     atomic_write(path, lambda tmp: Path(tmp).write_text(_KNOWN[sha]))
 

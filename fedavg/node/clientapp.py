@@ -21,10 +21,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedavg.models.evaluation import resolve_device
 from fedavg.models.registry import build_model
 from fedavg.node import keys
-from fedavg.node.recipe import round_lr
-from fedavg.node.train import resolve_device, train
+from fedavg.node.train import train
 from fedavg.node.wire import TrainSettings
 
 
@@ -148,7 +148,7 @@ def _begin_rule(cfg: TrainSettings, model: torch.nn.Module, message: Message,
         return None, 0
     import strategies
 
-    rule = strategies.node_rule(cfg.method, cfg.method_options, cfg.momentum)
+    rule = strategies.node_rule(cfg.method, cfg.method_options, cfg.local.momentum)
     if rule is None:
         return None, 0
     received = {k: rec.to_torch_state_dict() for k, rec in
@@ -164,21 +164,12 @@ def _train_with(rule, model, x, y, cfg: TrainSettings, device: str, partition_id
     import strategies
 
     stats = train(
-        model, x, y, cfg.input,
-        epochs=cfg.local_epochs,
-        batch_size=cfg.batch_size,
-        lr=round_lr(cfg.lr, cfg.lr_decay, cfg.server_round),
-        momentum=cfg.momentum,
-        weight_decay=cfg.weight_decay,
+        model, x, y, cfg.input, cfg.local,
+        server_round=cfg.server_round,
         device=resolve_device(device),
         # distinct, reproducible batch order per node and round
         seed=cfg.seed * 1_000_003 + partition_id * 1009 + cfg.server_round,
         proximal_mu=cfg.proximal_mu,
-        optimizer=cfg.optimizer,
-        lr_schedule=cfg.lr_schedule,
-        augment=cfg.augment,
-        sam_rho=cfg.sam_rho,
-        logit_adjust=cfg.logit_adjust,
         rule=rule,
     )
     return stats, (strategies.NodeUpdate() if rule is None else rule.finish(model))

@@ -70,7 +70,8 @@ def node_arrays(dataset: str, partition_id: int, num_partitions: int,
         Bad dataset, columns, or a partition id outside ``0..num_partitions-1``.
     """
     from fedavg.config.settings import RunConfig
-    from fedavg.data.load import load
+    from fedavg.data.load import data_settings, load
+    from fedavg.data.shares import share_out
     from fedavg.util.errors import UserError
 
     flat = json.loads(run_config_json)
@@ -79,18 +80,14 @@ def node_arrays(dataset: str, partition_id: int, num_partitions: int,
     if partition_id >= 0:
         if not 0 <= partition_id < num_partitions:
             raise UserError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
-        from fedavg.run.lifecycle import prepare
-
-        try:
-            prepared = prepare(config.replace(num_nodes=num_partitions), model=False)
+        config = config.replace(num_nodes=num_partitions)
+        try:  # split exactly as the coordinator's run does
+            data = load(d.dataset, **data_settings(d))
+            parts, _, _ = share_out(config, config.build_strategy(), data)
         except UserError as exc:  # say it in the node's terms
             raise UserError(str(exc).replace("--num-nodes", "--num-partitions")) from None
-        idx = prepared.parts[partition_id]
-        train = prepared.data.train
-        return (train.x[idx], train.y[idx].astype(np.int64), list(prepared.data.classes),
-                prepared.data)
-    from fedavg.data.load import data_settings
-
+        idx = parts[partition_id]
+        return data.train.x[idx], data.train.y[idx].astype(np.int64), list(data.classes), data
     data = load(dataset, **{**data_settings(d), "partition_by": None})
     return data.train.x, data.train.y.astype(np.int64), list(data.classes), data
 

@@ -31,8 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-#: Learning-rate schedules of ``--lr-schedule``.
-LR_SCHEDULES = ("constant", "cosine", "step")
+from fedavg.config.settings import LR_SCHEDULES
 
 
 def round_lr(lr: float, decay: float, server_round: int) -> float:

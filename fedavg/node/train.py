@@ -9,54 +9,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedavg.config.settings import LocalTraining
 from fedavg.data.load import normalize
-from fedavg.node.recipe import LogitAdjustment, augmenter, make_scheduler
+from fedavg.node.recipe import LogitAdjustment, augmenter, make_scheduler, round_lr
 from fedavg.util.errors import UserError
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    """``auto`` -> ``cuda`` when available, else ``cpu``; anything else as given.
-
-    Raises
-    ------
-    fedavg.util.errors.UserError
-        A CUDA device asked for on a machine without one, or an unknown device string.
-    """
-    from fedavg.util.errors import UserError
-
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise UserError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"--device {device}: no CUDA device here; use --device cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UserError(
-                f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here"
-            )
-    return dev
-
-
-def evaluation_device(device: str = "auto") -> torch.device:
-    """Where the coordinator evaluates the merged model, for the run's ``--device``.
-
-    The run's CUDA device when this machine has it, the first CUDA device when it has another
-    one (a coordinator whose nodes have more GPUs), else the CPU; ``cpu`` stays on the CPU.
-    Never raises for a device the nodes have and this machine lacks.
-    """
-    if device == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    from fedavg.util.errors import UserError
-
-    try:
-        return resolve_device(device)
-    except UserError:
-        return torch.device("cuda")
 
 
 def _batches(n: int, batch_size: int, generator: torch.Generator | None, smallest: int = 1):
@@ -89,51 +45,44 @@ def train(
     x: np.ndarray | torch.Tensor,
     y: np.ndarray | torch.Tensor,
     input_spec: dict[str, Any],
+    local: LocalTraining = LocalTraining(),
     *,
-    epochs: int = 1,
-    batch_size: int = 32,
-    lr: float = 0.05,
-    momentum: float = 0.9,
-    weight_decay: float = 0.0,
+    server_round: int = 1,
     device: str | torch.device = "cpu",
     seed: int = 0,
     proximal_mu: float = 0.0,
-    optimizer: str = "sgd",
-    lr_schedule: str = "constant",
-    augment: bool = False,
-    sam_rho: float = 0.0,
-    logit_adjust: float = 0.0,
     rule=None,
 ) -> dict[str, float]:
-    """Train ``model`` in place with SGD (or Adam) on one node's samples.
+    """Train ``model`` in place with SGD (or Adam) on one node's samples, for one round.
 
     Parameters
     ----------
     model : torch.nn.Module
         Maps ``(N, *input_shape)`` normalised floats to ``(N, K)`` logits.
     x, y : array
-        ``(N, C, H, W)`` or ``(N, D)`` raw inputs (:func:`fedavg.data.load.normalize`); ``(N,)``
-        labels.
+        ``(N, C, H, W)`` or ``(N, D)`` raw inputs (:func:`fedavg.data.load.normalize`);
+        ``(N,)`` labels.
     input_spec : dict
         Normalisation, :meth:`fedavg.data.load.LoadedData.input_spec`.
-    epochs, batch_size, lr, momentum, weight_decay
-        Passes over the data, samples per step, and the optimizer's settings.
+    local : LocalTraining
+        How to train (each option's meaning is declared there): ``local_epochs`` passes
+        over the data at ``batch_size`` samples a step; a fresh ``optimizer`` each call
+        (``sgd`` with ``momentum``, or ``adam``: Kingma and Ba 2015, arXiv:1412.6980), so a
+        node's optimizer state does not outlive its round; ``lr`` decayed by
+        ``lr_decay ** (server_round - 1)``, then ``lr_schedule`` over this call's steps;
+        ``augment`` each batch with the default of its kind of input (both
+        :mod:`fedavg.node.recipe`); ``sam_rho``, SAM's radius, each step's gradient taken
+        at ``w + rho * g / ||g||`` (FedSAM on the nodes, :func:`sharpness_aware_gradient`;
+        twice a step's cost); ``logit_adjust``, ``tau`` of the logit-adjusted loss with the
+        partition's label frequencies (Menon et al. 2021,
+        :class:`fedavg.node.recipe.LogitAdjustment`).
+    server_round : int
+        The round being trained, from 1 (the learning rate's per-round decay).
     device, seed
         Where to train; the seed of the batch order and of the augmentations.
     proximal_mu : float
         FedProx (Li et al. 2020, arXiv:1812.06127): adds ``mu/2 * ||w - w_start||^2`` to
         the loss, ``w_start`` being the weights the node received. 0 is plain SGD.
-    optimizer : str
-        ``sgd`` or ``adam`` (Kingma and Ba 2015, arXiv:1412.6980; no ``momentum``), fresh
-        each call: a node's optimizer state does not outlive its round.
-    lr_schedule, augment
-        ``constant``, ``cosine`` or ``step`` over this call's steps; augment each batch with
-        the default of its kind of input (both :mod:`fedavg.node.recipe`).
-    sam_rho, logit_adjust : float
-        SAM's radius, each step's gradient taken at ``w + rho * g / ||g||`` (FedSAM on the
-        nodes, :func:`sharpness_aware_gradient`; twice a step's cost), and ``tau`` of the
-        logit-adjusted loss with the partition's label frequencies (Menon et al. 2021,
-        :class:`fedavg.node.recipe.LogitAdjustment`). 0: off.
     rule : strategies.NodeRule, optional
         A method's node side, begun: its ``loss`` joins each batch's, ``before_step`` runs.
 
@@ -145,17 +94,20 @@ def train(
     """
     model.to(device).train()
     xt, yt = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.long)
-    opt = make_optimizer(model, optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    sched = make_scheduler(opt, lr_schedule, epochs * math.ceil(len(yt) / batch_size))
-    aug = augmenter(input_spec) if augment else None
+    opt = make_optimizer(model, local.optimizer,
+                         lr=round_lr(local.lr, local.lr_decay, server_round),
+                         momentum=local.momentum, weight_decay=local.weight_decay)
+    sched = make_scheduler(opt, local.lr_schedule,
+                           local.local_epochs * math.ceil(len(yt) / local.batch_size))
+    aug = augmenter(input_spec) if local.augment else None
     g = torch.Generator().manual_seed(seed)
-    extras = _extras(model, yt, proximal_mu, rule, sam_rho, logit_adjust)
+    extras = _extras(model, yt, proximal_mu, rule, local.sam_rho, local.logit_adjust)
     smallest = 2 if _batchnorms(model) else 1  # BatchNorm cannot train on one sample
     total = count = steps = 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # the augmentations' draws, without touching the caller's
-        for _ in range(epochs):
-            for idx in _batches(len(yt), batch_size, g, smallest):
+        for _ in range(local.local_epochs):
+            for idx in _batches(len(yt), local.batch_size, g, smallest):
                 xb = normalize((xt[idx] if aug is None else aug(xt[idx])).to(device), input_spec)
                 loss = _step(model, opt, xb, yt[idx].to(device), *extras)
                 if sched is not None:
@@ -280,61 +232,3 @@ def sharpness_aware_gradient(model: nn.Module, loss_fn, rho: float) -> None:
         with torch.no_grad():
             for p, e in zip(params, moves):
                 p.sub_(e)
-
-
-@torch.no_grad()
-def predict_proba(
-    model: nn.Module,
-    x: np.ndarray | torch.Tensor,
-    input_spec: dict[str, Any],
-    *,
-    batch_size: int = 512,
-    device: str | torch.device = "cpu",
-) -> torch.Tensor:
-    """Class probabilities, ``(N, K)`` float32 on the CPU (softmax of the logits)."""
-    device = torch.device(device)
-    model.to(device).eval()
-    xt = torch.as_tensor(x)
-    out = []
-    for start in range(0, len(xt), batch_size):
-        xb = normalize(xt[start : start + batch_size].to(device), input_spec)
-        out.append(torch.softmax(model(xb).float(), dim=1).cpu())
-    if not out:
-        return torch.zeros(0, 0)
-    return torch.cat(out)
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    x: np.ndarray | torch.Tensor,
-    y: np.ndarray | torch.Tensor,
-    input_spec: dict[str, Any],
-    *,
-    batch_size: int = 512,
-    device: str | torch.device = "cpu",
-) -> dict[str, float]:
-    """Accuracy and mean cross-entropy of ``model`` on ``(x, y)``.
-
-    Returns
-    -------
-    dict
-        ``accuracy`` (fraction in [0, 1]), ``loss`` (mean cross-entropy, nats),
-        ``num_examples``.
-    """
-    device = torch.device(device)
-    model.to(device).eval()
-    xt, yt = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.long)
-    loss_sum, correct = 0.0, 0
-    for start in range(0, len(yt), batch_size):
-        xb = normalize(xt[start : start + batch_size].to(device), input_spec)
-        yb = yt[start : start + batch_size].to(device)
-        logits = model(xb).float()
-        loss_sum += float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
-        correct += int((logits.argmax(1) == yb).sum())
-    n = len(yt)
-    return {
-        "accuracy": correct / n if n else 0.0,
-        "loss": loss_sum / n if n else 0.0,
-        "num_examples": n,
-    }

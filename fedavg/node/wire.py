@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
+from fedavg.config.settings import LocalTraining
 from fedavg.node import keys
 
 
@@ -29,7 +30,10 @@ class TrainSettings:
     """What a node needs to train one round: the round's ConfigRecord, typed.
 
     On the wire each field is a ConfigRecord entry named by its kebab-case name (the names
-    in :mod:`fedavg.node.keys`); ``model``, ``input`` and ``classes`` travel as JSON text.
+    in :mod:`fedavg.node.keys`); ``model``, ``input`` and ``classes`` travel as JSON text,
+    and ``local`` as one entry per node training option (``local-epochs``, ``lr`` ...), as
+    declared by :class:`~fedavg.config.settings.LocalTraining`. An option the coordinator
+    did not send takes its declared default.
 
     Attributes
     ----------
@@ -39,24 +43,10 @@ class TrainSettings:
         Input normalisation (``model.json``'s ``input``).
     classes : list of str
         Class names, in label order.
-    local_epochs, batch_size : int
-        Passes over the partition, samples per step.
-    lr, momentum, weight_decay : float
-        Optimizer settings.
-    optimizer : str
-        ``sgd`` or ``adam``.
-    lr_schedule : str
-        ``constant``, ``cosine`` or ``step`` (:mod:`fedavg.node.recipe`).
-    lr_decay : float
-        Per-round decay of ``lr``, in (0, 1] (:func:`fedavg.node.recipe.round_lr`).
-    augment : bool
-        Augment the training batches.
-    sam_rho : float
-        SAM's neighbourhood radius, >= 0 (0: plain steps; :func:`fedavg.node.train.train`).
-    logit_adjust : float
-        ``tau`` of the logit-adjusted loss, >= 0 (0: plain cross-entropy).
     seed : int
         Run seed (each node and round derives its own batch order from it).
+    local : LocalTraining
+        How the node trains (epochs, batch size, optimizer, recipe).
     proximal_mu : float
         FedProx's proximal coefficient (0: none).
     method : str
@@ -69,19 +59,9 @@ class TrainSettings:
     model: dict
     input: dict
     classes: list
-    local_epochs: int
-    batch_size: int
-    lr: float
-    momentum: float
-    weight_decay: float
     seed: int
+    local: LocalTraining = dataclasses.field(default_factory=LocalTraining)
     proximal_mu: float = 0.0
-    optimizer: str = "sgd"
-    lr_schedule: str = "constant"
-    lr_decay: float = 1.0
-    augment: bool = False
-    sam_rho: float = 0.0
-    logit_adjust: float = 0.0
     method: str = ""
     method_options: dict = dataclasses.field(default_factory=dict)
     server_round: int = 0
@@ -91,24 +71,20 @@ class TrainSettings:
     @classmethod
     def for_run(cls, config, meta: dict[str, Any], strategy) -> TrainSettings:
         """Return the settings of ``config``'s rounds, plus what ``strategy`` sends its nodes."""
-        t = config.train
         return cls(model=meta["model"], input=meta["input"], classes=list(meta["classes"]),
-                   local_epochs=t.local_epochs, batch_size=t.batch_size, lr=t.lr,
-                   momentum=t.momentum, weight_decay=t.weight_decay, seed=config.data.seed,
-                   optimizer=t.optimizer, lr_schedule=t.lr_schedule, lr_decay=t.lr_decay,
-                   augment=t.augment, sam_rho=t.sam_rho, logit_adjust=t.logit_adjust,
+                   seed=config.data.seed, local=LocalTraining.of(config.train),
                    **_method(strategy), **strategy.node_config)
 
     def to_record(self):
         """Return the ``flwr.app.ConfigRecord`` sent with each round's model."""
         from flwr.app import ConfigRecord
 
-        out = {}
+        out = {_kebab(f.name): getattr(self.local, f.name) for f in fields(LocalTraining)}
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in self._JSON:
                 value = json.dumps(value, sort_keys=True)
-            if _kebab(f.name) != keys.SERVER_ROUND:  # Flower's strategy sets the round
+            if f.name != "local" and _kebab(f.name) != keys.SERVER_ROUND:  # Flower sets it
                 out[_kebab(f.name)] = value
         return ConfigRecord(out)
 
@@ -122,21 +98,13 @@ class TrainSettings:
             A missing entry, one of the wrong type or bad JSON, or a value out of range,
             naming the entry (the node replies with this error; nothing is trained).
         """
-        hints = _field_types(cls)
-        values = {}
-        for f in fields(cls):
-            key = _kebab(f.name)
-            if key not in record:
-                if f.default is dataclasses.MISSING:
-                    raise ValueError(f"the round's config has no {key!r}")
-                continue
-            values[f.name] = _decode(key, record[key], hints[f.name], f.name in cls._JSON)
-        settings = cls(**values)
+        values = _decoded(cls, record, cls._JSON, skip=("local",))
+        settings = cls(**values, local=LocalTraining(**_decoded(LocalTraining, record)))
         settings.check()
         return settings
 
     def check(self) -> None:
-        """Check the values a node trains with.
+        """Check the values a node trains with (the local ones by their declared rules).
 
         Raises
         ------
@@ -148,24 +116,38 @@ class TrainSettings:
             ("input", isinstance(self.input, dict), "an input spec"),
             ("classes", isinstance(self.classes, list) and bool(self.classes),
              "a list of class names"),
-            ("local-epochs", self.local_epochs >= 1, ">= 1"),
-            ("batch-size", self.batch_size >= 1, ">= 1"),
-            ("lr", 0 < self.lr < math.inf, "a finite number > 0"),
-            ("momentum", 0 <= self.momentum < 1, "in [0, 1)"),
-            ("weight-decay", 0 <= self.weight_decay < math.inf, "a finite number >= 0"),
             ("proximal-mu", 0 <= self.proximal_mu < math.inf, "a finite number >= 0"),
-            ("optimizer", self.optimizer in ("sgd", "adam"), "sgd or adam"),
-            ("lr-schedule", self.lr_schedule in ("constant", "cosine", "step"),
-             "constant, cosine or step"),
-            ("lr-decay", 0 < self.lr_decay <= 1, "in (0, 1]"),
-            ("sam-rho", 0 <= self.sam_rho < math.inf, ">= 0 and finite"),
-            ("logit-adjust", 0 <= self.logit_adjust < math.inf, ">= 0 and finite"),
             ("method-options", isinstance(self.method_options, dict), "a JSON object"),
         ]
         for key, ok, need in problems:
             if not ok:
                 raise ValueError(f"the round's {key!r} must be {need} (got "
                                  f"{getattr(self, key.replace('-', '_'))!r})")
+        if problem := self.local.problem(lambda key: f"the round's {key!r}"):
+            raise ValueError(problem)
+
+
+def _decoded(cls, record, json_fields: tuple[str, ...] = (), skip: tuple[str, ...] = ()
+             ) -> dict[str, Any]:
+    """Return the typed values of ``cls``'s fields found in ``record`` (defaults elsewhere).
+
+    Raises
+    ------
+    ValueError
+        A field without a default that ``record`` lacks, or a value of the wrong type.
+    """
+    hints = _field_types(cls)
+    values = {}
+    for f in fields(cls):
+        key = _kebab(f.name)
+        if f.name in skip:
+            continue
+        if key not in record:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ValueError(f"the round's config has no {key!r}")
+            continue
+        values[f.name] = _decode(key, record[key], hints[f.name], f.name in json_fields)
+    return values
 
 
 def _method(strategy) -> dict[str, Any]:

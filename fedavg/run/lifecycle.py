@@ -22,10 +22,9 @@ import numpy as np
 
 from fedavg.config.setting_use import unused_setting_notes
 from fedavg.config.settings import RunConfig
-from fedavg.data.held_out import run_merge_data
 from fedavg.data.load import LoadedData, Split, data_settings, load
 from fedavg.data.overlap import overlap_note
-from fedavg.data.partition import partition
+from fedavg.data.shares import share_out
 from fedavg.data.sources import same_source
 from fedavg.run.output import (  # noqa: F401  (re-exported: the run folder)
     RUN_FILES,
@@ -182,51 +181,6 @@ class RunResult:
         return self.output / "summary.json"
 
 
-def resolve_settings(config: RunConfig | None, overrides: dict[str, Any],
-                     resume: str | Path | None, output: str | Path | None, may_change=None,
-                     overwrite: bool = False):
-    """Return ``(config, checkpoint, output)`` of a new run, or of one continued with ``--resume``.
-
-    Parameters
-    ----------
-    config : RunConfig, optional
-        Settings asked for; ``None``: the defaults, or the checkpoint's when resuming.
-    overrides : dict
-        Flat settings applied on top (``rounds=20``).
-    resume : path, optional
-        The interrupted run's folder (holding ``checkpoint.safetensors``); ``None`` for a
-        new run (the checkpoint returned is then ``None``).
-    output : path, optional
-        When resuming, ``resume`` itself or ``None``: a resumed run writes into its folder.
-    may_change : iterable of str, optional
-        Kebab-case settings that may differ from the checkpoint's (default
-        :data:`fedavg.run.resume.MAY_CHANGE`).
-    overwrite : bool
-        ``--overwrite`` was asked for: refused with ``resume``.
-
-    Raises
-    ------
-    UserError
-        No readable checkpoint, another ``output``, ``overwrite``, a setting that differs,
-        or no round left to run.
-    """
-    from fedavg.run import resume as resuming
-
-    if resume is None:
-        return (RunConfig() if config is None else config).replace(**overrides), None, output
-    folder = Path(resume)
-    if overwrite:
-        raise UserError(f"--resume {folder} goes on with the run in that folder; drop "
-                        "--overwrite (or start a new run with --output)")
-    ckpt = resuming.load(folder)
-    if output is not None and Path(output).resolve() != folder.resolve():
-        raise UserError(f"--resume {folder} goes on in that folder; drop --output {output}")
-    base = (ckpt.run_config() if config is None else config).replace(**overrides)
-    config = resuming.resumed_config(ckpt, base, str(folder),
-                                     resuming.MAY_CHANGE if may_change is None else may_change)
-    return config, ckpt, folder
-
-
 # --------------------------------------------------------------------------- prepare
 
 
@@ -261,10 +215,7 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
         data.notes.append(f"tabular: label column {data.columns['label']!r}, {len(features)} "
                           f"feature column(s): {', '.join(features[:8])}"
                           f"{', ...' if len(features) > 8 else ''}")
-    validation, distill_x = run_merge_data(config, strategy, data)
-    parts = partition(data.train.y, config.merge.num_nodes, d.partitioner, alpha=d.alpha,
-                      classes_per_node=d.classes_per_node, groups=data.train.groups,
-                      seed=d.seed)
+    parts, validation, distill_x = share_out(config, strategy, data)
     data.notes.extend(_coverage_notes(data, parts, d.partitioner))
     spec = None
     if model:

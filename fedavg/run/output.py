@@ -253,7 +253,7 @@ def write_predictions(rows: list[dict[str, Any]], path: str | Path) -> Path:
     UserError
         Another suffix, or a folder that cannot be written.
     """
-    from fedavg.run.checkpoint import atomic_write
+    from fedavg.util.atomic import atomic_write
 
     path = Path(path)
     suffix = path.suffix.lower()

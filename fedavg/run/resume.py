@@ -134,7 +134,8 @@ def save(folder: str | Path, ckpt: Checkpoint) -> Path:
     """Write ``folder/checkpoint.safetensors`` atomically; return its path."""
     from safetensors.torch import save_file
 
-    from fedavg.run.checkpoint import atomic_write, storable, tensor_digest
+    from fedavg.run.checkpoint import storable, tensor_digest
+    from fedavg.util.atomic import atomic_write
 
     tensors = {f"model.{k}": v for k, v in storable(ckpt.model).items()}
     plain = {}
@@ -289,7 +290,7 @@ def model_mismatch(model: dict[str, torch.Tensor], saved: dict[str, torch.Tensor
 
 def write_metrics(path: Path, rounds: list[dict[str, Any]]) -> None:
     """Rewrite ``metrics.jsonl`` with the checkpoint's rounds (dropping any later line)."""
-    from fedavg.run.checkpoint import atomic_write
+    from fedavg.util.atomic import atomic_write
 
     def _write(tmp: str) -> None:
         with open(tmp, "w") as fh:
@@ -398,3 +399,46 @@ def resume_command(argv: list[str], output: Path, drop: Iterable[str] = ()) -> s
             continue
         args.append(arg)
     return shlex.join(["fedavg", *args, "--resume", str(output)])
+
+
+def resolve_settings(config: RunConfig | None, overrides: dict[str, Any],
+                     resume: str | Path | None, output: str | Path | None, may_change=None,
+                     overwrite: bool = False):
+    """Return ``(config, checkpoint, output)`` of a new run, or of one continued with ``--resume``.
+
+    Parameters
+    ----------
+    config : RunConfig, optional
+        Settings asked for; ``None``: the defaults, or the checkpoint's when resuming.
+    overrides : dict
+        Flat settings applied on top (``rounds=20``).
+    resume : path, optional
+        The interrupted run's folder (holding ``checkpoint.safetensors``); ``None`` for a
+        new run (the checkpoint returned is then ``None``).
+    output : path, optional
+        When resuming, ``resume`` itself or ``None``: a resumed run writes into its folder.
+    may_change : iterable of str, optional
+        Kebab-case settings that may differ from the checkpoint's (default
+        :data:`MAY_CHANGE`).
+    overwrite : bool
+        ``--overwrite`` was asked for: refused with ``resume``.
+
+    Raises
+    ------
+    UserError
+        No readable checkpoint, another ``output``, ``overwrite``, a setting that differs,
+        or no round left to run.
+    """
+    if resume is None:
+        return (RunConfig() if config is None else config).replace(**overrides), None, output
+    folder = Path(resume)
+    if overwrite:
+        raise UserError(f"--resume {folder} goes on with the run in that folder; drop "
+                        "--overwrite (or start a new run with --output)")
+    ckpt = load(folder)
+    if output is not None and Path(output).resolve() != folder.resolve():
+        raise UserError(f"--resume {folder} goes on in that folder; drop --output {output}")
+    base = (ckpt.run_config() if config is None else config).replace(**overrides)
+    config = resumed_config(ckpt, base, str(folder),
+                                     MAY_CHANGE if may_change is None else may_change)
+    return config, ckpt, folder

@@ -24,14 +24,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.serverapp import Grid, ServerApp
 
 from fedavg.config.settings import RunConfig
-from fedavg.models.registry import merge_context
+from fedavg.models.evaluation import evaluate, evaluation_device
 from fedavg.node import keys
-from fedavg.node.train import evaluate, evaluation_device
 from fedavg.node.wire import TrainSettings
 from fedavg.run import checkpoint, resume
 from fedavg.run.display import Progress
 from fedavg.run.flower_adapter import FlowerAdapter, StreamingGrid
 from fedavg.run.lifecycle import Prepared, RoundRecord, RunState
+from fedavg.run.merge_context import merge_context
 from fedavg.run.output import clear_previous_run
 from fedavg.run.resume_checks import check_same_data, check_same_model
 from strategies.swa import WeightAverage

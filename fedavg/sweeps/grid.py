@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedavg.config.setting_use import setting_applies
 from fedavg.config.settings import RunConfig
 from fedavg.config.values import MODEL_ARGS, format_value
 from fedavg.util.errors import UserError
@@ -394,3 +395,29 @@ def _no_repeats(path: Path, origins: list[str], effective: list[dict[str, Any]])
             raise UserError(f"{path}: {origin} has the same settings as {seen[key]}; remove "
                             "one of them")
         seen[key] = origin
+
+
+def repeated_runs(points) -> dict[str, str]:
+    """Map each sweep point that trains exactly as an earlier one to that one's name.
+
+    Such points differ only in partition settings their partitioner ignores: a grid of
+    ``partitioner = ["iid", "dirichlet"]`` and ``alpha = [0.1, 1.0]`` trains the iid run
+    twice, with the same seed, and gets the same result.
+
+    Parameters
+    ----------
+    points : sequence of fedavg.sweeps.grid.Point
+        The sweep's points, in their order.
+    """
+    first: dict[str, str] = {}
+    repeats = {}
+    for point in points:
+        settings = effective_settings(point.settings, point.config)
+        shaping = {k: v for k, v in settings.items()
+                   if setting_applies(k.replace("-", "_"), settings.get("partitioner"))}
+        key = json.dumps(shaping, sort_keys=True, default=str)
+        if key in first:
+            repeats[point.name] = first[key]
+        else:
+            first[key] = point.name
+    return repeats

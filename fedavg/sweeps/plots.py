@@ -70,7 +70,7 @@ def _takes_alpha(partitioner: Any) -> bool:
 
 def _lines(runs: list, keys: list[str], leave_out: tuple[str, ...]):
     """Group runs by the varying settings but ``leave_out``: ``[(label, runs)]``."""
-    from fedavg.sweeps.report import group_runs
+    from fedavg.sweeps.runs import group_runs
 
     shown = [k for k in keys if k not in leave_out]
     return [(g.label, g.runs) for g in group_runs(runs, shown, over=leave_out)]

@@ -13,16 +13,18 @@ from __future__ import annotations
 import csv
 import json
 import math
-import statistics
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedavg.sweeps.runs import (  # noqa: F401  (re-exported)
     REQUIRED,
+    Group,
     Run,
+    cell,
     find_runs,
     flat_settings,
+    group_runs,
+    mean_std,
     read_run,
     target_round,
 )
@@ -33,91 +35,12 @@ FIRST = ("strategy", "partitioner", "alpha", "num-nodes", "local-epochs", "lr", 
          "dataset")
 
 
-def mean_std(values: list[float]) -> tuple[float, float | None]:
-    """Return the mean and the sample standard deviation (``None`` for one value)."""
-    mean = statistics.fmean(values)
-    return mean, (statistics.stdev(values) if len(values) > 1 else None)
-
-
 def varying(runs: list[Run]) -> list[str]:
     """Return the settings whose values differ across ``runs`` (:data:`FIRST` first)."""
     keys = list(dict.fromkeys(k for r in runs for k in r.settings))
     out = [k for k in keys if len({json.dumps(r.settings.get(k)) for r in runs}) > 1]
     return sorted(out, key=lambda k: (FIRST.index(k) if k in FIRST else len(FIRST),
                                       keys.index(k)))
-
-
-@dataclass
-class Group:
-    """Runs identical but for ``seed``: one row of the table.
-
-    Attributes
-    ----------
-    values : dict
-        The group's value of each varying setting (``seed`` left out).
-    runs : list of Run
-    """
-
-    values: dict[str, Any]
-    runs: list[Run]
-
-    @property
-    def label(self) -> str:
-        """``strategy=fedprox, alpha=0.1``, or ``all runs`` without varying settings.
-
-        Unset values are left out; a path shows its last part (``dataset=cifar10``).
-        """
-        return ", ".join(f"{k}={_short(v)}" for k, v in self.values.items()
-                         if v is not None) or "all runs"
-
-    @property
-    def seeds(self) -> list[Any]:
-        """The seeds of the group's runs."""
-        return [r.settings.get("seed") for r in self.runs]
-
-    def stats(self, target: float) -> dict[str, Any]:
-        """Mean and std of final / best accuracy and wall time; the target round's mean."""
-        out: dict[str, Any] = {"n": len(self.runs)}
-        for name in ("accuracy", "best_accuracy", "wall_s"):
-            out[f"{name}_mean"], out[f"{name}_std"] = mean_std(
-                [getattr(r, name) for r in self.runs])
-        reached = [r.target_round(target) for r in self.runs]
-        reached = [r for r in reached if r is not None]
-        out["target_round_mean"] = statistics.fmean(reached) if reached else None
-        out["target_reached"] = len(reached)
-        out["rounds"] = max(r.rounds for r in self.runs)
-        round_s = [r.round_s for r in self.runs if r.round_s is not None]
-        out["round_s_mean"] = statistics.fmean(round_s) if round_s else None
-        return out
-
-
-def group_runs(runs: list[Run], keys: list[str], over: tuple[str, ...] = ("seed",)
-               ) -> list[Group]:
-    """Group ``runs`` by every setting but ``over``; each group's values of ``keys``.
-
-    Groups keep the order of their first run.
-    """
-    groups: dict[str, Group] = {}
-    for run in runs:
-        key = json.dumps({k: v for k, v in run.settings.items() if k not in over},
-                         sort_keys=True)
-        if key not in groups:
-            groups[key] = Group({k: run.settings.get(k) for k in keys if k not in over}, [])
-        groups[key].runs.append(run)
-    return list(groups.values())
-
-
-def _short(value: Any) -> str:
-    text = _fmt(value)
-    return Path(text).name if isinstance(value, str) and "/" in text else text
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return f"{value:g}"
-    return "" if value is None else str(value)
 
 
 def _pm(mean: float | None, std: float | None, digits: int) -> str:
@@ -142,8 +65,8 @@ def markdown_table(groups: list[Group], keys: list[str], target: float,
         s = g.stats(target)
         reached = ("" if s["target_round_mean"] is None else
                    f"{s['target_round_mean']:g} ({s['target_reached']}/{s['n']})")
-        row = [*(_fmt(g.values.get(k)) for k in keys), str(s["n"]),
-               " ".join(_fmt(x) for x in g.seeds), _pm(s["accuracy_mean"], s["accuracy_std"], 4),
+        row = [*(cell(g.values.get(k)) for k in keys), str(s["n"]),
+               " ".join(cell(x) for x in g.seeds), _pm(s["accuracy_mean"], s["accuracy_std"], 4),
                _pm(s["best_accuracy_mean"], s["best_accuracy_std"], 4),
                *([] if published is None else [_pm(_figure(published, g), None, 4)]), reached,
                *([str(s["rounds"])] if count else []), _pm(s["wall_s_mean"], s["wall_s_std"], 1),
@@ -182,7 +105,7 @@ def write_csvs(groups: list[Group], runs: list[Run], keys: list[str], target: fl
             s = g.stats(target)
             figure = [] if published is None else [_csv_value(_figure(published, g))]
             writer.writerow([*(_csv_value(g.values.get(k)) for k in keys),
-                             " ".join(_fmt(x) for x in g.seeds),
+                             " ".join(cell(x) for x in g.seeds),
                              *(_csv_value(s[stat]) for stat in stats), *figure, target])
     per_run = out / ("runs.csv" if name == "results" else f"{name}_runs.csv")
     seed = [] if "seed" in keys else ["seed"]
@@ -355,7 +278,7 @@ def _write_markdown(path: Path, root: Path, runs: list[Run], groups: list[Group]
             f"{len(runs)} runs in {len(groups)} groups (runs identical but for `seed`); "
             f"mean ± sample std over a group's runs; round ≥ {target:g}: the first round "
             "reaching that test accuracy (mean over the runs that did, and how many did).", "",
-            "Shared settings: " + ", ".join(f"`{k}={_fmt(v)}`" for k, v in shared.items()), "",
+            "Shared settings: " + ", ".join(f"`{k}={cell(v)}`" for k, v in shared.items()), "",
             table, ""]
     if published is not None:
         text += [f"published: {published.metric}, {published.source}.", ""]

@@ -194,3 +194,83 @@ def flat_settings(summary: dict[str, Any]) -> dict[str, Any]:
     flat["num-nodes"] = summary.get("num_nodes", flat.get("num-nodes"))
     flat.setdefault("strategy", summary.get("strategy"))
     return flat
+
+
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Return the mean and the sample standard deviation (``None`` for one value)."""
+    mean = statistics.fmean(values)
+    return mean, (statistics.stdev(values) if len(values) > 1 else None)
+
+
+@dataclass
+class Group:
+    """Runs identical but for ``seed``: one row of the table.
+
+    Attributes
+    ----------
+    values : dict
+        The group's value of each varying setting (``seed`` left out).
+    runs : list of Run
+    """
+
+    values: dict[str, Any]
+    runs: list[Run]
+
+    @property
+    def label(self) -> str:
+        """``strategy=fedprox, alpha=0.1``, or ``all runs`` without varying settings.
+
+        Unset values are left out; a path shows its last part (``dataset=cifar10``).
+        """
+        return ", ".join(f"{k}={_short(v)}" for k, v in self.values.items()
+                         if v is not None) or "all runs"
+
+    @property
+    def seeds(self) -> list[Any]:
+        """The seeds of the group's runs."""
+        return [r.settings.get("seed") for r in self.runs]
+
+    def stats(self, target: float) -> dict[str, Any]:
+        """Mean and std of final / best accuracy and wall time; the target round's mean."""
+        out: dict[str, Any] = {"n": len(self.runs)}
+        for name in ("accuracy", "best_accuracy", "wall_s"):
+            out[f"{name}_mean"], out[f"{name}_std"] = mean_std(
+                [getattr(r, name) for r in self.runs])
+        reached = [r.target_round(target) for r in self.runs]
+        reached = [r for r in reached if r is not None]
+        out["target_round_mean"] = statistics.fmean(reached) if reached else None
+        out["target_reached"] = len(reached)
+        out["rounds"] = max(r.rounds for r in self.runs)
+        round_s = [r.round_s for r in self.runs if r.round_s is not None]
+        out["round_s_mean"] = statistics.fmean(round_s) if round_s else None
+        return out
+
+
+def group_runs(runs: list[Run], keys: list[str], over: tuple[str, ...] = ("seed",)
+               ) -> list[Group]:
+    """Group ``runs`` by every setting but ``over``; each group's values of ``keys``.
+
+    Groups keep the order of their first run.
+    """
+    groups: dict[str, Group] = {}
+    for run in runs:
+        key = json.dumps({k: v for k, v in run.settings.items() if k not in over},
+                         sort_keys=True)
+        if key not in groups:
+            groups[key] = Group({k: run.settings.get(k) for k in keys if k not in over}, [])
+        groups[key].runs.append(run)
+    return list(groups.values())
+
+
+def _short(value: Any) -> str:
+    text = cell(value)
+    return Path(text).name if isinstance(value, str) and "/" in text else text
+
+
+def cell(value: Any) -> str:
+    """Return a setting's value as a table cell: ``true``, ``0.1``, empty for ``None``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return "" if value is None else str(value)

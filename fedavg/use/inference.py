@@ -10,14 +10,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from fedavg.data.columns import saved_load_args
 from fedavg.data.images import fit_images, fitted_note
 from fedavg.data.load import BUILTIN, check_kind, conform, decode_images, load
 from fedavg.data.overlap import overlap_note
+from fedavg.data.sources import saved_load_args
 from fedavg.data.text import model_tokenizer
+from fedavg.models.evaluation import evaluate as _evaluate
+from fedavg.models.evaluation import predict_proba, resolve_device
 from fedavg.models.registry import build_model
-from fedavg.node.train import evaluate as _evaluate
-from fedavg.node.train import predict_proba, resolve_device
 from fedavg.run import checkpoint
 from fedavg.use.inputs import check_inputs, collect, input_notes, table_rows, text_table_rows
 from fedavg.util.errors import NoLabelColumn, UserError

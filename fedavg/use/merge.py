@@ -372,7 +372,8 @@ def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill
     import torch
 
     import strategies
-    from fedavg.models.registry import ModelSpec, merge_context
+    from fedavg.models.registry import ModelSpec
+    from fedavg.run.merge_context import merge_context
 
     spec = dataclasses.replace(ModelSpec.from_dict(first["model"]), name=name)  # the code named
     weights = _weights(dirs, [meta for _, meta in loaded])

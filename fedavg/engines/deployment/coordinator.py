@@ -235,9 +235,9 @@ def _check_options(config: RunConfig, *, address: str, certs: Path | None, insec
                    wait_timeout: float, output: Path | None, overwrite: bool,
                    verbose: bool = False, resume: Path | None = None) -> _Options:
     """Check every option before anything starts (see :func:`coordinate`)."""
-    from fedavg.node.train import resolve_device
-    from fedavg.run.lifecycle import check_output, resolve_settings
-    from fedavg.run.resume import MAY_CHANGE
+    from fedavg.models.evaluation import resolve_device
+    from fedavg.run.lifecycle import check_output
+    from fedavg.run.resume import MAY_CHANGE, resolve_settings
 
     config, ckpt, output = resolve_settings(config, {}, resume, output,
                                             may_change=MAY_CHANGE | {"num-nodes"},

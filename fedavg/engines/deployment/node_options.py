@@ -42,8 +42,8 @@ def check_node_options(dataset: str, partition_id: int | None, num_partitions: i
     """
     from fedavg.data.load import looks_like_path
     from fedavg.data.sources import BUILTIN, open_source
+    from fedavg.models.evaluation import resolve_device
     from fedavg.models.sources import node_model
-    from fedavg.node.train import resolve_device
 
     if (partition_id is None) != (num_partitions is None):
         raise UserError("give --partition-id and --num-partitions together")
@@ -102,7 +102,7 @@ def describe_node(dataset: str, partition_id: int | None, num_partitions: int | 
 
     ``auto`` is shown with the device it stands for here: ``device auto (cpu)``.
     """
-    from fedavg.node.train import resolve_device
+    from fedavg.models.evaluation import resolve_device
 
     if device == "auto":
         device = f"auto ({resolve_device(device)})"

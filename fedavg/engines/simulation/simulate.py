@@ -28,6 +28,7 @@ import numpy as np
 from fedavg.config.settings import RunConfig
 from fedavg.engines.simulation.ray_cleanup import abortable, free_engine_threads, shutdown_ray
 from fedavg.run import lifecycle as run
+from fedavg.run.resume import resolve_settings
 from fedavg.util.errors import RunError, UserError
 from fedavg.util.interrupts import held_interrupts
 from fedavg.util.tempdirs import PrivateDir
@@ -98,7 +99,7 @@ def _import_libraries(device: str) -> None:
         import datasets  # noqa: F401
         import torch  # noqa: F401
 
-        from fedavg.node.train import resolve_device
+        from fedavg.models.evaluation import resolve_device
     resolve_device(device)
 
 
@@ -111,7 +112,7 @@ def check_resources(device: str, cpus_per_node: float, gpus_per_node: float | No
         An unknown device, CUDA asked for on a machine without it, or more cores (or GPUs)
         per node than this machine has.
     """
-    from fedavg.node.train import resolve_device
+    from fedavg.models.evaluation import resolve_device
 
     resolve_device(device)
     _backend_config(device, cpus_per_node, gpus_per_node, verbose=False)
@@ -261,7 +262,7 @@ def simulate(
     _check_arguments(output=output, console=console, verbose=verbose, overwrite=overwrite,
                      resume=resume, tracking=tracking, ray_address=ray_address,
                      cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node)
-    config, ckpt, output = run.resolve_settings(config, overrides, resume, output,
+    config, ckpt, output = resolve_settings(config, overrides, resume, output,
                                                 overwrite=overwrite)
     config.validate()
     _import_libraries(config.train.device)
