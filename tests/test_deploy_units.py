@@ -916,10 +916,32 @@ def test_an_end_notice_acknowledged_too_late_is_not_a_failed_task(tmp_path, monk
 def test_a_node_says_which_device_auto_stands_for():
     import torch
 
-    from fedavg.engines.deployment.node_options import describe_node
+    from fedavg.engines.deployment.node_options import NodeOptions
 
     here = "cuda" if torch.cuda.is_available() else "cpu"
-    line = describe_node("digits", 0, 2, "auto", 1, None, "127.0.0.1:9092", tls=True)
+    line = NodeOptions(partition_id=0, num_partitions=2).describe(1, None, "127.0.0.1:9092",
+                                                                  tls=True)
     assert f", device auto ({here}), 1 CPU thread(s)" in line
-    line = describe_node("digits", None, None, "cpu", 2, None, "127.0.0.1:9092", tls=False)
+    line = NodeOptions(device="cpu").describe(2, None, "127.0.0.1:9092", tls=False)
     assert ", device cpu, 2 CPU thread(s)" in line and line.endswith("(NO TLS)")
+
+
+def test_node_options_are_declared_once_and_round_trip_through_the_command_line(tmp_path):
+    """``fedavg node``'s options come from NodeOptions; a GPU node's command line parses back."""
+    import dataclasses
+
+    import typer
+
+    from fedavg.cli.app import app
+    from fedavg.engines.deployment.node_options import NodeOptions
+
+    command = typer.main.get_command(app).commands["node"]
+    flags = {p.name for p in command.params} - {"gpus", "help"}
+    assert flags == {f.name for f in dataclasses.fields(NodeOptions)}
+    chosen = NodeOptions(partition_id=1, num_partitions=4, insecure=True, max_wait_time=5.0,
+                         certs=tmp_path, threads=1)
+    args = chosen.command_line()
+    assert args == ["--partition-id", "1", "--num-partitions", "4", "--certs", str(tmp_path),
+                    "--insecure", "--max-wait-time", "5.0", "--threads", "1"]
+    parsed = command.make_context("node", list(args)).params
+    assert NodeOptions(**{k: v for k, v in parsed.items() if k != "gpus"}) == chosen

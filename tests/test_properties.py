@@ -146,8 +146,8 @@ def stand_ins():
     def prepare(config):  # simulate checks every option, then prepares: stop there
         raise UserError(REACHED)
 
-    def coordinate(config, *, console=None, tracking=None, **options):
-        deploy._check_options(config, **options)  # the coordinator's own checks, in full
+    def coordinate(config, options, *, console=None, tracking=None):
+        deploy._check_options(config, options)  # the coordinator's own checks, in full
         raise UserError(REACHED)
 
     with pytest.MonkeyPatch.context() as mp:

@@ -676,20 +676,21 @@ def test_a_finished_run_stopped_while_training_longer_is_a_stopped_run(runs, tmp
 
 def test_a_resumed_coordinator_waits_for_the_runs_own_number_of_nodes(tmp_path):
     """``--min-nodes`` left out on resume: the run's own 3, not the default 2."""
+    from dataclasses import replace
+
     from fedavg.engines.deployment import coordinator as deploy
+    from fedavg.engines.deployment.coordinator_options import CoordinatorOptions
 
     config = RunConfig().replace(num_nodes=3, rounds=4)
     w = {"a": torch.zeros(3)}
     resume.save(tmp_path, resume.capture(2, w, config, strategies.get("fedavg"),
                                          [rec(1), rec(2)], []))
-    options = {"address": "127.0.0.1:9092", "certs": None, "insecure": True, "auth_keys": None,
-               "min_nodes_per_round": None, "wait_timeout": 10.0, "output": None,
-               "overwrite": False, "resume": tmp_path}
-    opts = deploy._check_options(RunConfig(), min_nodes=None, **options)
+    options = CoordinatorOptions(insecure=True, wait_timeout=10.0, resume=tmp_path)
+    opts = deploy._check_options(RunConfig(), options)
     assert opts.min_nodes == 3 and opts.config.merge.num_nodes == 3
-    assert deploy._check_options(RunConfig(), min_nodes=4, **options).min_nodes == 4
-    fresh = {**options, "resume": None, "output": tmp_path / "new"}
-    assert deploy._check_options(RunConfig(), min_nodes=None, **fresh).min_nodes == 2
+    assert deploy._check_options(RunConfig(), replace(options, min_nodes=4)).min_nodes == 4
+    fresh = replace(options, resume=None, output=tmp_path / "new")
+    assert deploy._check_options(RunConfig(), fresh).min_nodes == 2
 
 
 def test_two_nodes_of_one_partition_keep_both_node_models_and_say_so(tmp_path):

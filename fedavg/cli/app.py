@@ -26,7 +26,6 @@ os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 from fedavg.cli.listings import list_models, list_strategies
 from fedavg.cli.options import (
     ImageColumnOption,
-    MinNodesOption,
     ModelArgOption,
     SavedModelCodeOption,
     TextColumnOption,
@@ -35,11 +34,14 @@ from fedavg.cli.options import (
     path_argument,
     path_option,
     pop_tracking,
+    with_options,
     with_settings,
 )
 from fedavg.cli.support import console, err_console, guard, interrupted, on_signal, run_app
 from fedavg.cli.sweep import report, sweep
-from fedavg.config.settings import RunConfig
+from fedavg.config.settings import RunConfig, resume_help
+from fedavg.engines.deployment.coordinator_options import CoordinatorOptions
+from fedavg.engines.deployment.node_options import NodeOptions
 from fedavg.util.errors import UserError
 
 
@@ -55,8 +57,7 @@ def simulate(
     verbose: Annotated[bool, typer.Option(
         "--verbose", help="Show Flower's and Ray's logs")] = False,
     resume: Annotated[Optional[Path], path_option(
-        help="Go on with the interrupted run in this folder (only --rounds, "
-             "--round-timeout, --device, --max-update-norm may change)")] = None,
+        help=resume_help())] = None,
     model_arg: ModelArgOption = None,
     ray_address: Annotated[Optional[str], typer.Option(
         help="Run the nodes on this existing Ray cluster (HOST:PORT of `ray start --head`, "
@@ -212,29 +213,9 @@ def predict(
 
 
 def coordinator(
-    address: Annotated[str, typer.Option(
-        help="host:port to listen on; 0.0.0.0:PORT for other machines")] = "127.0.0.1:9092",
-    certs: Annotated[Optional[Path], path_option(help="Folder from `fedavg certs` (TLS)")] = None,
-    insecure: Annotated[bool, typer.Option(
-        "--insecure", help="No TLS (traffic unencrypted)")] = False,
-    auth_keys: Annotated[Optional[Path], path_option(
-        help="Node public keys allowed in (file, one per line, or folder of *.pub)")] = None,
-    min_nodes: MinNodesOption = None,
-    min_nodes_per_round: Annotated[Optional[int], typer.Option(
-        help="Usable replies a round needs (default: half the nodes it samples, "
-             "rounded up)")] = None,
-    wait_timeout: Annotated[float, typer.Option(
-        help="Seconds to wait for --min-nodes nodes")] = 300.0,
-    output: Annotated[Optional[Path], path_option(
-        help="Run folder (default runs/<timestamp>)")] = None,
-    overwrite: Annotated[bool, typer.Option(
-        "--overwrite", help="Replace a previous run in --output")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose",
-        help="Show Flower's logs and every SuperLink line")] = False,
-    resume: Annotated[Optional[Path], path_option(
-        help="Go on with the interrupted run in this folder (only --rounds, --min-nodes, "
-             "--round-timeout, --device, --max-update-norm may change)")] = None,
     model_arg: ModelArgOption = None,
+    *,
+    options: CoordinatorOptions,
     **settings: Any,
 ) -> None:
     """Coordinate training across machines: start a Flower SuperLink and run the rounds."""
@@ -242,6 +223,7 @@ def coordinator(
 
     _setup_logging()
     tracking = pop_tracking(settings)
+    resume = options.resume
     with guard():
         chosen = model_args(model_arg)
         if resume is not None:  # the run's own settings, with those given checked against them
@@ -255,11 +237,7 @@ def coordinator(
 
     on_signal(lambda: interrupted(RUN_OUTPUT[0] if RUN_OUTPUT else resume))  # its rounds
     with guard():
-        coordinate(config, console=console, address=address, certs=certs, insecure=insecure,
-                   auth_keys=auth_keys, min_nodes=min_nodes,
-                   min_nodes_per_round=min_nodes_per_round, wait_timeout=wait_timeout,
-                   output=output, overwrite=overwrite, verbose=verbose, resume=resume,
-                   tracking=tracking)
+        coordinate(config, options, console=console, tracking=tracking)
 
 
 def _setup_logging() -> None:
@@ -268,35 +246,11 @@ def _setup_logging() -> None:
 
 
 def node(
-    coordinator: Annotated[str, typer.Option(
-        help="host:port of `fedavg coordinator`")] = "127.0.0.1:9092",
-    dataset: Annotated[str, typer.Option(
-        help="This node's data: digits, a local path, or a hub id")] = "digits",
-    partition_id: Annotated[Optional[int], typer.Option(
-        help="Train on this partition of --dataset (split as the run's partitioner says)")] = None,
-    num_partitions: Annotated[Optional[int], typer.Option(
-        help="Number of partitions of --dataset")] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N")] = "auto",
     gpus: Annotated[Optional[str], typer.Option(
         help="Start one node per listed GPU, e.g. 0,1,2,3 (partition ids count up from "
              "--partition-id)")] = None,
-    certs: Annotated[Optional[Path], path_option(
-        help="Folder holding the coordinator's ca.crt (TLS)")] = None,
-    insecure: Annotated[bool, typer.Option(
-        "--insecure", help="No TLS (traffic unencrypted)")] = False,
-    auth_key: Annotated[Optional[Path], path_option(
-        help="This node's private key (node-<i>.key from `fedavg certs --nodes`)")] = None,
-    once: Annotated[bool, typer.Option("--once",
-        help="Exit after one run (default: serve runs until stopped)")] = False,
-    max_wait_time: Annotated[Optional[float], typer.Option(
-        help="Give up after this many seconds without reaching the coordinator: at the start "
-             "(default: keep retrying) and, with --once, once connected (default: 30)")] = None,
-    model: Annotated[Optional[str], typer.Option(
-        help="Model code of yours this node may run: the coordinator's --model "
-             "module:function or file.py:function (a file: this machine's copy)")] = None,
-    threads: Annotated[Optional[int], typer.Option(
-        help="CPU threads torch trains with (default: one per core); nodes sharing a "
-             "machine: cores / nodes each")] = None,
+    *,
+    options: NodeOptions,
 ) -> None:
     """Join runs of a coordinator: a Flower SuperNode plus one warm training process."""
     from fedavg.engines.deployment.gpus import serve_gpu_nodes
@@ -308,18 +262,9 @@ def node(
     try:
         with guard():
             if gpus is not None:
-                code = serve_gpu_nodes(gpus, coordinator=coordinator, dataset=dataset,
-                                       partition_id=partition_id,
-                                       num_partitions=num_partitions, device=device,
-                                       certs=certs, insecure=insecure, auth_key=auth_key,
-                                       once=once, max_wait_time=max_wait_time, model=model,
-                                       threads=threads, console=console)
+                code = serve_gpu_nodes(gpus, options, console=console)
             else:
-                n = serve_node(coordinator, dataset=dataset, partition_id=partition_id,
-                               num_partitions=num_partitions, device=device, certs=certs,
-                               insecure=insecure, auth_key=auth_key, once=once,
-                               max_wait_time=max_wait_time, model=model, threads=threads,
-                               console=console)
+                n = serve_node(options, console=console)
                 console.print(f"node done: {n} task(s) run (the run's end notice is one)")
     except typer.Exit as exc:
         code = exc.exit_code
@@ -397,9 +342,9 @@ def build_app() -> typer.Typer:
     app.command(name="predict")(predict)
     app.command(name="strategies")(list_strategies)
     app.command(name="models")(list_models)
-    app.command(name="coordinator")(with_settings(coordinator, skip=("num_nodes",),
-                                                  tracking=True))
-    app.command(name="node")(node)
+    app.command(name="coordinator")(with_settings(
+        with_options(coordinator, CoordinatorOptions), skip=("num_nodes",), tracking=True))
+    app.command(name="node")(with_options(node, NodeOptions))
     app.command(name="certs")(certs)
     app.command(name="sweep")(sweep)
     app.command(name="report")(report)

@@ -10,6 +10,7 @@ command then builds its :class:`~fedavg.config.settings.RunConfig` with ``RunCon
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import typing
@@ -20,10 +21,12 @@ import typer
 
 
 def _option(name: str, kind: Any, default: Any, help: str) -> inspect.Parameter:
-    # a bool is a plain flag (--save-node-models), without a --no-... twin
+    # a bool is a plain flag (--save-node-models), without a --no-... twin; a path refuses ""
     names = ("--" + name.replace("_", "-"),) if kind is bool else ()
+    option = path_option(*names, help=help) if kind in (Path, Optional[Path]) else \
+        typer.Option(*names, help=help)
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                             annotation=Annotated[kind, typer.Option(*names, help=help)])
+                             annotation=Annotated[kind, option])
 
 
 def _plain(hint: Any) -> Any:
@@ -38,6 +41,41 @@ def config_parameters(skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
 
     return [_option(f.name, _plain(hint), f.default, f.metadata["help"])
             for f, hint in cli_fields() if f.name not in skip]
+
+
+def declared_parameters(options: type) -> list[inspect.Parameter]:
+    """One typer option per field of a declared options dataclass (type, default, help).
+
+    ``options`` is, say, :class:`~fedavg.engines.deployment.node_options.NodeOptions`: each
+    field declared with :func:`fedavg.config.settings.setting`.
+    """
+    hints = typing.get_type_hints(options)
+    return [_option(f.name, _plain(hints[f.name]), f.default, f.metadata["help"])
+            for f in dataclasses.fields(options)]
+
+
+def with_options(command: Callable[..., Any], options: type) -> Callable[..., Any]:
+    """Return ``command`` with the fields of ``options`` as its command-line options.
+
+    ``command`` takes its own options as keywords, ``options`` (an instance of the declared
+    dataclass, built from the command line) and, when wrapped by :func:`with_settings` too,
+    the generated run settings in ``**settings``.
+    """
+    declared = declared_parameters(options)
+    names = {p.name for p in declared}
+    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+           for p in inspect.signature(command, eval_str=True).parameters.values()
+           if p.name != "options" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        chosen = options(**{k: kwargs.pop(k) for k in names if k in kwargs})
+        return command(options=chosen, **kwargs)
+
+    params = declared + own
+    wrapper.__signature__ = inspect.Signature(params)
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper
 
 
 def strategy_parameters(merge: bool = False) -> list[inspect.Parameter]:
@@ -109,10 +147,6 @@ def with_settings(command: Callable[..., None], *, skip: tuple[str, ...] = (),
 
 
 #: ``--model-arg KEY=VALUE`` (repeatable), an own option of ``simulate`` and ``coordinator``.
-#: ``fedavg coordinator --min-nodes``: unset, 2 for a new run and the run's own on resume.
-MinNodesOption = Annotated[Optional[int], typer.Option(
-    help="Nodes to wait for before round 1 [default: 2; with --resume, the run's own]")]
-
 ModelArgOption = Annotated[Optional[list[str]], typer.Option(
     "--model-arg", help="Argument of the model's builder, KEY=VALUE (VALUE read as JSON when "
     "it is a number, true, false or null); repeatable")]

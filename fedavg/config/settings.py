@@ -47,13 +47,16 @@ LR_SCHEDULES = ("constant", "cosine", "step")
 MAX_SEED = 2**31
 
 
-def setting(default: Any, help: str, *, cli: bool = True, rule: Rule | None = None) -> Any:
+def setting(default: Any, help: str, *, cli: bool = True, rule: Rule | None = None,
+            resumable: bool = False) -> Any:
     """Return a config field with its command-line help and the values it accepts.
 
     ``cli=False``: a setting of the config and TOML only; ``rule``: checked by the run
-    (and, for :class:`LocalTraining`, by each node).
+    (and, for :class:`LocalTraining`, by each node); ``resumable``: a run continued with
+    ``--resume`` may change it (:func:`resumable_settings`).
     """
-    return field(default=default, metadata={"help": help, "cli": cli, "rule": rule})
+    return field(default=default, metadata={"help": help, "cli": cli, "rule": rule,
+                                            "resumable": resumable})
 
 
 @dataclass(frozen=True)
@@ -210,7 +213,8 @@ class TrainConfig(LocalTraining):
     model_args: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
     pretrained: bool = setting(False, "Start from the torchvision model's pretrained weights "
                                "(downloaded)")
-    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
+    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N",
+                          resumable=True)
 
 
 @dataclass(frozen=True)
@@ -256,10 +260,11 @@ class MergeConfig:
     """
 
     strategy: str = setting("fedavg", "Merge strategy (see `fedavg strategies`)")
-    rounds: int = setting(10, "Number of rounds")
+    rounds: int = setting(10, "Number of rounds", resumable=True)
     num_nodes: int = setting(5, "Number of nodes (= partitions)")
     fraction: float = setting(1.0, "Participation fraction: share of nodes per round")
-    round_timeout: float = setting(600.0, "Seconds to wait for nodes in a round")
+    round_timeout: float = setting(600.0, "Seconds to wait for nodes in a round",
+                                   resumable=True)
     validation: str | None = setting(None, "Held-out dataset for greedy-soup, fitted "
                                      "weights, distill (default: a slice of train)")
     validation_fraction: float = setting(0.1, "Share of train held out for validation",
@@ -272,7 +277,7 @@ class MergeConfig:
                                      "OUTPUT/nodes/")
     max_update_norm: float | None = setting(None, "Reject node updates whose L2 distance "
                                             "from the round's model exceeds this (default: "
-                                            "off)")
+                                            "off)", resumable=True)
     swa_start: int | None = setting(None, "Average the merged models from this round on "
                                     "(server-side SWA); the average is evaluated and saved "
                                     "(default: off)")
@@ -291,6 +296,24 @@ def _typed_fields(klass) -> tuple[tuple[dataclasses.Field, Any], ...]:
     """Return the fields of a config section with their resolved types (resolved once)."""
     hints = typing.get_type_hints(klass)
     return tuple((f, hints[f.name]) for f in fields(klass))
+
+
+def resumable_settings() -> frozenset[str]:
+    """Return the kebab-case settings a run continued with ``--resume`` may change.
+
+    Those declared ``resumable``: how many rounds (to train longer), how long to wait for
+    nodes and where to train, which do not change what is computed, and the bound on node
+    updates (to go on after a round that refused every update).
+    """
+    return frozenset(_kebab(f.name) for klass in SECTIONS.values() for f in fields(klass)
+                     if f.metadata.get("resumable"))
+
+
+def resume_help(*extra: str) -> str:
+    """Return ``--resume``'s help: which settings (and ``extra`` flags) may change."""
+    flags = sorted([f"--{k}" for k in resumable_settings()] + list(extra))
+    return (f"Go on with the interrupted run in this folder (only {', '.join(flags)} may "
+            "change)")
 
 
 def cli_fields() -> list[tuple[dataclasses.Field, type]]:

@@ -28,17 +28,16 @@ from typing import Any, Iterable
 
 import torch
 
-from fedavg.config.settings import RunConfig
+from fedavg.config.settings import RunConfig, resumable_settings
 from fedavg.config.values import format_value
 from fedavg.util.errors import UserError
 
 CHECKPOINT = "checkpoint.safetensors"
 FORMAT = "fedavg-checkpoint/1"
 
-#: Settings a resumed run may change: the number of rounds (to train longer), how long to
-#: wait for nodes and where to train, which do not change what is computed, and the bound on
-#: node updates (to go on after a round that refused every update).
-MAY_CHANGE = frozenset({"rounds", "round-timeout", "device", "max-update-norm"})
+#: Settings a resumed run may change: those declared ``resumable`` in
+#: :mod:`fedavg.config.settings` (:func:`~fedavg.config.settings.resumable_settings`).
+MAY_CHANGE = resumable_settings()
 #: Settings naming data: a local path among them is kept absolute, so a run resumes from
 #: any folder.
 _PATHS = ("dataset", "validation", "distill-data", "tokenizer")
@@ -353,8 +352,8 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
             missing = key in _PATHS and isinstance(saved.get(key), str) and \
                 saved[key].startswith("/") and not Path(saved[key]).exists()
             hint = (f"; the run's {saved[key]} is gone: put it back there" if missing else
-                    "; only --rounds (and --round-timeout, --device, --max-update-norm) may "
-                    "change: start a new run with another --output for other settings")
+                    f"; {_changeable(may_change)}: start a new run with another --output for "
+                    "other settings")
             flag = "model-arg" if key == "model-args" else key  # the option's own name
             given = (f"--{flag} {format_value(asked[key])}" if asked.get(key) is not None
                      else f"leaving out --{flag}")
@@ -442,3 +441,11 @@ def resolve_settings(config: RunConfig | None, overrides: dict[str, Any],
     config = resumed_config(ckpt, base, str(folder),
                                      MAY_CHANGE if may_change is None else may_change)
     return config, ckpt, folder
+
+
+def _changeable(may_change: Iterable[str]) -> str:
+    """Say which settings may change: ``only --rounds (and --device, ...) may change``."""
+    flags = sorted((f"--{k}" for k in may_change if k != "num-nodes"),
+                   key=lambda flag: (flag != "--rounds", flag))
+    rest = f" (and {', '.join(flags[1:])})" if len(flags) > 1 else ""
+    return f"only {flags[0]}{rest} may change"

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from rich.markup import escape
 
 from fedavg import flower_compat
+from fedavg.engines.deployment.coordinator_options import CoordinatorOptions
 from fedavg.engines.deployment.processes import (
-    DEFAULT_ADDRESS,
     FlowerProcess,
     PrivateDir,
     check_port_free,
@@ -83,53 +83,16 @@ class _Options:
         return None if self.certs is None else self.certs / CA_CERT
 
 
-def coordinate(
-    config: RunConfig,
-    *,
-    output: Path | None = None,
-    address: str = DEFAULT_ADDRESS,
-    certs: Path | None = None,
-    insecure: bool = False,
-    auth_keys: Path | None = None,
-    min_nodes: int | None = None,
-    min_nodes_per_round: int | None = None,
-    wait_timeout: float = 300.0,
-    overwrite: bool = False,
-    verbose: bool = False,
-    resume: Path | None = None,
-    console=None,
-    tracking=None,
-) -> RunResult:
+def coordinate(config: RunConfig, options: CoordinatorOptions = CoordinatorOptions(),
+               console=None, tracking=None) -> RunResult:
     """Run the coordinator of one run across machines and save the merged model.
 
     Parameters
     ----------
     config : RunConfig
-        Run settings (``num_nodes`` is replaced by ``min_nodes``).
-    output : path, optional
-        Run folder (default ``runs/<timestamp>``); the files of ``fedavg simulate``.
-    address : str
-        ``host:port`` the SuperLink listens on (nodes connect here). ``0.0.0.0:PORT`` to
-        accept other machines.
-    certs : path, optional
-        Folder from ``fedavg certs`` (``ca.crt``, ``coordinator.crt``, ``coordinator.key``).
-    insecure : bool
-        No TLS (only when asked for; warns).
-    auth_keys : path, optional
-        Node public keys allowed to connect (Flower's SuperNode authentication).
-    min_nodes : int, optional
-        Nodes to wait for before round 1 (default 2; with ``resume``, the run's own).
-    min_nodes_per_round : int, optional
-        Usable replies each round needs (default: half the nodes a round samples,
-        ``fraction x min_nodes``, rounded up).
-    wait_timeout : float
-        Seconds to wait for nodes before failing with a clear error.
-    overwrite : bool
-        Allow ``output`` to hold a previous run.
-    verbose : bool
-        Show Flower's own logs and every SuperLink line.
-    resume : path, optional
-        Go on with the interrupted run in this folder (see :func:`fedavg.simulate`).
+        Run settings (``num_nodes`` is replaced by ``options.min_nodes``).
+    options : CoordinatorOptions
+        Where to listen, TLS and node keys, the nodes to wait for, the run folder, resume.
     console : rich.console.Console, optional
         Where to print progress.
     tracking : fedavg.run.tracking.TrackingOptions, optional
@@ -152,10 +115,7 @@ def coordinate(
     from fedavg.run.tracking import tracked
 
     started = time.monotonic()
-    opts = _check_options(config, address=address, certs=certs, insecure=insecure,
-                          auth_keys=auth_keys, min_nodes=min_nodes,
-                          min_nodes_per_round=min_nodes_per_round, wait_timeout=wait_timeout,
-                          output=output, overwrite=overwrite, verbose=verbose, resume=resume)
+    opts = _check_options(config, options)
     flower_compat.check_flower_internals()
     flower_compat.patch_pull_backoff()
     with tracked(tracking, opts.config.to_flat()) as trackers:
@@ -229,20 +189,17 @@ def _run(opts: _Options, prepared, state, console, trackers) -> tuple[Path, int]
     return out, run_id
 
 
-def _check_options(config: RunConfig, *, address: str, certs: Path | None, insecure: bool,
-                   auth_keys: Path | None, min_nodes: int | None,
-                   min_nodes_per_round: int | None,
-                   wait_timeout: float, output: Path | None, overwrite: bool,
-                   verbose: bool = False, resume: Path | None = None) -> _Options:
+def _check_options(config: RunConfig, options: CoordinatorOptions) -> _Options:
     """Check every option before anything starts (see :func:`coordinate`)."""
     from fedavg.models.evaluation import resolve_device
     from fedavg.run.lifecycle import check_output
     from fedavg.run.resume import MAY_CHANGE, resolve_settings
 
-    config, ckpt, output = resolve_settings(config, {}, resume, output,
+    o = options
+    config, ckpt, output = resolve_settings(config, {}, o.resume, o.output,
                                             may_change=MAY_CHANGE | {"num-nodes"},
-                                            overwrite=overwrite)
-
+                                            overwrite=o.overwrite)
+    min_nodes, wait_timeout = o.min_nodes, o.wait_timeout
     if min_nodes is None:  # a resumed run waits for as many nodes as it did
         min_nodes = ckpt.run_config().merge.num_nodes if ckpt is not None else 2
     if min_nodes < 1:
@@ -250,23 +207,23 @@ def _check_options(config: RunConfig, *, address: str, certs: Path | None, insec
     if not wait_timeout > 0:  # nan too
         raise UserError(f"--wait-timeout must be > 0 seconds, got {wait_timeout:g}")
     config = config.replace(num_nodes=min_nodes).validate()
-    per_round = (min_nodes_per_round if min_nodes_per_round is not None
+    per_round = (o.min_nodes_per_round if o.min_nodes_per_round is not None
                  else max(1, -(-config.nodes_per_round // 2)))
     if not 1 <= per_round <= min_nodes:
         raise UserError(f"--min-nodes-per-round must be in 1..--min-nodes ({min_nodes}), "
                         f"got {per_round}")
-    host, port = split_address(address)
-    certs = resolve_certs(certs, insecure, "coordinator")
+    host, port = split_address(o.address)
+    certs = resolve_certs(o.certs, o.insecure, "coordinator")
     if certs is not None:
         check_server_certs(certs)
-    keys_pem = load_auth_keys(auth_keys) if auth_keys is not None else None
+    keys_pem = load_auth_keys(o.auth_keys) if o.auth_keys is not None else None
     if keys_pem is not None and certs is None:
         raise UserError("--auth-keys needs TLS: pass --certs, not --insecure")
     resolve_device(config.train.device)
     if output is not None and ckpt is None:
-        check_output(Path(output), overwrite)
+        check_output(Path(output), o.overwrite)
     return _Options(config, host, port, certs, keys_pem, min_nodes, per_round, wait_timeout,
-                    verbose, output, ckpt, overwrite)
+                    o.verbose, output, ckpt, o.overwrite)
 
 
 def _superlink_args(opts: _Options, secret_path: Path) -> list[str]:

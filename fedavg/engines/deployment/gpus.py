@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import replace
 
-from fedavg.engines.deployment.node_options import check_threads
+from fedavg.engines.deployment.node_options import NodeOptions, check_threads
 from fedavg.engines.deployment.processes import start_command, stop_commands
 from fedavg.util.errors import UserError
 
@@ -51,23 +51,17 @@ def plan_gpu_nodes(gpus: str, partition_id: int | None, num_partitions: int | No
     return [(f"cuda:{g}", partition_id + k) for k, g in enumerate(ids)]
 
 
-def serve_gpu_nodes(gpus: str, *, coordinator: str, dataset: str, partition_id: int | None,
-                    num_partitions: int | None, device: str, certs: Path | None,
-                    insecure: bool, auth_key: Path | None, once: bool,
-                    max_wait_time: float | None, model: str | None = None,
-                    threads: int | None = None, console=None) -> int:
+def serve_gpu_nodes(gpus: str, options: NodeOptions, console=None) -> int:
     """Start one ``fedavg node`` process per GPU and wait for them all.
 
     Parameters
     ----------
     gpus : str
         Comma-separated CUDA device indices (see :func:`plan_gpu_nodes`).
-    coordinator, dataset, partition_id, num_partitions, certs, insecure, once, max_wait_time
-        As for :func:`fedavg.engines.deployment.node.serve_node`; each node gets its own partition.
-    model, threads
-        As for :func:`fedavg.engines.deployment.node.serve_node`, passed to every node.
-    device, auth_key
-        Must be ``"auto"`` and ``None``: each node gets its own GPU, and one key fits one node.
+    options : NodeOptions
+        Every node's options; each node gets its own GPU as its device and, from
+        ``partition_id`` up, its own partition. ``device`` must be ``auto`` and
+        ``auth_key`` unset: one key fits one node.
     console : rich.console.Console, optional
         Where to print which node starts on which GPU.
 
@@ -84,36 +78,23 @@ def serve_gpu_nodes(gpus: str, *, coordinator: str, dataset: str, partition_id: 
     """
     import torch
 
-    if device != "auto":
+    if options.device != "auto":
         raise UserError("--gpus sets each node's device (cuda:<index>); drop --device")
-    if auth_key is not None:
+    if options.auth_key is not None:
         raise UserError("each node needs its own key: with --auth-key, start one node per GPU "
                         "(--device cuda:N --auth-key node-N.key)")
-    check_threads(threads)  # once here, not once per node started
-    plan = plan_gpu_nodes(gpus, partition_id, num_partitions, torch.cuda.device_count())
-    base = ["node", "--coordinator", coordinator, "--dataset", dataset]
-    if certs is not None:
-        base += ["--certs", str(certs)]
-    if insecure:
-        base.append("--insecure")
-    if once:
-        base.append("--once")
-    if max_wait_time is not None:
-        base += ["--max-wait-time", str(max_wait_time)]
-    if model is not None:
-        base += ["--model", model]
-    if threads is not None:
-        base += ["--threads", str(threads)]
+    check_threads(options.threads)  # once here, not once per node started
+    plan = plan_gpu_nodes(gpus, options.partition_id, options.num_partitions,
+                          torch.cuda.device_count())
     try:
         procs = []
         for dev, pid in plan:
-            cmd = [*base, "--device", dev]
-            if pid is not None:
-                cmd += ["--partition-id", str(pid), "--num-partitions", str(num_partitions)]
+            one = replace(options, device=dev, partition_id=pid,
+                          num_partitions=None if pid is None else options.num_partitions)
             if console is not None:
                 console.print(f"starting node on {dev}"
                               + (f" (partition {pid})" if pid is not None else ""))
-            procs.append(start_command(cmd))
+            procs.append(start_command(["node", *one.command_line()]))
         return max(p.wait() for p in procs)
     finally:
         stop_commands()

@@ -18,12 +18,7 @@ from pathlib import Path
 from rich.markup import escape
 
 from fedavg import flower_compat
-from fedavg.engines.deployment.node_options import (
-    check_node_options,
-    describe_node,
-    node_config,
-    use_threads,
-)
+from fedavg.engines.deployment.node_options import NodeOptions, use_threads
 from fedavg.engines.deployment.processes import PrivateDir, split_address
 from fedavg.engines.deployment.supernode import SuperNode
 from fedavg.util.errors import CommandError, RunError
@@ -31,47 +26,13 @@ from fedavg.util.errors import CommandError, RunError
 log = logging.getLogger("fedavg")
 
 
-def serve_node(
-    coordinator: str,
-    *,
-    dataset: str = "digits",
-    partition_id: int | None = None,
-    num_partitions: int | None = None,
-    device: str = "auto",
-    certs: Path | None = None,
-    insecure: bool = False,
-    auth_key: Path | None = None,
-    once: bool = False,
-    max_wait_time: float | None = None,
-    model: str | None = None,
-    threads: int | None = None,
-    console=None,
-) -> int:
+def serve_node(options: NodeOptions, console=None) -> int:
     """Run one node: a Flower SuperNode plus a warm process that trains every task.
 
     Parameters
     ----------
-    coordinator : str
-        ``host:port`` of ``fedavg coordinator``.
-    dataset : str
-        The node's data: ``digits``, a local path or a hub id.
-    partition_id, num_partitions : int, optional
-        Train on partition ``partition_id`` of ``num_partitions`` of ``dataset`` (split as
-        ``fedavg simulate`` would with the run's partitioner); default: all of it.
-    device : str
-        ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
-    certs, insecure : path or None, bool
-        Folder holding the coordinator's CA certificate ``ca.crt``; or ``insecure``: no TLS.
-    auth_key : path, optional
-        This node's private key (from ``fedavg certs --nodes``) for SuperNode authentication.
-    once : bool
-        Exit after the first run ends; by default the node serves runs until stopped.
-    max_wait_time : float, optional
-        Seconds without reaching the coordinator before giving up (retry; --once: 30 s mid-run).
-    model : str, optional
-        The run's user-code ``--model`` (a file: this machine's copy); needed to run it.
-    threads : int, optional
-        CPU threads torch trains with (default: one per core; nodes sharing cores: fewer).
+    options : NodeOptions
+        Where the coordinator is, the node's data, device, TLS and model code.
     console : rich.console.Console, optional
         Where to print progress.
 
@@ -90,10 +51,9 @@ def serve_node(
     from fedavg.run.display import reporter
     from fedavg.run.lifecycle import quiet_logs
 
-    host, port = split_address(coordinator, "--coordinator")
-    certs, model = check_node_options(dataset, partition_id, num_partitions, device, certs,
-                                      insecure, auth_key, max_wait_time, model, threads)
-    threads = use_threads(threads)
+    host, port = split_address(options.coordinator, "--coordinator")
+    certs, model = options.check()
+    threads = use_threads(options.threads)
     flower_compat.check_flower_internals()
     flower_compat.patch_pull_backoff()
     quiet_logs(False)
@@ -101,11 +61,9 @@ def serve_node(
     tmp = PrivateDir("fedavg-node-")
     node = None
     try:
-        node = _Node(f"{host}:{port}",
-                     node_config(dataset, device, partition_id, num_partitions, model),
-                     certs, auth_key, once, max_wait_time, say, Path(tmp.name))
-        say(describe_node(dataset, partition_id, num_partitions, device, threads, model,
-                          f"{host}:{port}", certs is not None))
+        node = _Node(f"{host}:{port}", options.node_config(model), certs, options.auth_key,
+                     options.once, options.max_wait_time, say, Path(tmp.name))
+        say(options.describe(threads, model, f"{host}:{port}", certs is not None))
         return node.serve()
     finally:
         if node is not None:

@@ -232,7 +232,7 @@ def simulate(
     resume : path, optional
         Go on with the interrupted run in this folder from its last completed round
         (:mod:`fedavg.run.resume`); ``config`` defaults to its settings, of which only
-        ``rounds`` may change.
+        those in :data:`fedavg.run.resume.MAY_CHANGE` may change.
     tracking : fedavg.run.tracking.TrackingOptions, optional
         Also log the rounds to TensorBoard and/or MLflow.
     ray_address : str, optional
