@@ -346,12 +346,43 @@ class ServerRun:
                            "forward") from None
 
     def round_end(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        """Flower's ``evaluate_fn``: evaluate, checkpoint and record the merged model."""
+        """Flower's ``evaluate_fn``: end a round, in five steps whose order matters.
+
+        1. :meth:`_score`: evaluate the merged model on the test split (with SWA, the average
+           of the rounds' merged models, and the last merged model beside it);
+        2. :meth:`_keep_record`: add the round's record to the run state and mark the
+           start-up timeline (the first round this process ran ends the start-up);
+        3. :meth:`_save`: drop a ``summary.json`` the round makes stale, save the merged
+           model, then the checkpoint (and node models of a resumed run's last round);
+        4. :meth:`_append_metrics`: the round's line in ``metrics.jsonl``, after the
+           checkpoint, so that every round listed is one a resume goes on from;
+        5. :meth:`_report`: the progress line, and a merge's note.
+
+        Round 0 (Flower's evaluation of the initial model) does nothing.
+
+        Returns
+        -------
+        flwr.app.MetricRecord or None
+            ``accuracy`` and ``loss`` on the test split (``None`` for round 0).
+        """
         if server_round == 0:
             return None
         server_round += self.adapter.round_offset
-        merged = self.adapter.last_merged
         state_dict = arrays.to_torch_state_dict()  # what the next round starts from
+        merged, res, last = self._score(server_round, state_dict)
+        record = self._keep_record(server_round, res, last)
+        self._save(server_round, merged, state_dict, record)
+        self._append_metrics(record)
+        self._report(record, merged)
+        return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
+
+    def _score(self, server_round: int, state_dict: dict[str, torch.Tensor]):
+        """Evaluate the round's model; return the merge to save, its scores, the last merge's.
+
+        With SWA from this round on, the average of the merged models is what is scored and
+        saved, and the last merged model's own scores come third (``None`` otherwise).
+        """
+        merged = self.adapter.last_merged
         last = None
         if merged is not None and merged.is_ensemble:
             scored = self.prepared.spec.build_ensemble(merged.members, merged.member_weights)
@@ -365,7 +396,10 @@ class ServerRun:
                 merged = dataclasses.replace(merged, state_dict=averaged, info={
                     **merged.info, "swa": {"start": self.config.merge.swa_start,
                                            "models": self.swa.count}})
-        res = self._evaluate(scored, server_round)
+        return merged, self._evaluate(scored, server_round), last
+
+    def _keep_record(self, server_round: int, res: dict, last: dict | None) -> RoundRecord:
+        """Add the round's record to the run state; mark the start-up timeline."""
         record = self._record(server_round, res)
         if last is not None:
             record.merged_accuracy, record.merged_loss = last["accuracy"], last["loss"]
@@ -374,6 +408,11 @@ class ServerRun:
         if "round1_end" not in self.state.marks:
             self.state.marks.update(round1_start=now - record.wall_s, round1_end=now)
         self.state.marks["last_round_end"] = now
+        return record
+
+    def _save(self, server_round: int, merged, state_dict: dict[str, torch.Tensor],
+              record: RoundRecord) -> None:
+        """Save the merged model, then the checkpoint a resume goes on from."""
         if self.stale_summary:  # the model and rounds move past what it describes
             (self.output / "summary.json").unlink(missing_ok=True)
             self.stale_summary = False
@@ -386,16 +425,21 @@ class ServerRun:
             swa=self.swa))
         if self.stale_nodes and server_round == self.config.merge.rounds:
             self.drop_stale_node_models(server_round)
+
+    def _append_metrics(self, record: RoundRecord) -> None:
+        """Write the round's line of ``metrics.jsonl`` (all the rounds on a resume's first)."""
         if self.stale_metrics:  # a resume's first round: its rounds, then this one
             resume.write_metrics(self.metrics_path, [r.as_dict() for r in self.state.rounds])
             self.stale_metrics = False
         else:
-            with open(self.metrics_path, "a") as fh:  # after the checkpoint: a round listed
-                fh.write(json.dumps(record.as_dict()) + "\n")  # is one a resume goes on from
+            with open(self.metrics_path, "a") as fh:
+                fh.write(json.dumps(record.as_dict()) + "\n")
+
+    def _report(self, record: RoundRecord, merged) -> None:
+        """Show the round's progress line, and a merge's note (a distillation that did nothing)."""
         self.progress.on_round(record)
-        if merged is not None and merged.info.get("note"):  # a distillation that did nothing
+        if merged is not None and merged.info.get("note"):
             self.progress.on_note(merged.info["note"])
-        return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
 
     def _node_states(self) -> dict[int, dict[str, torch.Tensor]]:
         """By partition, the node states the run's method keeps (simulation only)."""
