@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import fedavg.node.train as train_mod
+import strategies
 from fedavg.config.settings import LocalTraining, RunConfig
 from fedavg.node.recipe import LogitAdjustment, augmenter, make_scheduler, round_lr
 from fedavg.node.train import train
@@ -364,3 +365,30 @@ def test_a_diverged_run_names_logit_adjust_as_a_remedy():
     with pytest.raises(FloatingPointError, match=r"lower --lr, --sam-rho or --logit-adjust$"):
         train(nn.Linear(2, 2), x, y, TABULAR, LocalTraining(batch_size=2, sam_rho=0.05,
                                                             logit_adjust=1.0))
+
+
+def test_clip_grad_norm_scales_a_step_down_to_its_norm_and_is_checked_everywhere():
+    # zero weights, one sample x = (10, 0) of class 0: the gradient of the cross-entropy is
+    # W: (softmax - onehot) x^T = [[-5, 0], [5, 0]], b: [-0.5, 0.5]; ||g|| = sqrt(50.5)
+    def step(clip: float) -> torch.Tensor:
+        model = nn.Linear(2, 2)
+        nn.init.zeros_(model.weight)
+        nn.init.zeros_(model.bias)
+        train(model, np.array([[10.0, 0.0]], np.float32), np.array([0]), TABULAR,
+              LocalTraining(batch_size=1, lr=1.0, momentum=0.0, clip_grad_norm=clip))
+        return torch.cat([model.weight.detach().flatten(), model.bias.detach()])
+
+    assert float(step(0.0).norm()) == pytest.approx(math.sqrt(50.5), rel=1e-5)  # lr 1: w = -g
+    clipped = step(1.0)
+    assert float(clipped.norm()) == pytest.approx(1.0, rel=1e-5)
+    assert float(clipped[0]) == pytest.approx(5 / math.sqrt(50.5), rel=1e-5)
+    with pytest.raises(UserError, match=r"--clip-grad-norm must be >= 0 and finite"):
+        RunConfig().replace(clip_grad_norm=-1.0).validate()
+    meta = {"model": {"name": "mlp"}, "input": TABULAR, "classes": ["a", "b"]}
+    record = TrainSettings.for_run(RunConfig().replace(clip_grad_norm=0.5), meta,
+                                   strategies.get("fedavg")).to_record()
+    assert TrainSettings.from_record(record).local.clip_grad_norm == 0.5
+    record["clip-grad-norm"] = -2.0
+    with pytest.raises(ValueError, match="'clip-grad-norm' must be >= 0 and finite"):
+        TrainSettings.from_record(record)
+

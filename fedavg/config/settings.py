@@ -151,6 +151,9 @@ class LocalTraining:
     logit_adjust : float
         ``tau`` of the nodes' logit-adjusted loss, >= 0 (0: off;
         :class:`fedavg.node.recipe.LogitAdjustment`).
+    clip_grad_norm : float
+        Largest L2 norm of a step's gradient over all parameters, >= 0: a larger one is
+        scaled down to it (Pascanu et al. 2013, arXiv:1211.5063; 0: off).
     """
 
     local_epochs: int = setting(1, "Local epochs per round", rule=at_least(1))
@@ -175,6 +178,8 @@ class LocalTraining:
     logit_adjust: float = setting(0.0, "Logit-adjusted node loss against label skew: logits + "
                                   "TAU x log(the node's label frequencies), e.g. 1; 0: off",
                                   rule=non_negative())
+    clip_grad_norm: float = setting(0.0, "Clip each node step's gradient to this L2 norm over "
+                                    "all parameters, e.g. 1.0; 0: off", rule=non_negative())
 
     @classmethod
     def of(cls, train: LocalTraining) -> LocalTraining:

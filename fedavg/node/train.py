@@ -75,7 +75,8 @@ def train(
         at ``w + rho * g / ||g||`` (FedSAM on the nodes, :func:`sharpness_aware_gradient`;
         twice a step's cost); ``logit_adjust``, ``tau`` of the logit-adjusted loss with the
         partition's label frequencies (Menon et al. 2021,
-        :class:`fedavg.node.recipe.LogitAdjustment`).
+        :class:`fedavg.node.recipe.LogitAdjustment`); ``clip_grad_norm``, the largest L2
+        norm of a step's gradient (Pascanu et al. 2013).
     server_round : int
         The round being trained, from 1 (the learning rate's per-round decay).
     device, seed
@@ -109,7 +110,8 @@ def train(
         for _ in range(local.local_epochs):
             for idx in _batches(len(yt), local.batch_size, g, smallest):
                 xb = normalize((xt[idx] if aug is None else aug(xt[idx])).to(device), input_spec)
-                loss = _step(model, opt, xb, yt[idx].to(device), *extras)
+                loss = _step(model, opt, xb, yt[idx].to(device), *extras,
+                             clip=local.clip_grad_norm)
                 if sched is not None:
                     sched.step()
                 total, count, steps = total + loss * len(idx), count + len(idx), steps + 1
@@ -159,8 +161,12 @@ def _diverged(loss: float, proximal_mu: float, rule, sam_rho: float, adjust=None
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor,
           anchor: list[torch.Tensor] | None, proximal_mu: float, rule=None,
-          sam_rho: float = 0.0, adjust=None) -> float:
-    """One optimizer step on a batch; return its cross-entropy (without the extra terms)."""
+          sam_rho: float = 0.0, adjust=None, clip: float = 0.0) -> float:
+    """One optimizer step on a batch; return its cross-entropy (without the extra terms).
+
+    The gradient is SAM's when ``sam_rho > 0``, then clipped to the L2 norm ``clip`` (over
+    all parameters) when ``clip > 0``, then corrected by the method's node rule.
+    """
     opt.zero_grad(set_to_none=True)
     loss, total = _losses(model, xb, yb, anchor, proximal_mu, rule, adjust)
     total.backward()
@@ -168,6 +174,8 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: to
         sharpness_aware_gradient(
             model, lambda: _losses(model, xb, yb, anchor, proximal_mu, rule, adjust)[1],
             sam_rho)
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     if rule is not None:
         rule.before_step(model, float(opt.param_groups[0]["lr"]))
     opt.step()
