@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_one_error_line, run_cli
+from helpers.cli import assert_one_error_line, run_cli
 from torch import nn
 from typer.testing import CliRunner
 
@@ -990,7 +990,7 @@ def test_user_module_with_model_args_on_digits(tmp_path, user_file, no_leaks):
 def _run_in(cwd, *args):
     import subprocess
 
-    from conftest import ROOT
+    from helpers.cli import ROOT
 
     return subprocess.run([sys.executable, "-m", "fedavg.cli.app", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, timeout=600,

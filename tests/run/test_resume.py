@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from test_deploy import Cluster, rounds_of
+from helpers.cluster import Cluster, rounds_of
 
 import strategies
 from fedavg.config.settings import RunConfig

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_deploy import Cluster, tagged_processes
+from helpers.cluster import Cluster, cluster_processes
 
 pytestmark = pytest.mark.e2e  # real SuperLink / SuperNode / Ray processes
 
@@ -36,7 +36,7 @@ def leftovers(tmpdir: Path) -> list[str]:
 def wait_gone(tag: str, timeout_s: float = 15.0) -> list[str]:
     """Wait up to ``timeout_s`` for the processes tagged ``tag`` to go; return those left."""
     deadline = time.monotonic() + timeout_s
-    while (left := tagged_processes(tag)) and time.monotonic() < deadline:
+    while (left := cluster_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.3)
     return left
 
@@ -147,10 +147,10 @@ def test_gpu_node_parent_stops_its_nodes_and_their_folders(tmpdir_env, tmp_path)
                 or "cannot reach the coordinator" not in log.read_text():
             assert parent.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-        assert len(tagged_processes(tag)) >= 5  # parent, 2 nodes, 2 SuperNodes
+        assert len(cluster_processes(tag)) >= 5  # parent, 2 nodes, 2 SuperNodes
         parent.send_signal(signal.SIGTERM)
         assert parent.wait(30) == 130, log.read_text()
-        assert not tagged_processes(tag)  # the parent waited for its nodes
+        assert not cluster_processes(tag)  # the parent waited for its nodes
         assert leftovers(tmpdir_env) == []
     finally:
         if parent.poll() is None:
@@ -173,7 +173,7 @@ def listeners(tag: str) -> list[tuple[str, str]]:
     import psutil
 
     found = []
-    for entry in tagged_processes(tag):
+    for entry in cluster_processes(tag):
         try:
             proc = psutil.Process(int(entry.split(":", 1)[0]))
             found += [(proc.name(), c.laddr.ip) for c in proc.net_connections(kind="tcp")
@@ -214,7 +214,7 @@ def test_simulate_leaves_nothing(tmpdir_env, tmp_path, how):
             wait_for_round(out, proc)
             [data] = private_folders(tmpdir_env, "fedavg-")
             assert (data / "ray").is_dir()  # Ray's session folder is ours, in our folder
-            assert any("raylet" in p for p in tagged_processes(tag))
+            assert any("raylet" in p for p in cluster_processes(tag))
             # the run's own Ray (GCS, raylet, node actors) and the driver: loopback only
             listening = listeners(tag)
             assert any("gcs_server" in who for who, _ in listening), listening

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 CACHE = Path(os.environ.get("FEDAVG_CI_CACHE", Path.home() / ".cache" / "fedavg-ci"))
 SUITE = "bookworm"  # Debian's Python 3.11, the host's: wheels made here fit the image
 BASE_IMAGE = f"local/fedavg-ci-base:{SUITE}"

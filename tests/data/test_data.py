@@ -7,7 +7,7 @@ import re
 import datasets
 import numpy as np
 import pytest
-from conftest import MNIST  # ../shared/data, or FEDAVG_SHARED_DATA
+from helpers.cli import MNIST  # ../shared/data, or FEDAVG_SHARED_DATA
 from PIL import Image
 
 from fedavg.data.load import LoadedData, Split, load

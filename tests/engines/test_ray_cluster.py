@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import assert_one_error_line, run_cli
+from helpers.cli import assert_one_error_line, run_cli
 
 
 @dataclass

@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e  # a real simulation on Ray
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MIB = 1024 * 1024
 
 

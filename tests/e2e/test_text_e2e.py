@@ -4,7 +4,7 @@ import csv
 import json
 
 import pytest
-from conftest import SHARED_DATA, assert_one_error_line, run_cli
+from helpers.cli import SHARED_DATA, assert_one_error_line, run_cli
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from conftest import SHARED_DATA
+from helpers.cli import SHARED_DATA
 
 from fedavg.data.text import FileTokenizer, HashedTokenizer, from_spec, make_tokenizer
 from fedavg.util.errors import UserError
@@ -248,7 +248,7 @@ def test_a_damaged_text_input_description_is_one_line():
 
 
 def test_cli_refuses_an_image_model_for_text_in_one_line(tmp_path):
-    from conftest import assert_one_error_line, run_cli
+    from helpers.cli import assert_one_error_line, run_cli
 
     proc = run_cli("simulate", "--dataset", AG_NEWS, "--model", "cnn", "--output",
                    tmp_path / "run", check=False)
@@ -262,7 +262,7 @@ def test_cli_refuses_an_image_model_for_text_in_one_line(tmp_path):
 
 
 def test_cli_predict_text_with_an_image_model_is_one_line(tmp_path):
-    from conftest import assert_one_error_line, run_cli
+    from helpers.cli import assert_one_error_line, run_cli
 
     from fedavg.data.load import load
     from fedavg.models.registry import build_model

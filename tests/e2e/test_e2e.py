@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import engine_processes, run_cli
+from helpers.cli import engine_processes, run_cli
 from PIL import Image
 
 pytestmark = pytest.mark.e2e

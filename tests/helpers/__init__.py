@@ -1,0 +1,1 @@
+"""What several test modules share: the CLI runner, a localhost cluster, a Docker engine."""
