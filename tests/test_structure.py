@@ -4,7 +4,11 @@ The throwaway strategy below lives in this file only. Registering it is all it t
 option to appear in ``fedavg simulate --help`` and to reach its merge in a real run.
 """
 
+import os
+import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,3 +134,26 @@ def test_an_installed_package_adds_a_strategy_through_its_entry_point(tmp_path):
                              text=True, timeout=120)
     assert refused.returncode == 2
     assert "strategy fedavg does not take --plugin-factor" in refused.stderr
+
+
+def _lint_imports(tree: Path) -> subprocess.CompletedProcess:
+    """Run ``lint-imports`` with this project's contracts on a copy of the code in ``tree``."""
+    command = Path(sys.executable).parent / "lint-imports"  # the test extra installs it
+    return subprocess.run([str(command)], cwd=tree, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(tree)})
+
+
+def test_an_upward_import_breaks_the_layer_contract(tmp_path):
+    """The contracts hold for the code as it is, and fail on a copy that imports upward."""
+    for name in ("fedavg", "strategies"):
+        shutil.copytree(ROOT / name, tmp_path / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    kept = _lint_imports(tmp_path)
+    assert kept.returncode == 0, kept.stdout[-2000:]
+    errors = tmp_path / "fedavg" / "util" / "errors.py"
+    errors.write_text(errors.read_text() + "\nimport fedavg.cli.app  # noqa: E402,F401\n")
+    broken = _lint_imports(tmp_path)
+    assert broken.returncode == 1
+    assert "fedavg.util is not allowed to import fedavg.cli" in broken.stdout
+    assert "fedavg.util.errors -> fedavg.cli.app" in broken.stdout
