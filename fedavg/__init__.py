@@ -63,7 +63,7 @@ def __getattr__(name: str) -> Any:
 
 def _python_errors(function):
     """Wrap ``function``: its ``UserError`` messages name Python arguments, not CLI flags."""
-    from fedavg.util.errors import UserError, python_names
+    from fedavg.util.errors import UserError, python_names  # lazy: `import fedavg` stays cheap
 
     @functools.wraps(function)
     def call(*args, **kwargs):

@@ -65,6 +65,7 @@ def simulate(
     **settings: Any,
 ) -> None:
     """Train N nodes on one machine or a Ray cluster (Flower simulation engine); merge."""
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.engines.simulation.ray_cleanup import abort_active_runs
     from fedavg.engines.simulation.simulate import simulate as run
     from fedavg.run.lifecycle import RUN_OUTPUT
@@ -107,6 +108,7 @@ def merge(
     **options: Any,
 ) -> None:
     """Merge saved models offline (e.g. `--save-node-models` output) into one model."""
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.use.merge import merge_models
 
     paths = list(models or []) + list(models_opt or [])
@@ -116,6 +118,7 @@ def merge(
         config = RunConfig().replace(strategy=strategy, validation=validation,
                                      distill_data=distill_data, seed=seed, device=device,
                                      rounds=1, **options)
+        # lazy: loads with its command: `fedavg --help` stays fast
         from fedavg.run.lifecycle import default_output, remove_if_empty
 
         chosen = output is None
@@ -149,6 +152,7 @@ def evaluate(
     model: SavedModelCodeOption = None,
 ) -> None:
     """Accuracy and loss of a saved model on a dataset split."""
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.use.inference import evaluate_model
 
     with guard(failed="error"), \
@@ -157,6 +161,7 @@ def evaluate(
                              text_column=text_column, label_column=label_column,
                              device=device, model=model)
     if as_json:
+        # lazy: loads with its command: `fedavg --help` stays fast
         from fedavg.run.checkpoint import plain
 
         print(json.dumps(plain(res)))  # a NaN loss as null: NaN is no JSON
@@ -184,7 +189,9 @@ def predict(
     model: SavedModelCodeOption = None,
 ) -> None:
     """Predict classes with a saved model."""
-    import fedavg.run.output as files
+    import fedavg.run.output as files  # lazy: loads with its command: `fedavg --help` stays fast
+
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.use.inference import predict as run
 
     to_file = output is not None and str(output) != "-"
@@ -205,6 +212,7 @@ def predict(
     if output is not None or not console.is_terminal:  # --output -, piped or redirected:
         files.write_predictions_csv(rows, sys.stdout)  # every prediction, as CSV (a reader that
         return  # leaves early: see run_app)
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.run.display import predictions_table
 
     console.print(predictions_table(rows, shown=50))
@@ -219,6 +227,7 @@ def coordinator(
     **settings: Any,
 ) -> None:
     """Coordinate training across machines: start a Flower SuperLink and run the rounds."""
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.engines.deployment.coordinator import coordinate
 
     _setup_logging()
@@ -227,12 +236,14 @@ def coordinator(
     with guard():
         chosen = model_args(model_arg)
         if resume is not None:  # the run's own settings, with those given checked against them
+            # lazy: loads with its command: `fedavg --help` stays fast
             from fedavg.run.resume import load
 
             config = load(resume).run_config().replace(**given(settings), **chosen)
         else:
             config = RunConfig().replace(**settings, **chosen)
 
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.run.lifecycle import RUN_OUTPUT
 
     on_signal(lambda: interrupted(RUN_OUTPUT[0] if RUN_OUTPUT else resume))  # its rounds
@@ -253,6 +264,7 @@ def node(
     options: NodeOptions,
 ) -> None:
     """Join runs of a coordinator: a Flower SuperNode plus one warm training process."""
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.engines.deployment.gpus import serve_gpu_nodes
     from fedavg.engines.deployment.node import serve_node
 
@@ -287,6 +299,7 @@ def certs(
         "--overwrite", help="Replace an existing CA in FOLDER")] = False,
 ) -> None:
     """Make a CA, the coordinator's TLS certificate and node keys (quick start)."""
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.engines.deployment.certs import make_certs, unignored_git_work_tree
 
     with guard(failed="error"):
@@ -307,7 +320,7 @@ def _show_version(value: bool) -> None:
     if value:
         import importlib.metadata
 
-        from fedavg import __version__
+        from fedavg import __version__  # lazy: the root package sits above every layer
 
         versions = []
         for dist in ("flwr", "torch"):

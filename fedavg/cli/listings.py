@@ -14,7 +14,7 @@ def list_strategies() -> None:
     """List the merge strategies with their papers and options."""
     from rich.table import Table
 
-    import strategies
+    import strategies  # lazy: loads with its command: `fedavg --help` stays fast
 
     table = Table(show_lines=True)
     table.add_column("name", no_wrap=True)
@@ -34,6 +34,7 @@ def list_models() -> None:
     """List the built-in models and the forms that bring your own (--model, --model-arg)."""
     from rich.table import Table
 
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.models.registry import available_models
     from fedavg.models.sources import FORMS
 

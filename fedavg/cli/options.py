@@ -37,6 +37,7 @@ def _plain(hint: Any) -> Any:
 
 def config_parameters(skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
     """One typer option per command-line field of the run config (defaults included)."""
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.config.settings import cli_fields
 
     return [_option(f.name, _plain(hint), f.default, f.metadata["help"])
@@ -87,7 +88,7 @@ def strategy_parameters(merge: bool = False) -> list[inspect.Parameter]:
     that change how nodes train or step from a round's start model,
     ``Strategy.merges_saved_models``).
     """
-    import strategies
+    import strategies  # lazy: loads with its command: `fedavg --help` stays fast
 
     params = []
     for name, declared in strategies.all_options(merge=merge).items():
@@ -112,6 +113,7 @@ def tracking_parameters() -> list[inspect.Parameter]:
 
 def pop_tracking(settings: dict[str, Any]):
     """Take the tracking options out of a command's ``settings``: a ``TrackingOptions``."""
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.run.tracking import TrackingOptions, default_mlflow_uri
 
     tensorboard = settings.pop("tensorboard", None)
@@ -160,6 +162,7 @@ def model_args(items: list[str] | None) -> dict[str, Any]:
     fedavg.util.errors.UserError
         An item that is not ``KEY=VALUE`` (see :func:`fedavg.models.sources.parse_model_args`).
     """
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.models.sources import parse_model_args
 
     return {"model_args": parse_model_args(items)} if items else {}

@@ -89,6 +89,7 @@ def guard(interrupted: str = "interrupted", failed: str = "run failed"):
                           soft_wrap=True)
         raise typer.Exit(2) from None
     except RunError as exc:
+        # lazy: loads with its command: `fedavg --help` stays fast
         from fedavg.run.output import RUN_OUTPUT
 
         hint = resume_hint(RUN_OUTPUT[0], exc.resume_without) if RUN_OUTPUT else None
@@ -138,17 +139,20 @@ def on_signal(message, cleanup=None):
             if cleanup is not None:
                 cleanup()
             else:
+                # lazy: loads with its command: `fedavg --help` stays fast
                 from fedavg.engines.deployment.processes import stop_all
 
                 stop_all()
         finally:
             with contextlib.suppress(Exception):
+                # lazy: loads with its command: `fedavg --help` stays fast
                 from fedavg.run.output import RUN_OUTPUT, remove_if_empty
 
                 if RUN_OUTPUT:
                     remove_if_empty(RUN_OUTPUT[0])
             os._exit(130)
 
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.util.interrupts import stoppers
 
     for sig in stoppers():
@@ -161,6 +165,7 @@ def resume_hint(output: Path | None, without: tuple[str, ...] = ()) -> str | Non
     A checkpoint counts when this command wrote it, or when this command resumes it.
     ``without``: options that made the run fail, left out of the command (and named).
     """
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.run.resume import CHECKPOINT, resume_command
 
     path = None if output is None else output / CHECKPOINT
@@ -182,6 +187,7 @@ def interrupted(output: Path | None) -> str:
     hint = resume_hint(output)
     if hint:
         return f"interrupted: {hint}"
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.run.output import REPLACED
 
     return ("interrupted before the first round finished: nothing of this run was saved"
@@ -233,6 +239,7 @@ def run_app(app: typer.Typer) -> None:
 
     # The CLI shows node failures and progress itself; keep library warnings off stderr.
     logging.getLogger("fedavg").addHandler(logging.NullHandler())
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.util.interrupts import stoppers
 
     if signal.SIGTERM in stoppers():  # not one the process was started with ignored

@@ -41,6 +41,7 @@ def sweep(
              "e.g. --only strategy=fedprox")] = None,
 ) -> None:
     """Run every point of a sweep config as its own `fedavg simulate`; resumable."""
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.sweeps.grid import load_sweep
     from fedavg.sweeps.plan import STARTS, plan, select
     from fedavg.sweeps.runner import Runner, check_sweep_folder, cpu_note, locked
@@ -55,6 +56,7 @@ def sweep(
         names = [p.name for p in whole.points]
         planned = plan(spec, out, retry_failed, names=names)
     if dry_run:
+        # lazy: loads with its command: `fedavg --help` stays fast
         from fedavg.sweeps.plan import check_points
 
         try:
@@ -94,6 +96,7 @@ def _check_points(planned) -> None:
     :func:`fedavg.sweeps.plan.quick_problems`); the dry run checks each point's data and
     model in full.
     """
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.sweeps.plan import quick_problems
 
     problems = quick_problems(planned)
@@ -105,6 +108,7 @@ def _check_points(planned) -> None:
 
 def _repeats_note(planned) -> str | None:
     """Say which points that would start train exactly as another point of the sweep."""
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.sweeps.grid import repeated_runs
     from fedavg.sweeps.plan import STARTS
 
@@ -122,6 +126,7 @@ def _repeats_note(planned) -> str | None:
 def _show_plan(spec, planned, out: Path, problems: dict[str, str]) -> None:
     from rich.table import Table
 
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.sweeps.grid import format_value
     from fedavg.sweeps.plan import STARTS
 
@@ -239,6 +244,7 @@ def report(
     """Tables (Markdown, CSV) and plots of the runs under a folder, grouped over seeds."""
     from rich.markdown import Markdown
 
+    # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.sweeps.report import write_report
 
     with guard("interrupted: run `fedavg report` again for a whole report", failed="error"):

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 def check_data(c: RunConfig) -> str | None:
     """Check the data settings: partitioner, alpha, seed, text limits, column choices."""
+    # lazy: this module stays light: `fedavg --help` reads it
     from fedavg.data.partition import partitioner_names
 
     d = c.data
@@ -81,7 +82,7 @@ def check_merge(c: RunConfig) -> str | None:
 
 def check_strategy(c: RunConfig) -> str | None:
     """Check the strategy: known, its options, one-shot rules, its node optimizer."""
-    import strategies
+    import strategies  # lazy: loads torch, which only this path needs
 
     m = c.merge
     try:

@@ -365,7 +365,7 @@ class RunConfig:
             Unknown strategy, an option it does not take or a value it refuses, too few
             nodes per round, a one-shot strategy with more than one round.
         """
-        import strategies
+        import strategies  # lazy: loads torch, which only this path needs
         if problem := check_strategy(self):
             raise UserError(problem)
         try:  # its option values, then the nodes it merges each round
@@ -401,7 +401,7 @@ class RunConfig:
         UserError
             An unknown key, or a value of the wrong type.
         """
-        import strategies
+        import strategies  # lazy: loads torch, which only this path needs
 
         known = {_kebab(f.name): (name, f, hint)
                  for name, klass in SECTIONS.items()

@@ -30,7 +30,7 @@ from fedavg.data.sources import (  # noqa: F401  (digits_arrays re-exported)
     looks_like_path,
     open_source,
 )
-from fedavg.data.text import tokenized
+from fedavg.data.text import make_tokenizer, same_tokenization, tokenized
 from fedavg.util.errors import UserError
 
 __all__ = [
@@ -342,7 +342,6 @@ def check_kind(input_spec: dict[str, Any], data: LoadedData, source: str) -> Non
                 "tabular": "pass a dataset with the same feature columns"}[want]
         raise UserError(f"this model takes {want} inputs, and {source} is {data.kind}: {hint}")
     if want == "text":
-        from fedavg.data.text import same_tokenization
 
         diff = same_tokenization(input_spec["tokenizer"], data.tokenizer.spec())
         if diff:
@@ -402,7 +401,6 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
     if len(image) == 1 and is_text(train_ds.features[image[0]]):
         tokenizer = text["tokenizer"]
         if isinstance(tokenizer, str):
-            from fedavg.data.text import make_tokenizer
 
             tokenizer = make_tokenizer(tokenizer, text["max_tokens"], text["buckets"])
     classes, mapping = label_classes(train_ds, label, train_name)

@@ -16,6 +16,7 @@ import numpy as np
 
 from fedavg.data.columns import is_bytes, is_image
 from fedavg.data.formats import FILE_BUILDERS, IMAGE_SUFFIXES  # noqa: F401  (re-exported)
+from fedavg.data.imagefolder import read_image_folder
 from fedavg.data.images import decode_images
 from fedavg.util.errors import UserError, first_line
 
@@ -107,7 +108,6 @@ def _open_local(path: Path, source: str, notes: list[str]):
         if isinstance(loaded, datasets.Dataset):
             loaded = datasets.DatasetDict({"train": loaded})
         return loaded
-    from fedavg.data.imagefolder import read_image_folder
 
     folder = read_image_folder(path, source)
     if folder is not None:  # an image folder, even with more stray files than images

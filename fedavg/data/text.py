@@ -25,6 +25,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from fedavg.data.sources import BUILTIN, IMAGE_SUFFIXES, looks_like_path
+from fedavg.util.atomic import atomic_write
 from fedavg.util.errors import UserError, first_line
 
 #: Most tokens per text (``--max-tokens``): an (N, L) int64 batch must fit in memory.
@@ -191,8 +193,6 @@ class FileTokenizer:
 
     def save(self, folder: str | Path) -> None:
         """Write ``tokenizer.json`` into ``folder`` (atomically)."""
-        from fedavg.util.atomic import atomic_write
-
         atomic_write(Path(folder) / TOKENIZER_FILE,
                      lambda tmp: Path(tmp).write_text(self.json_text))
 
@@ -218,7 +218,6 @@ def save_for(input_spec: dict[str, Any], folder: str | Path) -> None:
         return
     if sha not in _KNOWN:
         raise RuntimeError(f"tokenizer {sha} was not loaded in this process")
-    from fedavg.util.atomic import atomic_write
 
     atomic_write(path, lambda tmp: Path(tmp).write_text(_KNOWN[sha]))
 
@@ -352,8 +351,6 @@ def text_inputs(inputs: Sequence[str], literal: bool) -> list[tuple[str, str]]:
     UserError
         A missing path, an image, a ``.txt`` file that cannot be read or holds no text.
     """
-    from fedavg.data.sources import BUILTIN, IMAGE_SUFFIXES, looks_like_path
-
     if literal:
         return [("text", t) for t in inputs]
     items: list[tuple[str, str]] = []

@@ -17,8 +17,17 @@ import torch
 from torch import nn
 
 from fedavg.models import images as _images  # noqa: F401  (registers the built-in builders)
+from fedavg.models import sources as model_sources
 from fedavg.models import text as _text  # noqa: F401
 from fedavg.models.register import _MODELS, INPUT_KINDS, register_model  # noqa: F401
+from fedavg.models.sources import (
+    DATA_ARGS,
+    canonical,
+    check_output,
+    source_kind,
+    source_notes,
+    stored_args,
+)
 from fedavg.util.errors import UserError, first_line
 
 
@@ -58,7 +67,6 @@ def resolve_model(name: str, input_shape: tuple[int, ...], kind: str | None = No
             return "mlp"
         return "cnn" if input_shape[0] == 1 else "cnn-cifar"
     if ":" in name:
-        from fedavg.models.sources import canonical
 
         return canonical(name)
     if name not in _MODELS:
@@ -111,8 +119,6 @@ def make_model(name: str, input_shape: tuple[int, ...], num_classes: int,
     pretrained weights with ``pretrained``, an ``hf:`` folder's); registered and user-code
     models ignore both.
     """
-    from fedavg.models import sources as model_sources
-
     shape, args = tuple(int(s) for s in input_shape), dict(args or {})
     try:
         if ":" in name:
@@ -170,8 +176,6 @@ def check_model_args(name: str, args: dict[str, Any]) -> None:
         An unknown model, an argument the builder does not take (naming those it takes), a
         required one missing, or a size argument below 1.
     """
-    from fedavg.models import sources as model_sources
-
     kind = model_sources.source_kind(name)
     if kind == "registry" and name not in _MODELS and name != "auto":
         resolve_model(name, (1,))  # its error: unknown, with the registered names
@@ -289,8 +293,6 @@ class ModelSpec:
             Unknown model, or a model source that cannot be read (see
             :func:`fedavg.models.sources.stored_args`).
         """
-        from fedavg.models.sources import stored_args
-
         shape = tuple(int(s) for s in input_shape)
         name = resolve_model(name, shape, kind)
         args = dict(args or {})
@@ -331,8 +333,6 @@ class ModelSpec:
             The forward pass fails or gives another shape; your own builder gives another
             architecture on a second call.
         """
-        from fedavg.models.sources import DATA_ARGS, check_output, source_kind, source_notes
-
         check_output(model, self.input_shape, self.num_classes, self.name,
                      text=DATA_ARGS[0] in self.args, vocab_size=self.args.get(DATA_ARGS[0]))
         if source_kind(self.name) == "code":  # every node builds its own copy

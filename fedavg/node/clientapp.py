@@ -21,6 +21,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+import strategies
 from fedavg.models.evaluation import resolve_device
 from fedavg.models.registry import build_model
 from fedavg.node import keys
@@ -146,7 +147,6 @@ def _begin_rule(cfg: TrainSettings, model: torch.nn.Module, message: Message,
     """
     if not cfg.method:
         return None, 0
-    import strategies
 
     rule = strategies.node_rule(cfg.method, cfg.method_options, cfg.local.momentum)
     if rule is None:
@@ -161,8 +161,6 @@ def _begin_rule(cfg: TrainSettings, model: torch.nn.Module, message: Message,
 
 def _train_with(rule, model, x, y, cfg: TrainSettings, device: str, partition_id: int):
     """Train one round; return the stats and the rule's update (empty without a rule)."""
-    import strategies
-
     stats = train(
         model, x, y, cfg.input, cfg.local,
         server_round=cfg.server_round,

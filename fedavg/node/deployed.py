@@ -28,7 +28,12 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedavg.config.settings import RunConfig
+from fedavg.data.load import Split, check_kind, conform, data_settings, load
+from fedavg.data.shares import share_out
 from fedavg.node import keys
+from fedavg.node.wire import TrainSettings
+from fedavg.util.errors import UserError
 
 #: Run ids the coordinator has announced as finished (``fedavg node --once`` exits on one).
 FINISHED_RUNS: set[int] = set()
@@ -69,11 +74,6 @@ def node_arrays(dataset: str, partition_id: int, num_partitions: int,
     UserError
         Bad dataset, columns, or a partition id outside ``0..num_partitions-1``.
     """
-    from fedavg.config.settings import RunConfig
-    from fedavg.data.load import data_settings, load
-    from fedavg.data.shares import share_out
-    from fedavg.util.errors import UserError
-
     flat = json.loads(run_config_json)
     config = RunConfig.from_flat(flat).replace(dataset=dataset)
     d = config.data
@@ -99,8 +99,6 @@ def _conformed(dataset: str, partition_id: int, num_partitions: int, run_config_
 
     Labels follow the run's ``classes``; done once per run, not every round.
     """
-    from fedavg.data.load import Split, check_kind, conform
-
     x, y, own_classes, data = node_arrays(dataset, partition_id, num_partitions,
                                           run_config_json)
     spec = json.loads(input_json)
@@ -111,8 +109,7 @@ def _conformed(dataset: str, partition_id: int, num_partitions: int, run_config_
 
 @client_app.train()
 def _train(message: Message, context: Context) -> Message:
-    from fedavg.node.clientapp import run_train
-    from fedavg.node.wire import TrainSettings
+    from fedavg.node.clientapp import run_train  # lazy: loads torch, which only this path needs
 
     dataset = str(_node_setting(context, "dataset", "digits"))
     pid = int(_node_setting(context, keys.PARTITION_ID, -1))
@@ -136,6 +133,7 @@ def _own_model(settings, allowed):
     """
     import dataclasses
 
+    # lazy: loads torch, which only this path needs
     from fedavg.models.sources import node_model_name
 
     name = node_model_name(str(settings.model["name"]), None if allowed is None else str(allowed))

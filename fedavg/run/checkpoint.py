@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from fedavg.config.values import finite_number
+from fedavg.data.text import save_for
 from fedavg.util.atomic import atomic_write
 from fedavg.util.errors import UserError
 
@@ -107,7 +108,6 @@ def save(directory: str | Path, state_dict: Mapping[str, torch.Tensor],
     tensors = storable(state_dict)
     # pinned in model.json (safetensors writes metadata keys in no fixed order: one key only)
     meta = {"format": FORMAT, **meta, "weights_sha256": tensor_digest(tensors)}
-    from fedavg.data.text import save_for
 
     save_for(meta.get("input", {}), directory)  # a text model's tokenizer.json, first
     atomic_write(directory / WEIGHTS,

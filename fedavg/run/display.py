@@ -165,7 +165,7 @@ def _recipe(config: RunConfig, input_spec: dict[str, Any]) -> str:
     where :func:`fedavg.node.recipe.augmenter` has an augmentation for ``input_spec`` (images);
     other inputs get a note instead.
     """
-    from fedavg.node.recipe import augmenter
+    from fedavg.node.recipe import augmenter  # lazy: loads torch, which only this path needs
 
     t = config.train
     parts = [f"{t.lr_schedule} learning rate"] if t.lr_schedule != "constant" else []

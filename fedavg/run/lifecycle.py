@@ -26,6 +26,7 @@ from fedavg.data.load import LoadedData, Split, data_settings, load
 from fedavg.data.overlap import overlap_note
 from fedavg.data.shares import share_out
 from fedavg.data.sources import same_source
+from fedavg.run.display import natural_note
 from fedavg.run.output import (  # noqa: F401  (re-exported: the run folder)
     RUN_FILES,
     RUN_OUTPUT,
@@ -36,6 +37,7 @@ from fedavg.run.output import (  # noqa: F401  (re-exported: the run folder)
     remove_if_empty,
 )
 from fedavg.util.errors import RunError, UserError
+from fedavg.util.timeline import phases
 
 log = logging.getLogger("fedavg")
 
@@ -196,7 +198,7 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
     UserError
         Bad dataset, columns, partitioning, model or strategy options.
     """
-    from fedavg.models.registry import ModelSpec
+    from fedavg.models.registry import ModelSpec  # lazy: loads torch, which only this path needs
 
     d = config.data
     strategy = config.build_strategy()
@@ -229,6 +231,7 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
                                  pretrained=t.pretrained, kind=data.kind)
         # fail early on shapes the model cannot take; say how its inputs are adapted
         built = spec.build()
+        # lazy: loads torch, which only this path needs
         from fedavg.node.train import check_batch_size
 
         check_batch_size(built, t.batch_size)  # BatchNorm needs two samples a batch
@@ -236,7 +239,6 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
         data.notes.extend(_strategy_notes(strategy, built, config))
     meta = _metadata(config, data, spec, validation, distill_x)
     prepared = Prepared(data, parts, spec, meta, strategy, validation, distill_x)
-    from fedavg.run.display import natural_note
 
     grouped = natural_note(prepared)
     if grouped:
@@ -266,7 +268,7 @@ def _coverage_notes(data: LoadedData, parts: list[np.ndarray], partitioner: str)
 
 def _strategy_notes(strategy, model, config: RunConfig) -> list[str]:
     """Return the strategy's notes on the model and node settings (``UserError``: unusable)."""
-    import strategies
+    import strategies  # lazy: loads torch, which only this path needs
 
     note = strategy.nodes_note(config.nodes_per_round)
     try:
@@ -373,7 +375,7 @@ def finish(state: RunState, prepared: Prepared, config: RunConfig, out: Path, st
 
 def write_summary(result: RunResult, prepared: Prepared, config: RunConfig) -> None:
     """Write ``summary.json``: final and best accuracy, timing, sizes, failures, settings."""
-    from fedavg.run.checkpoint import write_json
+    from fedavg.run.checkpoint import write_json  # lazy: loads torch, which only this path needs
 
     write_json(result.summary_path, {
         "accuracy": result.accuracy,
@@ -394,6 +396,5 @@ def write_summary(result: RunResult, prepared: Prepared, config: RunConfig) -> N
 
 
 def _startup(state: RunState) -> dict[str, float] | None:
-    from fedavg.util.timeline import phases
 
     return phases(state.marks) if "entered" in state.marks else None

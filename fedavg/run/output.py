@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from fedavg.data.text import TOKENIZER_FILE
+from fedavg.util.atomic import atomic_write
 from fedavg.util.errors import UserError
 
 #: The run folder of the run going on in this process (for interrupt messages).
@@ -219,8 +221,6 @@ def check_predictions_output(path: str | Path, model_dir: str | Path,
         (model, settings, metrics, checkpoint, tokenizer) that exists or is ``model_dir``'s;
         below a file.
     """
-    from fedavg.data.text import TOKENIZER_FILE
-
     path = Path(path)
     if path.suffix.lower() not in (".csv", ".json"):
         raise UserError(f"--output must end in .csv or .json (got {path.name})")
@@ -253,8 +253,6 @@ def write_predictions(rows: list[dict[str, Any]], path: str | Path) -> Path:
     UserError
         Another suffix, or a folder that cannot be written.
     """
-    from fedavg.util.atomic import atomic_write
-
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in (".csv", ".json"):

@@ -28,8 +28,14 @@ from typing import Any, Iterable
 
 import torch
 
+import strategies
 from fedavg.config.settings import RunConfig, resumable_settings
 from fedavg.config.values import format_value
+from fedavg.data.text import TOKENIZER_FILE
+from fedavg.models.sources import absolute_name, names_same_code
+from fedavg.run.checkpoint import storable, tensor_digest
+from fedavg.run.lifecycle import RoundRecord
+from fedavg.util.atomic import atomic_write
 from fedavg.util.errors import UserError
 
 CHECKPOINT = "checkpoint.safetensors"
@@ -45,8 +51,6 @@ _PATHS = ("dataset", "validation", "distill-data", "tokenizer")
 
 def absolute_paths(flat: dict[str, Any]) -> dict[str, Any]:
     """Return flat settings with every local data path made absolute (others unchanged)."""
-    from fedavg.models.sources import absolute_name
-
     out = dict(flat)
     for key in _PATHS:
         value = out.get(key)
@@ -133,9 +137,6 @@ def save(folder: str | Path, ckpt: Checkpoint) -> Path:
     """Write ``folder/checkpoint.safetensors`` atomically; return its path."""
     from safetensors.torch import save_file
 
-    from fedavg.run.checkpoint import storable, tensor_digest
-    from fedavg.util.atomic import atomic_write
-
     tensors = {f"model.{k}": v for k, v in storable(ckpt.model).items()}
     plain = {}
     for name, value in ckpt.strategy.items():
@@ -180,8 +181,6 @@ def load(folder: str | Path) -> Checkpoint:
     """
     from safetensors import SafetensorError, safe_open
 
-    from fedavg.run.checkpoint import tensor_digest
-
     folder = Path(folder)
     path = folder / CHECKPOINT
     if folder.is_file():
@@ -212,8 +211,6 @@ def load(folder: str | Path) -> Checkpoint:
 def _from_parts(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Checkpoint:
     def group(prefix: str) -> dict[str, torch.Tensor]:
         return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-
-    from fedavg.run.lifecycle import RoundRecord
 
     if not isinstance(state["round"], int) or isinstance(state["round"], bool):
         raise ValueError(f"round {state['round']!r} is not a whole number")
@@ -273,8 +270,6 @@ def _check_random(ckpt: Checkpoint) -> None:
 
 def model_mismatch(model: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> str | None:
     """Say how the checkpoint's ``saved`` weights do not fit ``model``, or return ``None``."""
-    import strategies
-
     missing, extra = sorted(set(model) - set(saved)), sorted(set(saved) - set(model))
     if missing or extra:
         return f"tensors missing {missing[:3]}, unexpected {extra[:3]}"
@@ -289,7 +284,6 @@ def model_mismatch(model: dict[str, torch.Tensor], saved: dict[str, torch.Tensor
 
 def write_metrics(path: Path, rounds: list[dict[str, Any]]) -> None:
     """Rewrite ``metrics.jsonl`` with the checkpoint's rounds (dropping any later line)."""
-    from fedavg.util.atomic import atomic_write
 
     def _write(tmp: str) -> None:
         with open(tmp, "w") as fh:
@@ -300,8 +294,6 @@ def write_metrics(path: Path, rounds: list[dict[str, Any]]) -> None:
 
 def _option_defaults(flat: dict[str, Any]) -> dict[str, Any]:
     """Return ``flat`` with the strategy's options not given at their defaults."""
-    import strategies
-
     defaults = strategies.option_defaults(flat.get("strategy"))
     return {**{k.replace("_", "-"): v for k, v in defaults.items()}, **flat}
 
@@ -337,12 +329,10 @@ def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
     saved = _option_defaults(absolute_paths(ckpt.run_config().to_flat()))
     asked = _option_defaults(absolute_paths(config.to_flat()))
     allowed = set(may_change)
-    from fedavg.data.text import TOKENIZER_FILE
 
     own = Path(where) / TOKENIZER_FILE  # the run's copy of its tokenizer file: the same
     if own.is_file() and asked.get("tokenizer") == str(own.resolve()):  # file (SHA-256
         asked["tokenizer"] = saved.get("tokenizer")  # checked), with which it goes on
-    from fedavg.models.sources import names_same_code
 
     if isinstance(asked.get("model"), str) and isinstance(saved.get("model"), str) and \
             names_same_code(asked["model"], saved["model"]):

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from fedavg.config.values import format_value
+from fedavg.data.text import TOKENIZER_FILE, same_tokenization
 from fedavg.util.errors import UserError
 
 
@@ -19,8 +20,6 @@ def check_same_data(output, input_spec: dict, dataset: dict | None = None) -> No
         Other train or test sample counts than the saved model's ``dataset`` entry (another
         file at the data's path), or another tokenizer (file, buckets, length).
     """
-    from fedavg.data.text import TOKENIZER_FILE, same_tokenization
-
     try:
         saved_meta = json.loads((output / "model.json").read_text())
         saved, before = saved_meta["input"], dict(saved_meta.get("dataset") or {})
@@ -61,6 +60,7 @@ def check_same_model(output: Path, spec: dict[str, Any] | None) -> None:
         now = json.loads(json.dumps((spec or {})["args"]))  # tuples as lists, as saved
     except (OSError, ValueError, KeyError, TypeError):
         return  # no (readable) saved model yet: nothing to compare
+    # lazy: loads torch, which only this path needs
     from fedavg.models.sources import names_same_code
 
     if saved.get("name") != spec.get("name"):

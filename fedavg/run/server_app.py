@@ -23,9 +23,12 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
+import strategies
 from fedavg.config.settings import RunConfig
 from fedavg.models.evaluation import evaluate, evaluation_device
+from fedavg.models.sources import first_line
 from fedavg.node import keys
+from fedavg.node.clientapp import node_state
 from fedavg.node.wire import TrainSettings
 from fedavg.run import checkpoint, resume
 from fedavg.run.display import Progress
@@ -34,6 +37,7 @@ from fedavg.run.lifecycle import Prepared, RoundRecord, RunState
 from fedavg.run.merge_context import merge_context
 from fedavg.run.output import clear_previous_run
 from fedavg.run.resume_checks import check_same_data, check_same_model
+from fedavg.util.errors import RunError, UserError
 from strategies.swa import WeightAverage
 
 log = logging.getLogger("fedavg")
@@ -70,8 +74,6 @@ class Deployment:
         RunError
             Fewer than ``needed`` nodes after ``wait_timeout`` seconds.
         """
-        from fedavg.util.errors import RunError
-
         deadline = time.monotonic() + self.wait_timeout
         while True:
             nodes = sorted(int(n) for n in grid.get_node_ids())
@@ -140,8 +142,6 @@ def announce_end(grid: Grid, wait_s: float = 5.0, failure: str | None = None) ->
 
 def failure_reason(exc: BaseException) -> str:
     """One line saying why a run failed, for the nodes (at most 300 characters)."""
-    from fedavg.util.errors import RunError, UserError
-
     text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
     if not isinstance(exc, (RunError, UserError)):
         text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -230,9 +230,6 @@ class ServerRun:
     def _resume(self, ckpt: resume.Checkpoint,
                 fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Take the checkpoint's model, strategy state and rounds; return the model."""
-        import strategies
-        from fedavg.util.errors import UserError
-
         where = self.output / resume.CHECKPOINT
         check_same_data(self.output, self.prepared.meta["input"],
                         self.prepared.meta.get("dataset"))
@@ -255,9 +252,6 @@ class ServerRun:
 
     def _resume_swa(self, ckpt: resume.Checkpoint, fresh: dict[str, torch.Tensor]) -> None:
         """Take the checkpoint's weight average (``--swa-start``); it must fit the model."""
-        import strategies
-        from fedavg.util.errors import UserError
-
         count = resume.averaged_rounds(self.config.merge.swa_start, ckpt.round)
         if count:
             try:
@@ -338,8 +332,6 @@ class ServerRun:
             return evaluate(model, test.x, test.y, self.prepared.meta["input"],
                             device=self.eval_device)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - the model's own code
-            from fedavg.models.sources import first_line
-            from fedavg.util.errors import RunError
 
             raise RunError(f"round {server_round}'s merged model failed on the test data, in "
                            f"eval mode ({first_line(exc)}): fix the model's "
@@ -446,7 +438,6 @@ class ServerRun:
         strategy = self.prepared.strategy
         if self.node_contexts is None or strategy.node_rule is None:
             return {}
-        from fedavg.node.clientapp import node_state
 
         return self.node_contexts.states(lambda records: node_state(records, strategy.name))
 

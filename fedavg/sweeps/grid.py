@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from fedavg.config.setting_use import setting_applies
-from fedavg.config.settings import RunConfig
-from fedavg.config.values import MODEL_ARGS, format_value
+from fedavg.config.settings import SECTIONS, RunConfig, cli_fields
+from fedavg.config.values import MODEL_ARGS, format_value, read_toml
 from fedavg.util.errors import UserError
 
 #: Options of ``fedavg simulate`` that are not run settings, with their defaults.
@@ -169,7 +169,6 @@ def load_sweep(path: str | Path) -> Sweep:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    from fedavg.config.values import read_toml
 
     raw = read_toml(path, "sweep config")
     unknown = [k for k in raw if k not in _TABLES]
@@ -280,8 +279,6 @@ def _cli_types() -> dict[str, Any]:
     """Return ``{kebab-case name: type}`` of the run settings ``fedavg simulate`` takes."""
     import typing
 
-    from fedavg.config.settings import cli_fields
-
     out = {}
     for f, hint in cli_fields():
         if f.name != "options":
@@ -294,14 +291,12 @@ def _config_only() -> set[str]:
     """Return the config's run settings that have no ``fedavg simulate`` option."""
     from dataclasses import fields
 
-    from fedavg.config.settings import SECTIONS
-
     names = {f.name.replace("_", "-") for klass in SECTIONS.values() for f in fields(klass)}
     return names - set(_cli_types()) - {"options"}
 
 
 def _option_names() -> set[str]:
-    import strategies
+    import strategies  # lazy: loads torch, which only this path needs
 
     return {name.replace("_", "-") for name in strategies.all_options()}
 
@@ -318,7 +313,7 @@ def effective_settings(settings: dict[str, Any], config: RunConfig,
     ``mu = 0.01`` written out for ``fedprox`` is the run that leaves it out. (Point names
     leave them out, as they did before these counted.)
     """
-    import strategies
+    import strategies  # lazy: loads torch, which only this path needs
 
     out = {k: v for k, v in config.to_flat().items()}
     defaults = strategies.option_defaults(config.merge.strategy) if strategy_defaults else {}

@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from fedavg.config.settings import RunConfig
+from fedavg.data.load import data_settings, load
+from fedavg.run.lifecycle import prepare
+from fedavg.run.output import RUN_FILES
 from fedavg.sweeps.grid import Point, Sweep, effective_settings, format_value, name_part
 from fedavg.util.errors import UserError
 
@@ -49,8 +53,6 @@ def check_points(planned: list[Planned]) -> dict[str, str]:
     dataset is held at a time. Returns ``{point name: error line}`` for the points whose
     ``fedavg simulate`` would stop with that error before its first round.
     """
-    from fedavg.data.load import data_settings, load
-    from fedavg.run.lifecycle import prepare
 
     def key(p: Planned) -> str:
         d = p.point.config.data
@@ -83,6 +85,7 @@ def quick_problems(planned: list[Planned]) -> dict[str, str]:
     cannot take (:func:`fedavg.models.registry.check_model_args`), and a device, cores or GPUs per
     node this machine cannot give (:func:`fedavg.engines.simulation.simulate.check_resources`).
     """
+    # lazy: loads torch, which only this path needs
     from fedavg.engines.simulation.simulate import check_resources
     from fedavg.models.registry import check_model_args
 
@@ -180,7 +183,6 @@ def _plan_point(planned: list[Planned], point: Point, folder: Path,
         planned.append(Planned(point, KEEP_FAILED, {
             k: before.get(k) for k in ("exit_code", "error", "wall_s")}))
     else:
-        from fedavg.run.output import RUN_FILES
 
         started = folder.is_dir() and any((folder / f).exists() for f in RUN_FILES)
         done, other = _resumable(folder, point) if started else (None, None)
@@ -220,7 +222,7 @@ def _resumable(folder: Path, point: Point) -> tuple[int | None, str | None]:
     checkpoint of other settings (or more rounds) gives ``(None, "what differs")``; none, or
     one that does not read, ``(None, None)`` (nothing of it can be used).
     """
-    from fedavg.run import resume
+    from fedavg.run import resume  # lazy: loads torch, which only this path needs
 
     try:
         ckpt = resume.load(folder)
@@ -261,7 +263,7 @@ def _plain(obj: Any) -> Any:
 
 def _option_defaults(config: dict[str, Any]) -> dict[str, Any]:
     """Return a nested run config with its strategy's options at their defaults where unset."""
-    import strategies
+    import strategies  # lazy: loads torch, which only this path needs
 
     merge = config.get("merge") if isinstance(config.get("merge"), dict) else {}
     given = merge.get("options") if isinstance(merge.get("options"), dict) else {}
@@ -276,8 +278,6 @@ def _difference(recorded: Any, wanted: dict[str, Any]) -> str | None:
     A setting the recorded config lacks (a run made before it existed) is at its default,
     and so is a strategy option (``mu = 0.01`` for ``fedprox`` is the run that leaves it out).
     """
-    from fedavg.config.settings import RunConfig
-
     if not isinstance(recorded, dict):
         return "no settings recorded"
     defaults = _plain(RunConfig().as_dict())

@@ -16,6 +16,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from fedavg.data.partition import get_partitioner
+from fedavg.sweeps.runs import group_runs
+from fedavg.util.errors import UserError
+
 PLOTS = ("accuracy_per_round.png", "accuracy_vs_alpha.png", "wall_time_vs_nodes.png")
 
 
@@ -59,8 +63,6 @@ def write_plots(runs: list, keys: list[str], folder: Path) -> tuple[list[Path], 
 
 
 def _takes_alpha(partitioner: Any) -> bool:
-    from fedavg.data.partition import get_partitioner
-    from fedavg.util.errors import UserError
 
     try:
         return "alpha" in get_partitioner(str(partitioner)).params
@@ -70,8 +72,6 @@ def _takes_alpha(partitioner: Any) -> bool:
 
 def _lines(runs: list, keys: list[str], leave_out: tuple[str, ...]):
     """Group runs by the varying settings but ``leave_out``: ``[(label, runs)]``."""
-    from fedavg.sweeps.runs import group_runs
-
     shown = [k for k in keys if k not in leave_out]
     return [(g.label, g.runs) for g in group_runs(runs, shown, over=leave_out)]
 

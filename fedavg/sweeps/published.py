@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedavg.config.settings import RunConfig
 from fedavg.config.values import read_toml
 from fedavg.util.errors import UserError
 
@@ -76,8 +77,7 @@ def _same(value: Any, wanted: Any) -> bool:
 
 def known_settings() -> set[str]:
     """Return the kebab-case names of every run setting and strategy option."""
-    import strategies
-    from fedavg.config.settings import RunConfig
+    import strategies  # lazy: loads torch, which only this path needs
 
     return set(RunConfig().to_flat()) | {k.replace("_", "-") for k in strategies.all_options()}
 

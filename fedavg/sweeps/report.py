@@ -16,6 +16,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fedavg.config.setting_use import setting_applies
+from fedavg.data.sources import same_source
+from fedavg.sweeps import plots as report_plots
+from fedavg.sweeps.published import load_published, valid_name
 from fedavg.sweeps.runs import (  # noqa: F401  (re-exported)
     REQUIRED,
     Group,
@@ -161,8 +165,6 @@ def write_report(runs_dir: str | Path, *, target: float = 0.9,
         A ``target`` outside (0, 1], ``runs_dir`` missing or without runs, an unwritable
         ``output``, a bad ``published`` file or ``name``.
     """
-    from fedavg.sweeps.published import load_published, valid_name
-
     if not valid_name(name):
         raise UserError(f"--name {name!r}: give a file stem such as niid (letters, digits, "
                         "._+-; no folders, spaces or leading dot)")
@@ -186,8 +188,6 @@ def write_report(runs_dir: str | Path, *, target: float = 0.9,
 def _write(runs: list[Run], notes: list[str], root: Path, out: Path, target: float,
            figures, name: str) -> dict[str, Any]:
     """Write :func:`write_report`'s files into ``out``; return its result."""
-    from fedavg.sweeps import plots as report_plots
-
     plots_dir = out / ("plots" if name == "results" else f"{name}_plots")
     plots_dir.mkdir(parents=True, exist_ok=True)
     keys = varying(runs)
@@ -226,8 +226,6 @@ def _same_seed_notes(groups: list[Group], root: Path) -> list[str]:
 
 def _distill_notes(runs: list[Run]) -> list[str]:
     """Say which unlabeled data the distilled runs used (papers differ: some use none)."""
-    from fedavg.data.sources import same_source
-
     used = set()
     for r in runs:
         s = r.settings
@@ -263,8 +261,6 @@ def applies(key: str, settings: dict[str, Any]) -> bool:
     ``alpha``, ``classes-per-node`` and ``partition-by`` apply only with a partitioner that
     takes them (:func:`fedavg.config.setting_use.setting_applies`); every other setting applies.
     """
-    from fedavg.config.setting_use import setting_applies
-
     return setting_applies(key.replace("-", "_"), settings.get("partitioner"))
 
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedavg.run.output import RUN_FILES, check_folder
 from fedavg.sweeps.grid import Point, Sweep
 from fedavg.sweeps.plan import (
     KEEP_FAILED,
@@ -114,8 +115,6 @@ def check_sweep_folder(out: Path) -> None:
     UserError
         Saying which, and to choose another ``--output``.
     """
-    from fedavg.run.output import RUN_FILES, check_folder
-
     check_folder(out)
     held = next((f for f in RUN_FILES if (out / f).is_file()), None)
     if held is not None:

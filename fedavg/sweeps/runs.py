@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedavg.config.settings import RunConfig
 from fedavg.config.values import finite_number
+from fedavg.sweeps.grid import format_value
 from fedavg.util.errors import UserError
 
 REQUIRED = ("summary.json", "model.json", "metrics.jsonl")
@@ -175,8 +177,6 @@ def flat_settings(summary: dict[str, Any]) -> dict[str, Any]:
 
     A setting the config lacks (a run made before it existed) is at its default.
     """
-    from fedavg.config.settings import RunConfig
-
     flat: dict[str, Any] = dict(RunConfig().to_flat())
     config = summary.get("config") or {}
     for section in ("data", "train", "merge"):
@@ -184,7 +184,6 @@ def flat_settings(summary: dict[str, Any]) -> dict[str, Any]:
             if key == "options":
                 flat.update({k.replace("_", "-"): v for k, v in (value or {}).items()})
             elif key == "model_args":  # hidden=64,act=gelu, as sweep points name them
-                from fedavg.sweeps.grid import format_value
 
                 flat["model-args"] = format_value(dict(value)) if value else None
             else:

@@ -14,10 +14,11 @@ from fedavg.data.images import fit_images, fitted_note
 from fedavg.data.load import BUILTIN, check_kind, conform, decode_images, load
 from fedavg.data.overlap import overlap_note
 from fedavg.data.sources import saved_load_args
-from fedavg.data.text import model_tokenizer
+from fedavg.data.text import from_spec, model_tokenizer, text_inputs
 from fedavg.models.evaluation import evaluate as _evaluate
 from fedavg.models.evaluation import predict_proba, resolve_device
-from fedavg.models.registry import build_model
+from fedavg.models.registry import EnsembleModel, build_model
+from fedavg.models.sources import saved_model_name
 from fedavg.run import checkpoint
 from fedavg.use.inputs import check_inputs, collect, input_notes, table_rows, text_table_rows
 from fedavg.util.errors import NoLabelColumn, UserError
@@ -58,7 +59,6 @@ def load_model(directory: str | Path, device: str = "cpu",
 
 
 def _build(spec: Any, where: str, code: str | None = None) -> torch.nn.Module:
-    from fedavg.models.sources import saved_model_name
 
     try:
         name = saved_model_name(str(spec["name"]), code, where)
@@ -106,8 +106,6 @@ def model_from_artifacts(state: dict, meta: dict, where: str = "the model",
         A description that cannot be built, weights that do not fit it, or user code that
         ``code`` does not name.
     """
-    from fedavg.models.registry import EnsembleModel
-
     spec = meta["model"]
     if not isinstance(spec, dict):
         raise UserError(f"{where}/model.json has an unusable model entry")
@@ -377,8 +375,6 @@ def _text_batches(inputs: Sequence[str], literal: bool, split: str, meta: dict[s
                   directory: str | Path, on_note: Callable[[str], None],
                   columns: dict[str, str]) -> list:
     """Tokenize texts (and load datasets) for a text model: ``[(x, names), ...]``."""
-    from fedavg.data.text import from_spec, text_inputs
-
     files = [t for t in inputs if literal and len(t) < 4096 and Path(t).expanduser().is_file()]
     if files:
         on_note(f"{files[0]} is a file, classified as the text of its name because of --text; "

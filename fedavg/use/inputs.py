@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from fedavg.data.columns import check_numeric, is_text
 from fedavg.data.imagefolder import files_below, is_hidden
 from fedavg.data.images import large_images_quiet
 from fedavg.data.load import BUILTIN, FILE_BUILDERS, IMAGE_SUFFIXES, looks_like_path
+from fedavg.data.sources import input_array, open_source
 from fedavg.util.errors import UserError
 
 
@@ -139,9 +141,6 @@ def table_rows(source: str, features: list[str]):
     UserError
         The table lacks one of the model's ``features`` columns.
     """
-    from fedavg.data.columns import check_numeric
-    from fedavg.data.sources import input_array, open_source
-
     dsdict = open_source(source)
     if len(dsdict) != 1:
         return None
@@ -168,9 +167,6 @@ def text_table_rows(source: str, tokenizer: Any, column: str | None, given: bool
     UserError
         ``given`` and the table has no such column, or it holds no text.
     """
-    from fedavg.data.columns import is_text
-    from fedavg.data.sources import open_source
-
     dsdict = open_source(source)
     if len(dsdict) != 1:
         return None

@@ -9,13 +9,20 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import strategies
 from fedavg.config.settings import RunConfig
 from fedavg.data.held_out import saved_merge_samples, unused_data
+from fedavg.data.text import model_tokenizer
+from fedavg.models.registry import ModelSpec
 from fedavg.models.sources import saved_model_name
 from fedavg.run import checkpoint
-from fedavg.run.lifecycle import make_output
+from fedavg.run.lifecycle import check_output, make_output
+from fedavg.run.merge_context import merge_context
 from fedavg.run.output import clear_previous_run, release_output, remove_if_empty
+from fedavg.use.inference import evaluation_data, load_model, score
 from fedavg.util.errors import UserError
+from strategies import MergeError
+from strategies.fedavg import check_weight
 
 
 def model_dirs(paths: Sequence[str | Path]) -> list[Path]:
@@ -142,7 +149,6 @@ def merge_models(
                          _skipped(models, dirs)
                          + _seed_notes([m for _, m in loaded], merged.is_ensemble, held))
         if held is not None:
-            from fedavg.use.inference import load_model, score
 
             ev = score(load_model(out, model=model), held, device=config.train.device)
             notes = {"notes": result.get("notes", []) + ev["notes"]} if ev["notes"] else {}
@@ -226,7 +232,6 @@ def _test_data(first: dict[str, Any], folder: Path, dataset: str | None):
         return None
     if not isinstance(dataset, str):
         raise TypeError(f"dataset must be a name or path (str), got {dataset!r}")
-    from fedavg.use.inference import evaluation_data
 
     return evaluation_data(first, folder, dataset)
 
@@ -264,8 +269,6 @@ def _one_merge(config: Any, models: Sequence[str | Path]):
 
 def _check_output(output: str | Path, dirs: list[Path], overwrite: bool) -> Path:
     """Return the output folder, refusing one that holds a run or an input (not created)."""
-    from fedavg.run.lifecycle import check_output
-
     if not isinstance(overwrite, bool):  # "no" would be true
         raise TypeError(f"overwrite must be bool, got {overwrite!r}")
     if not isinstance(output, (str, os.PathLike)):
@@ -345,8 +348,6 @@ def _merge_data(config: RunConfig, strategy, first: dict[str, Any], folder: Path
 
     A text model's tokenizer comes from its ``folder`` (its ``tokenizer.json``).
     """
-    from fedavg.data.text import model_tokenizer
-
     tokenizer = model_tokenizer(first, folder)
     m = config.merge
     validation = distill_x = None
@@ -370,10 +371,6 @@ def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill
     import dataclasses
 
     import torch
-
-    import strategies
-    from fedavg.models.registry import ModelSpec
-    from fedavg.run.merge_context import merge_context
 
     spec = dataclasses.replace(ModelSpec.from_dict(first["model"]), name=name)  # the code named
     weights = _weights(dirs, [meta for _, meta in loaded])
@@ -430,9 +427,6 @@ def _weight(folder: Path, meta: dict[str, Any]) -> float | None:
     UserError
         ``node.num_examples`` in its ``model.json`` is not a finite number > 0.
     """
-    from strategies import MergeError
-    from strategies.fedavg import check_weight
-
     node = meta.get("node")
     if not isinstance(node, dict) or "num_examples" not in node:
         return None

@@ -47,10 +47,8 @@ def test_the_pool_takes_prestarted_actors_first_and_creates_only_the_rest(monkey
 
 
 def _fake_start(monkeypatch, init):
-    import fedavg.flower_compat as compat
-
     monkeypatch.setattr(ray_start, "init_ray", init)
-    monkeypatch.setattr(compat, "node_actors", lambda resources, on_init: ["a", "b"])
+    monkeypatch.setattr(ray_start, "node_actors", lambda resources, on_init: ["a", "b"])
     backend = {"init_args": {"num_cpus": 2}, "client_resources": {"num_cpus": 1}}
     return ray_start.RayStart(backend, "/nowhere")
 
@@ -106,7 +104,7 @@ def test_a_simulation_trains_on_the_actors_started_while_it_set_up(tmp_path, mon
         add(self, num_actors)
         pooled.extend(self.pool)
 
-    monkeypatch.setattr(compat, "node_actors", node_actors)
+    monkeypatch.setattr(ray_start, "node_actors", node_actors)
     monkeypatch.setattr(ray_actor.BasicActorPool, "add_actors_to_pool", add_actors_to_pool)
     res = fedavg.simulate(dataset="digits", num_nodes=3, rounds=2, output=tmp_path / "run")
     assert res.accuracy > 0.5

@@ -601,12 +601,12 @@ def test_points_that_train_exactly_as_another_are_named(tmp_path):
 
 
 def test_dry_run_finds_the_points_that_would_fail_at_their_start(tmp_path, monkeypatch):
-    from fedavg.data import load as data
+    from fedavg.sweeps import plan as planning
     from fedavg.sweeps.plan import check_points
 
     loads = []
-    real_load = data.load
-    monkeypatch.setattr(data, "load", lambda *a, **k: loads.append(a[0]) or real_load(*a, **k))
+    real_load = planning.load
+    monkeypatch.setattr(planning, "load", lambda *a, **k: loads.append(a[0]) or real_load(*a, **k))
     config = toml(tmp_path, '[base]\nrounds = 2\n[grid]\n'
                             'dataset = ["digits", "/nowhere/data.parquet"]\n'
                             'num-nodes = [3, 2000]\n')

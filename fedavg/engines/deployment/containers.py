@@ -374,6 +374,7 @@ def init(certs: Path, nodes: int, hosts: list[str], outputs: list[Path],
     UserError
         Bad ``nodes`` or host names, or an output folder the owner cannot write.
     """
+    # lazy: the image's health check stays light
     from fedavg.engines.deployment.certs import make_certs
 
     uid, gid = owner

@@ -36,7 +36,18 @@ from fedavg.engines.deployment.tls import (
     load_auth_keys,
     resolve_certs,
 )
+from fedavg.run.display import Progress, recipe_text, reporter, show_plan
+from fedavg.run.lifecycle import (
+    RunState,
+    check_output,
+    finish,
+    make_output,
+    prepare,
+    quiet_logs,
+    remove_if_empty,
+)
 from fedavg.run.output import RUN_OUTPUT
+from fedavg.run.tracking import tracked
 from fedavg.util.errors import RunError, UserError
 
 if TYPE_CHECKING:
@@ -112,8 +123,6 @@ def coordinate(config: RunConfig, options: CoordinatorOptions = CoordinatorOptio
         Too few nodes in time, or a round without enough usable models; finished rounds
         stay saved.
     """
-    from fedavg.run.tracking import tracked
-
     started = time.monotonic()
     opts = _check_options(config, options)
     flower_compat.check_flower_internals()
@@ -124,8 +133,6 @@ def coordinate(config: RunConfig, options: CoordinatorOptions = CoordinatorOptio
 
 def _prepare_and_run(opts: _Options, console, trackers, started: float) -> RunResult:
     """Prepare the data, run the rounds across machines and finish the run."""
-    from fedavg.run.lifecycle import RunState, finish, prepare, quiet_logs
-
     prepared = prepare(opts.config)
     check_port_free(opts.host, opts.port)
     quiet_logs(opts.verbose)
@@ -138,8 +145,6 @@ def _prepare_and_run(opts: _Options, console, trackers, started: float) -> RunRe
 def _run_keeping_nothing_empty(opts: _Options, prepared, state, console,
                                trackers) -> tuple[Path, int]:
     """Run :func:`_run`; remove the run folder again if the run failed before round 1."""
-    from fedavg.run.lifecycle import remove_if_empty
-
     RUN_OUTPUT.clear()
     try:
         return _run(opts, prepared, state, console, trackers)
@@ -157,8 +162,6 @@ def _run(opts: _Options, prepared, state, console, trackers) -> tuple[Path, int]
     tuple
         The run folder and Flower's run id.
     """
-    from fedavg.run.display import recipe_text, reporter, show_plan
-
     say = reporter(console, opts.certs is None)
     tmp = PrivateDir("fedavg-coordinator-")
     link = None
@@ -191,8 +194,8 @@ def _run(opts: _Options, prepared, state, console, trackers) -> tuple[Path, int]
 
 def _check_options(config: RunConfig, options: CoordinatorOptions) -> _Options:
     """Check every option before anything starts (see :func:`coordinate`)."""
+    # lazy: loads torch, which only this path needs
     from fedavg.models.evaluation import resolve_device
-    from fedavg.run.lifecycle import check_output
     from fedavg.run.resume import MAY_CHANGE, resolve_settings
 
     o = options
@@ -268,8 +271,6 @@ def _superlink_echo(say: Callable[[str], None], verbose: bool = False,
 def _submit(link: FlowerProcess, opts: _Options, home: Path, output: Path | None,
             say: Callable[[str], None]) -> tuple[Path, int]:
     """Wait for the SuperLink, create the run folder, register node keys, start the run."""
-    from fedavg.run.lifecycle import make_output
-
     control = _wait_ready(link, opts)
     try:
         # only once the SuperLink runs: a failed start writes nothing
@@ -306,7 +307,7 @@ def _wait_ready(link: FlowerProcess, opts: _Options, timeout_s: float = 60.0):
 def _run_rounds(link: FlowerProcess, endpoint, run_id: int, opts: _Options, prepared, out: Path,
                 state, console, say: Callable[[str], None], trackers=None) -> None:
     """Take the run's ServerApp task from the SuperLink and run the rounds in this process."""
-    from fedavg.run.display import Progress
+    # lazy: loads cryptography, flwr, torch, which only this path needs
     from fedavg.run.server_app import Deployment, make_server_app
 
     known: list[int] = []
@@ -383,7 +384,7 @@ def write_app(folder: Path, config: RunConfig) -> Path:
     def toml_value(v: Any) -> str:
         return json.dumps(v) if not isinstance(v, bool) else ("true" if v else "false")
 
-    from fedavg import __version__
+    from fedavg import __version__  # lazy: the root package sits above every layer
 
     lines = [
         "[build-system]", 'requires = ["hatchling"]', 'build-backend = "hatchling.build"', "",

@@ -10,7 +10,7 @@ import sys
 def main() -> None:
     """Run ``python -m fedavg.engines.deployment.launch ROLE ARGS...`` as ``flower-ROLE ...``."""
     role, sys.argv = sys.argv[1], [f"flower-{sys.argv[1]}", *sys.argv[2:]]
-    from fedavg import flower_compat
+    from fedavg import flower_compat  # lazy: the role's process imports only what it runs
 
     if role == "superlink":
         flower_compat.run_superlink()

@@ -21,6 +21,8 @@ from fedavg import flower_compat
 from fedavg.engines.deployment.node_options import NodeOptions, use_threads
 from fedavg.engines.deployment.processes import PrivateDir, split_address
 from fedavg.engines.deployment.supernode import SuperNode
+from fedavg.run.display import reporter
+from fedavg.run.lifecycle import quiet_logs
 from fedavg.util.errors import CommandError, RunError
 
 log = logging.getLogger("fedavg")
@@ -48,9 +50,6 @@ def serve_node(options: NodeOptions, console=None) -> int:
     RunError
         The SuperNode stopped for another reason.
     """
-    from fedavg.run.display import reporter
-    from fedavg.run.lifecycle import quiet_logs
-
     host, port = split_address(options.coordinator, "--coordinator")
     certs, model = options.check()
     threads = use_threads(options.threads)
@@ -75,6 +74,7 @@ class _Node(SuperNode):
     """One node's SuperNode and task loop; :meth:`serve` is the loop, the rest its steps."""
 
     def __init__(self, *args, **kwargs) -> None:
+        # lazy: loads cryptography, flwr, which only this path needs
         from fedavg.node.deployed import FAILED_RUNS, FINISHED_RUNS, client_app
 
         super().__init__(*args, **kwargs)

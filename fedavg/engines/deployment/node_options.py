@@ -93,10 +93,12 @@ class NodeOptions:
             An option is out of range, a path is missing, the hub cannot provide the
             dataset, or TLS / key options do not fit.
         """
-        from fedavg.data.load import looks_like_path
+        from fedavg.data.load import looks_like_path  # lazy: `fedavg --help` reads this module
+
+        # lazy: `fedavg --help` reads this module
         from fedavg.data.sources import BUILTIN, open_source
         from fedavg.models.evaluation import resolve_device
-        from fedavg.models.sources import node_model
+        from fedavg.models.sources import node_model  # lazy: `fedavg --help` reads this module
 
         pid, parts = self.partition_id, self.num_partitions
         if (pid is None) != (parts is None):
@@ -135,7 +137,7 @@ class NodeOptions:
 
         ``model``: the checked model code to allow (:meth:`check`), if any.
         """
-        from fedavg.data.load import looks_like_path
+        from fedavg.data.load import looks_like_path  # lazy: `fedavg --help` reads this module
 
         dataset = self.dataset
         config = [f'dataset="{Path(dataset).expanduser().resolve()}"'
@@ -153,6 +155,7 @@ class NodeOptions:
 
         ``auto`` is shown with the device it stands for here: ``device auto (cpu)``.
         """
+        # lazy: `fedavg --help` reads this module
         from fedavg.models.evaluation import resolve_device
 
         device = self.device

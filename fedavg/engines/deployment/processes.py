@@ -25,6 +25,7 @@ from collections import deque
 from pathlib import Path
 
 from fedavg import flower_compat
+from fedavg.engines.deployment.certs import host_problem
 from fedavg.util.errors import UserError
 from fedavg.util.tempdirs import PrivateDir as PrivateDir  # the roles' folders
 from fedavg.util.tempdirs import remove_all
@@ -244,8 +245,6 @@ def split_address(address: str, flag: str = "--address") -> tuple[str, int]:
         Not ``host:port`` with a port in 1..65535 and a host name or IP address as host
         (``http://...``, spaces).
     """
-    from fedavg.engines.deployment.certs import host_problem
-
     m = re.fullmatch(r"\[?([^\[\]]+?)\]?:(\d+)", address)
     if not m or not 0 < int(m.group(2)) < 65536:
         raise UserError(f"{flag} {address!r} is not host:port (e.g. 127.0.0.1:9092)")

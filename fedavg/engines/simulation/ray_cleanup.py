@@ -14,6 +14,8 @@ import shutil
 import time
 from typing import Callable
 
+from fedavg.flower_compat import disconnect_ray
+
 log = logging.getLogger(__name__)
 
 _ACTIVE: list[Callable[[], None]] = []
@@ -200,7 +202,6 @@ def shutdown_ray(since: float, marker: str, timeout_s: float = 0.0) -> None:
         import ray
 
         if ray.is_initialized():
-            from fedavg.flower_compat import disconnect_ray
 
             disconnect_ray()
     except Exception:  # noqa: BLE001 - clean up the processes below in any case

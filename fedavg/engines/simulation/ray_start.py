@@ -17,6 +17,7 @@ import sys
 import threading
 from typing import Any
 
+from fedavg.flower_compat import disable_ray_auto_connect, node_actors, ray_on_loopback
 from fedavg.util.errors import UserError, first_line
 
 #: The longest the driver waits for a Ray start it no longer needs (an error, Ctrl-C) before
@@ -41,8 +42,6 @@ def init_ray(backend: dict[str, Any], temp_dir: str) -> None:
         The ``--ray-address`` cluster cannot be joined.
     """
     import ray
-
-    from fedavg.flower_compat import disable_ray_auto_connect, ray_on_loopback
 
     # Flower's engine threads still call Ray while the run ends; with auto-connect on, such a
     # call after shutdown starts a fresh Ray instance that outlives the command.
@@ -112,7 +111,7 @@ class RayStart:
     def _start(self) -> None:
         try:
             init_ray(self.backend, self.temp_dir)
-            from fedavg.flower_compat import node_actors
+            # lazy: loads cryptography, flwr, torch, which only this path needs
             from fedavg.node.clientapp import warm_up
 
             self.actors = node_actors(self.backend["client_resources"], warm_up)

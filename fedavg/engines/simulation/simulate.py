@@ -27,8 +27,19 @@ import numpy as np
 
 from fedavg.config.settings import RunConfig
 from fedavg.engines.simulation.ray_cleanup import abortable, free_engine_threads, shutdown_ray
+from fedavg.engines.simulation.ray_start import RayStart
+from fedavg.flower_compat import (
+    NodeContexts,
+    fast_message_dispatch,
+    prestarted_actors,
+    prompt_stop,
+    seeded_simulation_ids,
+)
+from fedavg.models.evaluation import resolve_device
 from fedavg.run import lifecycle as run
+from fedavg.run.display import Progress, show_plan
 from fedavg.run.resume import resolve_settings
+from fedavg.run.tracking import TrackingOptions, tracked
 from fedavg.util.errors import RunError, UserError
 from fedavg.util.interrupts import held_interrupts
 from fedavg.util.tempdirs import PrivateDir
@@ -68,8 +79,6 @@ def _check_arguments(**given: Any) -> None:
 
     An empty ``output`` / ``resume`` string is a ``UserError`` (it is not the current folder).
     """
-    from fedavg.run.tracking import TrackingOptions
-
     number = (int, float)
     path = (str, os.PathLike, type(None))
     kinds = {"output": path, "resume": path, "verbose": (bool,), "overwrite": (bool,),
@@ -99,7 +108,6 @@ def _import_libraries(device: str) -> None:
         import datasets  # noqa: F401
         import torch  # noqa: F401
 
-        from fedavg.models.evaluation import resolve_device
     resolve_device(device)
 
 
@@ -112,8 +120,6 @@ def check_resources(device: str, cpus_per_node: float, gpus_per_node: float | No
         An unknown device, CUDA asked for on a machine without it, or more cores (or GPUs)
         per node than this machine has.
     """
-    from fedavg.models.evaluation import resolve_device
-
     resolve_device(device)
     _backend_config(device, cpus_per_node, gpus_per_node, verbose=False)
 
@@ -271,7 +277,6 @@ def simulate(
     run.quiet_logs(verbose)
     if output is not None and ckpt is None:
         run.check_output(Path(output), overwrite)
-    from fedavg.run.tracking import tracked
 
     with tracked(tracking, config.to_flat()) as trackers:
         return _prepare_and_run(config, ckpt, output, backend, console, trackers, started,
@@ -283,12 +288,11 @@ def _prepare_and_run(config: RunConfig, ckpt, output, backend: dict[str, Any], c
     """Prepare the data, make the run folder, run the rounds and finish the run."""
     prepared = run.prepare(config)
     out = run.make_output(output, lock=True, overwrite=None if ckpt is not None else overwrite)
-    from fedavg.run.display import show_plan
 
     show_plan(console, prepared, config)
     if ckpt is not None and console is not None:
         console.print(f"resuming {out} after round {ckpt.round} of {config.merge.rounds}")
-    import fedavg
+    import fedavg  # lazy: the root package sits above every layer
 
     state = run.RunState()
     state.marks.update(imported=fedavg.IMPORTED_AT, entered=started, prepared=time.monotonic())
@@ -313,8 +317,7 @@ def _prepare_and_run(config: RunConfig, ckpt, output, backend: dict[str, Any], c
 def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run.RunState,
                 backend: dict[str, Any], console, resume_from=None, trackers=None) -> None:
     """Run the rounds on a Ray instance of this run's own, then stop it."""
-    from fedavg.engines.simulation.ray_start import RayStart
-    from fedavg.run.display import Progress
+    # lazy: loads cryptography, flwr, which only this path needs
     from fedavg.run.server_app import make_server_app
 
     with PrivateDir("fedavg-sim-") as tmp, _ray_folder(tmp) as (ray_dir, own), \
@@ -352,7 +355,7 @@ def _run_on_ray(config: RunConfig, prepared: run.Prepared, out: Path, state: run
 def _engine(config: RunConfig, prepared: run.Prepared, state: run.RunState, backend, starting,
             server, contexts, data_path, progress) -> None:
     """Wait for Ray and the node actors, then run the rounds on Flower's engine."""
-    from fedavg.flower_compat import prestarted_actors
+    # lazy: loads cryptography, flwr, which only this path needs
     from fedavg.node.clientapp import make_client_app
 
     try:
@@ -378,7 +381,7 @@ def _engine(config: RunConfig, prepared: run.Prepared, state: run.RunState, back
 
 def _node_contexts(method: str, resume_from=None):
     """Return the engine's node contexts, seeded with a resumed run's node states."""
-    from fedavg.flower_compat import NodeContexts
+    # lazy: loads cryptography, flwr, which only this path needs
     from fedavg.node.clientapp import node_state_records
 
     saved = {} if resume_from is None else resume_from.node_states
@@ -412,8 +415,6 @@ def _ray_folder(tmp: str):
 
 def _run_engine(server, client, num_nodes: int, backend: dict[str, Any], seed: int) -> None:
     from flwr.simulation import run_simulation
-
-    from fedavg.flower_compat import fast_message_dispatch, prompt_stop, seeded_simulation_ids
 
     # the same nodes sampled in every run of a seed; rounds that do not slow down with nodes;
     # an engine that ends with its last round and leaves stopping Ray to shutdown_ray

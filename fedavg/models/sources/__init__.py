@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from fedavg.models.sources.args import DATA_ARGS, Takes, first_line, parse_model_args
+from fedavg.models.sources.hf import build_hf, stored_config, weights_note
 from fedavg.models.sources.images import ImageAdapter, adapt_images, build_torchvision, trial
 from fedavg.models.sources.user_code import build_user, code_ref, user_builder
 from fedavg.util.errors import UserError
@@ -115,7 +116,6 @@ def stored_args(name: str, input_shape: tuple[int, ...], num_classes: int,
     where the folder is not; the others store ``args`` as given.
     """
     if source_kind(name) == "hf":
-        from fedavg.models.sources.hf import stored_config
 
         return stored_config(name, num_classes, args)
     return dict(args)
@@ -134,7 +134,6 @@ def source_notes(name: str, pretrained: bool = False) -> list[str]:
         return [f"model {name}: the initial model loads torchvision's pretrained weights "
                 "(DEFAULT, downloaded once), with a new last Linear layer for the classes"]
     if kind == "hf":
-        from fedavg.models.sources.hf import weights_note
 
         return [weights_note(name)]
     return []
@@ -176,7 +175,6 @@ def build(name: str, input_shape: tuple[int, ...], num_classes: int, args: Mappi
         return build_torchvision(name[len("torchvision:"):], input_shape, num_classes, args,
                                  pretrained=initial and pretrained)
     if kind == "hf":
-        from fedavg.models.sources.hf import build_hf
 
         return build_hf(name, input_shape, num_classes, args, initial=initial)
     return build_user(name, input_shape, num_classes, args)
