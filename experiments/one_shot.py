@@ -41,9 +41,10 @@ import fedavg
 import strategies
 from fedavg.config.settings import RunConfig
 from fedavg.models.evaluation import evaluate, evaluation_device
-from fedavg.models.registry import ModelSpec, merge_context
+from fedavg.models.registry import ModelSpec
 from fedavg.run import checkpoint
 from fedavg.run.lifecycle import prepare
+from fedavg.run.merge_context import merge_context
 from fedavg.util.errors import RunError, UserError, first_line
 
 
