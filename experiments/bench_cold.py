@@ -8,7 +8,7 @@ One warm-up run of each source tree first (so the OS has the files cached), then
 measured runs. With ``--against DIR`` (another checkout of fedavg, for example one made with
 ``git worktree add /tmp/before <commit>``) the runs of this checkout and of ``DIR``
 alternate, so that both see the same machine, and the ratio of their median wall times is
-printed. Every run is ``python -m fedavg.cli.app simulate`` with its source tree first on
+printed. Every run is ``python -m fedavg.cli simulate`` with its source tree first on
 ``PYTHONPATH`` and a temporary folder of its own (removed afterwards, checked to hold none of
 our folders).
 
@@ -51,7 +51,7 @@ def run_once(tree: Path, timeout_s: float = 300.0) -> dict:
         env = {**os.environ, "TMPDIR": str(work / "tmp"),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(tree),
                                                            os.environ.get("PYTHONPATH")]))}
-        cmd = [sys.executable, "-m", "fedavg.cli.app", "simulate", "--output", str(work / "run")]
+        cmd = [sys.executable, "-m", "fedavg.cli", "simulate", "--output", str(work / "run")]
         t0 = time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s,
                               cwd=work)

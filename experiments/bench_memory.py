@@ -192,7 +192,7 @@ def run(num_nodes: int, fraction: float, rounds: int, extra: list[str],
     out = (keep or work) / "run"
     tmpdir = work / "tmp"
     tmpdir.mkdir()
-    cmd = [sys.executable, "-m", "fedavg.cli.app", "simulate", "--dataset", dataset,
+    cmd = [sys.executable, "-m", "fedavg.cli", "simulate", "--dataset", dataset,
            "--num-nodes", str(num_nodes), "--fraction", str(fraction), "--rounds", str(rounds),
            "--output", str(out), "--overwrite", *extra]
     env = {**os.environ, "TMPDIR": str(tmpdir),

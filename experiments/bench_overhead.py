@@ -86,7 +86,7 @@ def phases(launched: float, ended: float, starts: list[float], ends: list[float]
 def run_fedavg(dataset: str, nodes: int, rounds: int, tmp: Path, cpus: int = 1) -> dict:
     """``fedavg simulate``; round ends are when each ``metrics.jsonl`` line appears."""
     out = tmp / f"fedavg-{cpus}"
-    cmd = [sys.executable, "-m", "fedavg.cli.app", "simulate", "--dataset", dataset,
+    cmd = [sys.executable, "-m", "fedavg.cli", "simulate", "--dataset", dataset,
            "--model", "cnn", "--num-nodes", str(nodes), "--rounds", str(rounds),
            "--local-epochs", "1", "--batch-size", "32", "--lr", "0.05", "--momentum", "0.9",
            "--partitioner", "iid", "--cpus-per-node", str(cpus), "--output", str(out)]

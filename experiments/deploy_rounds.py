@@ -43,14 +43,14 @@ def run(kind: str, nodes: int, rounds: int, tmp: Path) -> list[dict]:
     # cores each), 3 nodes on 2 cores fight over them (0.5-2 s a round instead of 0.03 s)
     env.setdefault("OMP_NUM_THREADS", "1")
     coord = subprocess.Popen(
-        [sys.executable, "-m", "fedavg.cli.app", "coordinator", "--address", address, "--insecure",
+        [sys.executable, "-m", "fedavg.cli", "coordinator", "--address", address, "--insecure",
          "--rounds", str(rounds), "--min-nodes", str(nodes), "--output", str(out)],
         stdout=open(tmp / f"coordinator-{kind}.log", "w"), stderr=subprocess.STDOUT, env=env)
     procs = []
     time.sleep(1.0)
     for i in range(nodes):
         if kind == "fedavg":
-            cmd = [sys.executable, "-m", "fedavg.cli.app", "node", "--coordinator", address,
+            cmd = [sys.executable, "-m", "fedavg.cli", "node", "--coordinator", address,
                    "--insecure", "--partition-id", str(i), "--num-partitions", str(nodes)]
         else:
             cmd = [os.path.join(bindir, "flower-supernode"),

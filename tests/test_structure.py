@@ -125,11 +125,11 @@ def test_an_installed_package_adds_a_strategy_through_its_entry_point(tmp_path):
     (info / "entry_points.txt").write_text("[fedavg.strategies]\nhalved = my_plugin\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "COLUMNS": "200"}
-    listed = subprocess.run([sys.executable, "-m", "fedavg.cli.app", "strategies"], env=env,
+    listed = subprocess.run([sys.executable, "-m", "fedavg.cli", "strategies"], env=env,
                             capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0, listed.stderr
     assert "plugin-halved" in listed.stdout and "--plugin-factor" in listed.stdout
-    refused = subprocess.run([sys.executable, "-m", "fedavg.cli.app", "simulate", "--strategy",
+    refused = subprocess.run([sys.executable, "-m", "fedavg.cli", "simulate", "--strategy",
                               "fedavg", "--plugin-factor", "2"], env=env, capture_output=True,
                              text=True, timeout=120)
     assert refused.returncode == 2

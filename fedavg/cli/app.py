@@ -23,6 +23,7 @@ from rich.markup import escape
 # their logs go with the run's Ray folder anyway.
 os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
+from fedavg import __version__
 from fedavg.cli.listings import list_models, list_strategies
 from fedavg.cli.options import (
     ImageColumnOption,
@@ -320,7 +321,6 @@ def _show_version(value: bool) -> None:
     if value:
         import importlib.metadata
 
-        from fedavg import __version__  # lazy: the root package sits above every layer
 
         versions = []
         for dist in ("flwr", "torch"):

@@ -13,11 +13,11 @@ import sys
 
 def main() -> None:
     """Import the CLI, then run it (:func:`fedavg.cli.app.main`)."""
-    # lazy: loads with its command: `fedavg --help` stays fast
+    # lazy: the console script imports nothing before Ctrl-C is held
     from fedavg.util.interrupts import held_interrupts
 
     with held_interrupts(raise_after=False) as held:  # the commands install their own
-        # lazy: loads with its command: `fedavg --help` stays fast
+        # lazy: imported while Ctrl-C is held (an import cut short leaves it broken)
         from fedavg.cli.app import main as cli_main
 
     if held:

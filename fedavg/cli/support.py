@@ -103,7 +103,7 @@ def guard(interrupted: str = "interrupted", failed: str = "run failed"):
 def disk_full(exc: BaseException) -> str | None:
     """Say which file could not be written and why, for a full or read-only disk; else None.
 
-    (Model and JSON files say it themselves: see ``atomic_write``.)
+    (Model and JSON files say it themselves: see :func:`fedavg.util.atomic.atomic_write`.)
     """
     if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
         return f"{exc.filename or 'a file'}: {exc.strerror}"

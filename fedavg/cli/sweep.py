@@ -203,7 +203,6 @@ def _run_with_progress(runner, total: int) -> int:
 
 
 def _say_end(runner, out: Path, code: int) -> None:
-
     counts = runner.counts()
     took = time.time() - runner.started
     parts = [f"{counts.get('done', 0)} done", f"{counts.get('skipped', 0)} skipped",

@@ -196,8 +196,8 @@ class LocalTraining:
 
 
 @dataclass(frozen=True)
-class TrainConfig(LocalTraining):
-    """What each node trains: the model and device, and how it trains (:class:`LocalTraining`).
+class ModelChoice:
+    """Which model every node trains.
 
     Attributes
     ----------
@@ -209,8 +209,6 @@ class TrainConfig(LocalTraining):
         one key, ``model-args``, holding them as JSON text.
     pretrained : bool
         Start the run from the torchvision model's pretrained weights (downloaded).
-    device : str
-        ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
     """
 
     model: str = setting("auto", "Model (see `fedavg models`): a name, torchvision:NAME, "
@@ -218,6 +216,20 @@ class TrainConfig(LocalTraining):
     model_args: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
     pretrained: bool = setting(False, "Start from the torchvision model's pretrained weights "
                                "(downloaded)")
+
+
+@dataclass(frozen=True)
+class TrainConfig(LocalTraining, ModelChoice):
+    """What each node trains (:class:`ModelChoice`), how (:class:`LocalTraining`) and where.
+
+    Its fields are the model's, then the node training options, then ``device``.
+
+    Attributes
+    ----------
+    device : str
+        ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``.
+    """
+
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N",
                           resumable=True)
 
@@ -287,7 +299,6 @@ class MergeConfig:
                                     "(server-side SWA); the average is evaluated and saved "
                                     "(default: off)")
     options: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
-
 
 
 SECTIONS = {"data": DataConfig, "train": TrainConfig, "merge": MergeConfig}

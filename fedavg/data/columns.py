@@ -283,7 +283,7 @@ def _sample(ds, column: str, sample: int) -> list[str]:
     """Return the first ``sample`` non-empty values of ``column`` (none if not UTF-8)."""
     try:
         return [v for v in ds.select(range(min(len(ds), sample)))[column] if v and v.strip()]
-    except UnicodeDecodeError:  # said where the text is read (fedavg.data.load._tokenized)
+    except UnicodeDecodeError:  # said where the text is read (fedavg.data.text.tokenized)
         return []
 
 

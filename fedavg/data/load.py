@@ -342,7 +342,6 @@ def check_kind(input_spec: dict[str, Any], data: LoadedData, source: str) -> Non
                 "tabular": "pass a dataset with the same feature columns"}[want]
         raise UserError(f"this model takes {want} inputs, and {source} is {data.kind}: {hint}")
     if want == "text":
-
         diff = same_tokenization(input_spec["tokenizer"], data.tokenizer.spec())
         if diff:
             raise UserError(f"{source} is tokenized differently from the model's inputs "
@@ -401,7 +400,6 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
     if len(image) == 1 and is_text(train_ds.features[image[0]]):
         tokenizer = text["tokenizer"]
         if isinstance(tokenizer, str):
-
             tokenizer = make_tokenizer(tokenizer, text["max_tokens"], text["buckets"])
     classes, mapping = label_classes(train_ds, label, train_name)
     splits: dict[str, Split] = {}

@@ -1,4 +1,7 @@
-"""Registry of model builders: ``@register_model(name)`` and ``build_model(name, ...)``.
+"""Build models by name: ``build_model``, ``resolve_model`` and the ``ModelSpec`` of a run.
+
+Builders register with ``@register_model(name)`` (:mod:`fedavg.models.register`, re-exported
+here).
 
 Every builder takes ``input_shape`` (``(C, H, W)`` or ``(D,)``) and ``num_classes`` and
 returns a ``torch.nn.Module`` mapping a normalised ``(N, *input_shape)`` float batch to
@@ -67,7 +70,6 @@ def resolve_model(name: str, input_shape: tuple[int, ...], kind: str | None = No
             return "mlp"
         return "cnn" if input_shape[0] == 1 else "cnn-cifar"
     if ":" in name:
-
         return canonical(name)
     if name not in _MODELS:
         if name.endswith(".py"):

@@ -37,9 +37,8 @@ def load_node_data(source) -> dict[str, np.ndarray]:
     ----------
     source : str or ray.ObjectRef
         A prepared data file (:func:`fedavg.engines.simulation.simulate.write_node_data`),
-        memory-mapped, or
-        the same arrays in the object store of a Ray cluster (``--ray-address``), fetched
-        once per machine and read without a copy.
+        memory-mapped, or the same arrays in the object store of a Ray cluster
+        (``--ray-address``), fetched once per machine and read without a copy.
 
     Returns
     -------
@@ -219,8 +218,7 @@ def make_client_app(data_path, device: str = "auto") -> ClientApp:
     ----------
     data_path : str or ray.ObjectRef
         File written by :func:`fedavg.engines.simulation.simulate.write_node_data`, or its
-        arrays in a Ray
-        cluster's object store (see :func:`load_node_data`); each node trains on the
+        arrays in a Ray cluster's object store (see :func:`load_node_data`); each node trains on the
         partition named by its ``partition-id`` node config.
     device : str
         ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.

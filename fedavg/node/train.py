@@ -1,4 +1,7 @@
-"""Plain PyTorch local training and evaluation. No Flower import."""
+"""Plain PyTorch local training: one node's round. No Flower import.
+
+Evaluation, which only runs a model forward, is :mod:`fedavg.models.evaluation`.
+"""
 
 from __future__ import annotations
 

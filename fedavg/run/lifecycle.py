@@ -396,5 +396,4 @@ def write_summary(result: RunResult, prepared: Prepared, config: RunConfig) -> N
 
 
 def _startup(state: RunState) -> dict[str, float] | None:
-
     return phases(state.marks) if "entered" in state.marks else None

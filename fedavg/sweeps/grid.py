@@ -169,7 +169,6 @@ def load_sweep(path: str | Path) -> Sweep:
 
 
 def _read(path: Path) -> dict[str, Any]:
-
     raw = read_toml(path, "sweep config")
     unknown = [k for k in raw if k not in _TABLES]
     if unknown:

@@ -48,9 +48,8 @@ def check_points(planned: list[Planned]) -> dict[str, str]:
     """Prepare each point that would start as its run would; return why those would fail.
 
     Each point's data is loaded, its merge data held out and its partitions and model built
-    (:func:`fedavg.run.lifecycle.prepare`); points with the same data settings share one load, and
-    one
-    dataset is held at a time. Returns ``{point name: error line}`` for the points whose
+    (:func:`fedavg.run.lifecycle.prepare`); points with the same data settings share one load,
+    and one dataset is held at a time. Returns ``{point name: error line}`` for the points whose
     ``fedavg simulate`` would stop with that error before its first round.
     """
 
@@ -183,7 +182,6 @@ def _plan_point(planned: list[Planned], point: Point, folder: Path,
         planned.append(Planned(point, KEEP_FAILED, {
             k: before.get(k) for k in ("exit_code", "error", "wall_s")}))
     else:
-
         started = folder.is_dir() and any((folder / f).exists() for f in RUN_FILES)
         done, other = _resumable(folder, point) if started else (None, None)
         if other:  # its finished rounds are not this point's: never thrown away

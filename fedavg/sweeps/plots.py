@@ -63,7 +63,6 @@ def write_plots(runs: list, keys: list[str], folder: Path) -> tuple[list[Path], 
 
 
 def _takes_alpha(partitioner: Any) -> bool:
-
     try:
         return "alpha" in get_partitioner(str(partitioner)).params
     except UserError:  # a partitioner of a package not installed here

@@ -1,6 +1,6 @@
 """Run a sweep's points, each as its own ``fedavg simulate`` process; resumable.
 
-Every point runs as ``python -m fedavg.cli.app simulate ... --output DIR/<name>``, its log (every
+Every point runs as ``python -m fedavg.cli simulate ... --output DIR/<name>``, its log (every
 attempt) in ``DIR/<name>/sweep.log``: the code path of ``fedavg simulate``, in a process of its
 own, so nothing of Ray or Flower carries from one point to the next. ``DIR/sweep.json``
 records every point (name, settings, status, exit code, last error line, wall seconds) and is
@@ -233,7 +233,7 @@ class Runner:
         log.write(f"# fedavg {' '.join(args)}\n")
         log.flush()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": os.getenv("COLUMNS", "120")}
-        proc = point_process([sys.executable, "-m", "fedavg.cli.app", *args], stdout=log,
+        proc = point_process([sys.executable, "-m", "fedavg.cli", *args], stdout=log,
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         self.running[p.point.name] = (proc, time.monotonic(), log)
         record = self.records[p.point.name]

@@ -1,4 +1,4 @@
-"""The finished runs under a folder, as ``fedavg report`` reads them.
+"""The finished runs under a folder, as ``fedavg report`` reads and groups them.
 
 A folder holding ``summary.json``, ``model.json`` and ``metrics.jsonl`` (:data:`REQUIRED`) is
 a run: its settings (flat, kebab-case, as the CLI names them), final and best accuracy, the
@@ -184,7 +184,6 @@ def flat_settings(summary: dict[str, Any]) -> dict[str, Any]:
             if key == "options":
                 flat.update({k.replace("_", "-"): v for k, v in (value or {}).items()})
             elif key == "model_args":  # hidden=64,act=gelu, as sweep points name them
-
                 flat["model-args"] = format_value(dict(value)) if value else None
             else:
                 flat[key.replace("_", "-")] = value

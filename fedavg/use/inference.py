@@ -59,7 +59,6 @@ def load_model(directory: str | Path, device: str = "cpu",
 
 
 def _build(spec: Any, where: str, code: str | None = None) -> torch.nn.Module:
-
     try:
         name = saved_model_name(str(spec["name"]), code, where)
         return build_model(name, tuple(spec["input_shape"]), int(spec["num_classes"]),

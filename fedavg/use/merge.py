@@ -149,7 +149,6 @@ def merge_models(
                          _skipped(models, dirs)
                          + _seed_notes([m for _, m in loaded], merged.is_ensemble, held))
         if held is not None:
-
             ev = score(load_model(out, model=model), held, device=config.train.device)
             notes = {"notes": result.get("notes", []) + ev["notes"]} if ev["notes"] else {}
             result.update(accuracy=ev["accuracy"], loss=ev["loss"], **notes)  # inputs resized

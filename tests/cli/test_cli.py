@@ -345,7 +345,7 @@ def test_columns_zero_still_prints():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "fedavg.cli.app", "strategies"],
+    out = subprocess.run([sys.executable, "-m", "fedavg.cli", "strategies"],
     capture_output=True,
                          text=True, timeout=120, env={**os.environ, "COLUMNS": "0"})
     assert out.returncode == 0 and "fedavg" in out.stdout and "fedprox" in out.stdout

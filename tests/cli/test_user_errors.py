@@ -70,11 +70,11 @@ def ray_processes_of(pids: set[int]) -> list[str]:
 
 
 def run_in(args, cwd: Path) -> subprocess.CompletedProcess:
-    """Run ``python -m fedavg.cli.app ARGS`` offline; check Ray never started for it."""
+    """Run ``python -m fedavg.cli ARGS`` offline; check Ray never started for it."""
     ray_tmp = cwd / "ray-tmp"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "RAY_TMPDIR": str(ray_tmp), "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli.app", *args], cwd=cwd, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=TIMEOUT)
@@ -208,7 +208,7 @@ def test_subprocess_output_into_a_closed_pipe_is_quiet(tmp_path, model_dir, args
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_DATASETS_OFFLINE": "1"}
     env.pop("PYTHONUNBUFFERED", None)
     args = [a.format(model=model_dir) for a in args]
-    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli.app", *args], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", *args], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # before the first prediction is written: every write fails
     try:
@@ -1062,7 +1062,7 @@ def test_damaged_ensemble_member_is_named(tmp_path):
         "(200, 64)")
 
 
-# --- found by tests/test_properties.py ----------------------------------------------------------
+# --- found by tests/cli/test_properties.py ------------------------------------------------------
 
 
 def test_infinite_integer_option_is_a_user_error():

@@ -62,7 +62,7 @@ def tmpdir_env(monkeypatch):
 
 @pytest.fixture
 def cluster(tmp_path, tmpdir_env):
-    """Yield a coordinator / node cluster (see test_deploy) using ``tmpdir_env``."""
+    """Yield a coordinator / node cluster (tests/helpers/cluster.py) using ``tmpdir_env``."""
     c = Cluster(tmp_path)
     yield c
     c.close()
@@ -163,7 +163,7 @@ def simulate(tmpdir: Path, tag: str, out: Path, *args) -> subprocess.Popen:
     """Start ``fedavg simulate`` on digits (4 nodes) in the background."""
     env = {**os.environ, "TMPDIR": str(tmpdir), "FEDAVG_TEST_TAG": tag, "COLUMNS": "200"}
     return subprocess.Popen(
-        [sys.executable, "-m", "fedavg.cli.app", "simulate", "--dataset", "digits",
+        [sys.executable, "-m", "fedavg.cli", "simulate", "--dataset", "digits",
          "--num-nodes", "4", "--output", str(out), *map(str, args)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
@@ -188,7 +188,7 @@ def ray_fallbacks(pid: int) -> list[Path]:
     return sorted(Path("/tmp").glob(f"fedavg-ray-{pid}-*"))
 
 
-# SIGINT takes the same handler as SIGTERM (tests/test_cli.py); test_e2e.py sends it
+# SIGINT takes the same handler as SIGTERM (tests/cli/test_cli.py); test_e2e.py sends it
 @pytest.mark.parametrize("how", ["normal", "sigterm", "sigterm-early", "failed"])
 def test_simulate_leaves_nothing(tmpdir_env, tmp_path, how):
     """``fedavg simulate``: its data and Ray's session folder go, and every Ray process.

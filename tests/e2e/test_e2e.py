@@ -24,7 +24,7 @@ def _read_jsonl(path):
 def test_a_run_whose_output_pipe_closes_trains_on_and_saves(tmp_path, no_leaks):
     """``fedavg simulate | head -2``: the reader leaves; the run finishes, exit code 0."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli.app", "simulate", "--rounds", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", "simulate", "--rounds", "2",
                              "--output", str(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     proc.stdout.readline()  # the first line, then the reader is gone
@@ -162,13 +162,14 @@ def test_failing_nodes_fail_the_run_clearly(tmp_path, no_leaks):
     assert not (tmp_path / "bad").exists()  # no empty run folder is left
 
 
-# SIGTERM takes the same handler (tests/test_cli.py); test_cleanup.py and test_deploy.py send it
+# SIGTERM takes the same handler (tests/cli/test_cli.py); test_cleanup.py and test_deployment.py
+# send it
 @pytest.mark.parametrize("sig", [signal.SIGINT])
 def test_interrupt_keeps_finished_rounds_and_leaves_no_process(tmp_path, sig):
     before = {p.split(":")[0] for p in engine_processes()}
     out = tmp_path / "stopped"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fedavg.cli.app", "simulate", "--rounds", "500",
+        [sys.executable, "-m", "fedavg.cli", "simulate", "--rounds", "500",
          "--output", str(out)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
@@ -259,7 +260,7 @@ def test_server_optimiser_and_fedprox_runs(tmp_path, no_leaks):
 def test_two_runs_at_once_do_not_touch_each_other(tmp_path, no_leaks):
     """Both in this process group: one run's clean-up must not stop the other's engine."""
     long_run = subprocess.Popen(
-        [sys.executable, "-m", "fedavg.cli.app", "simulate", "--rounds", "12", "--local-epochs",
+        [sys.executable, "-m", "fedavg.cli", "simulate", "--rounds", "12", "--local-epochs",
          "3", "--output", str(tmp_path / "long")],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -91,9 +91,10 @@ def test_dockerignore_keeps_runs_venvs_data_and_keys_out():
 
     for path in ("runs/x/model.safetensors", ".venv/bin/python", ".ci-venv/lib/x.py",
                  "certs/ca.key", ".git/HEAD", "data/train.parquet", ".pytest_cache/v",
-                 "fedavg/__pycache__/cli.cpython-311.pyc", "tests/test_cli.py"):
+                 "fedavg/cli/__pycache__/app.cpython-311.pyc", "tests/cli/test_cli.py"):
         assert ignored(path), path
-    for path in ("pyproject.toml", "README.md", "fedavg/cli.py", "strategies/fedavg.py",
+    for path in ("pyproject.toml", "README.md", "fedavg/cli/app.py",
+                 "fedavg/engines/deployment/node.py", "strategies/fedavg.py",
                  "containers/wheelhouse/torch-2.14.1-cp311-cp311-manylinux_2_28_x86_64.whl"):
         assert not ignored(path), path
 
@@ -153,7 +154,7 @@ def test_compose_stack_runs_as_the_host_user_with_tls_and_node_keys():
     (["/opt/venv/bin/python", "/opt/venv/bin/fedavg", "coordinator", "--address",
       "0.0.0.0:9092", "--rounds", "2"], "0.0.0.0:9092"),
     (["fedavg", "coordinator", "--address=[::]:7000"], "[::]:7000"),
-    (["python", "-m", "fedavg.cli.app", "coordinator"], "127.0.0.1:9092"),
+    (["python", "-m", "fedavg.cli", "coordinator"], "127.0.0.1:9092"),
     (["fedavg", "node", "--coordinator", "coordinator:9092"], None),
     (["python", "-m", "fedavg.engines.deployment.containers", "health"], None),
 ])
@@ -448,7 +449,7 @@ def train_and_evaluate(engine, root):
         assert f"replica {PROJECT}-node-{i + 1}.{PROJECT}_default: index {i}" in text, text
         assert f"partition {i}/3" in text, text
     assert "3 node key(s) registered" in text and "(TLS, node authentication)" in text
-    res = subprocess.run([sys.executable, "-m", "fedavg.cli.app", "evaluate", output, "--json"],
+    res = subprocess.run([sys.executable, "-m", "fedavg.cli", "evaluate", output, "--json"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.strip().splitlines()[-1])["accuracy"] > 0.5

@@ -970,7 +970,7 @@ def cluster(tmp_path):
 def certs(tmp_path_factory):
     """Make a `fedavg certs` folder with two node keys, shared by the module."""
     folder = tmp_path_factory.mktemp("certs")
-    subprocess.run([sys.executable, "-m", "fedavg.cli.app", "certs", str(folder), "--nodes", "2"],
+    subprocess.run([sys.executable, "-m", "fedavg.cli", "certs", str(folder), "--nodes", "2"],
                    check=True, capture_output=True)
     return folder
 
@@ -1008,7 +1008,7 @@ def test_coordinator_and_three_nodes_over_tls(cluster, certs, tmp_path):
     meta = json.loads((out / "model.json").read_text())
     assert meta["rounds"] == 3 and meta["model"]["name"] == "mlp"
     # the saved model scores what the coordinator reported, on the same hold-out
-    ev = subprocess.run([sys.executable, "-m", "fedavg.cli.app", "evaluate", str(out), "--json"],
+    ev = subprocess.run([sys.executable, "-m", "fedavg.cli", "evaluate", str(out), "--json"],
                         capture_output=True, text=True, check=True)
     assert json.loads(ev.stdout)["accuracy"] == pytest.approx(rounds[-1]["accuracy"])
     # every node trained its own partition in every round and then left (--once)
@@ -1217,7 +1217,7 @@ def test_a_node_replacing_a_crashed_one_gets_its_key_back(cluster, certs, tmp_pa
 def test_wrong_certificate_and_unknown_key_are_refused(cluster, certs, tmp_path):
     """Wrong CA, unknown key, no key, no TLS: exit 2 with the reason; a known key runs."""
     other = tmp_path / "other"
-    subprocess.run([sys.executable, "-m", "fedavg.cli.app", "certs", str(other), "--nodes", "1"],
+    subprocess.run([sys.executable, "-m", "fedavg.cli", "certs", str(other), "--nodes", "1"],
                    check=True, capture_output=True)
     out = tmp_path / "run"
     coord = cluster.coordinator("--rounds", "1", "--min-nodes", "1", "--certs", certs,
@@ -1273,7 +1273,7 @@ def test_a_coordinator_whose_superlink_dies_fails_at_once(cluster, tmp_path):
         assert time.monotonic() < deadline and coord.poll() is None, cluster.log("coordinator")
         time.sleep(0.2)
     link = next(int(p.split(":")[0]) for p in cluster_processes(cluster.tag)
-                if "_launch superlink" in p)
+                if "deployment.launch superlink" in p)
     os.kill(link, signal.SIGKILL)
     assert cluster.wait(coord, 60) == 1, cluster.log("coordinator")
     text = cluster.log("coordinator")
@@ -1282,7 +1282,8 @@ def test_a_coordinator_whose_superlink_dies_fails_at_once(cluster, tmp_path):
     assert "Traceback" not in text and (out / "model.safetensors").exists()
 
 
-# SIGINT takes the same handler (tests/test_cli.py); test_e2e.py sends it to a simulation
+# SIGINT takes the same handler (tests/cli/test_cli.py); tests/e2e/test_e2e.py sends it to a
+# simulation
 @pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGTERM])
 def test_signals_stop_every_flower_process(cluster, tmp_path, sig):

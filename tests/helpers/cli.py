@@ -53,7 +53,7 @@ def engine_processes() -> list[str]:
 def run_cli(*args, timeout=600, check=True, env=None):
     """Run ``fedavg ARGS`` as a separate process, the way a user does."""
     proc = subprocess.run(
-        [sys.executable, "-m", "fedavg.cli.app", *map(str, args)],
+        [sys.executable, "-m", "fedavg.cli", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,

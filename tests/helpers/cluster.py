@@ -32,7 +32,7 @@ class Cluster:
         log = open(self.tmp / f"{name}.log", "w")
         env = {**os.environ, "COLUMNS": "200", "FEDAVG_TEST_TAG": self.tag,
                "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli.app", *map(str, args)],
+        proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", *map(str, args)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
         proc.name = name
         self.procs.append(proc)

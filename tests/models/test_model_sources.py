@@ -992,7 +992,7 @@ def _run_in(cwd, *args):
 
     from helpers.cli import ROOT
 
-    return subprocess.run([sys.executable, "-m", "fedavg.cli.app", *map(str, args)], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "fedavg.cli", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "COLUMNS": "120", "PYTHONPATH": str(ROOT)})
 

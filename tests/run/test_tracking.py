@@ -1,7 +1,7 @@
 """Tracking: TensorBoard event files and MLflow runs, read back through their own APIs.
 
-A real run tracked to both is in ``tests/test_text_e2e.py``; the coordinator's, in
-``tests/test_deploy.py``.
+A real run tracked to both is in ``tests/e2e/test_text_e2e.py``; the coordinator's, in
+``tests/engines/test_deployment.py``.
 """
 
 import warnings

@@ -709,7 +709,7 @@ def test_sigterm_stops_the_running_points_and_exits_130(tmp_path, no_leaks):
     config = toml(tmp_path, "[base]\nnum-nodes = 2\nrounds = 1000\ncpus-per-node = 2\n"
                             "[grid]\nseed = [0, 1, 2]\n")
     out = tmp_path / "sweep"
-    sweep = subprocess.Popen([sys.executable, "-m", "fedavg.cli.app", "sweep", str(config),
+    sweep = subprocess.Popen([sys.executable, "-m", "fedavg.cli", "sweep", str(config),
                               "--output", str(out), "--parallel", "2"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -738,7 +738,7 @@ def test_sigterm_stops_the_running_points_and_exits_130(tmp_path, no_leaks):
     # the stopped point goes on from its checkpoint: its first rounds stay as they were
     metrics = out / "seed=0" / "metrics.jsonl"
     before = metrics.read_text().splitlines()
-    again = subprocess.Popen([sys.executable, "-m", "fedavg.cli.app", "sweep", str(config),
+    again = subprocess.Popen([sys.executable, "-m", "fedavg.cli", "sweep", str(config),
                               "--output", str(out), "--only", "seed=0"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -8,7 +8,9 @@ Only what is SuperLink / SuperNode lives here; the rounds and the run folder are
 
 - :mod:`~fedavg.engines.deployment.processes`: the Flower child processes, their folder, addresses;
 - :mod:`~fedavg.engines.deployment.tls`: certificates and node keys; :mod:`.certs` makes them;
-- :mod:`~fedavg.engines.deployment.coordinator`: the coordinator role (``coordinate``);
+- :mod:`~fedavg.engines.deployment.coordinator`: the coordinator role (``coordinate``), its
+  options in :mod:`.coordinator_options`;
+- :mod:`~fedavg.engines.deployment.launch`: a SuperLink or SuperNode in this interpreter;
 - :mod:`~fedavg.engines.deployment.node`: the node role (``serve_node``), its options in
   :mod:`.node_options`, its SuperNode in :mod:`.supernode`;
 - :mod:`~fedavg.engines.deployment.gpus`: one node per GPU (``serve_gpu_nodes``);

@@ -1,8 +1,8 @@
 """What the container image runs besides ``fedavg``: its health check, replica indices, set-up.
 
-``python -m fedavg.engines.deployment.containers COMMAND`` uses the standard library only (and
-``cryptography``
-for ``init``), so a health check costs a Python start-up, not a torch import.
+``python -m fedavg.engines.deployment.containers COMMAND`` uses the standard library only
+(and ``cryptography`` for ``init``), so a health check costs a Python start-up, not a torch
+import.
 
 ``health``
     The image's HEALTHCHECK. A container running ``fedavg coordinator`` is healthy once the
@@ -61,7 +61,7 @@ def coordinator_address(argv: list[str]) -> str | None:
         is not ``fedavg coordinator``.
     """
     for i, arg in enumerate(argv[:-1]):
-        if (Path(arg).name == "fedavg" or arg == "fedavg.cli.app") and argv[i + 1] == "coordinator":
+        if (Path(arg).name == "fedavg" or arg == "fedavg.cli") and argv[i + 1] == "coordinator":
             address = DEFAULT_ADDRESS
             rest = argv[i + 2:]
             for j, opt in enumerate(rest):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from rich.markup import escape
 
-from fedavg import flower_compat
+from fedavg import __version__, flower_compat
 from fedavg.engines.deployment.coordinator_options import CoordinatorOptions
 from fedavg.engines.deployment.processes import (
     FlowerProcess,
@@ -384,7 +384,6 @@ def write_app(folder: Path, config: RunConfig) -> Path:
     def toml_value(v: Any) -> str:
         return json.dumps(v) if not isinstance(v, bool) else ("true" if v else "false")
 
-    from fedavg import __version__  # lazy: the root package sits above every layer
 
     lines = [
         "[build-system]", 'requires = ["hatchling"]', 'build-backend = "hatchling.build"', "",

@@ -93,12 +93,11 @@ class NodeOptions:
             An option is out of range, a path is missing, the hub cannot provide the
             dataset, or TLS / key options do not fit.
         """
-        from fedavg.data.load import looks_like_path  # lazy: `fedavg --help` reads this module
-
-        # lazy: `fedavg --help` reads this module
+        # lazy: `fedavg --help` reads this module; these load torch and datasets
+        from fedavg.data.load import looks_like_path
         from fedavg.data.sources import BUILTIN, open_source
         from fedavg.models.evaluation import resolve_device
-        from fedavg.models.sources import node_model  # lazy: `fedavg --help` reads this module
+        from fedavg.models.sources import node_model
 
         pid, parts = self.partition_id, self.num_partitions
         if (pid is None) != (parts is None):
@@ -155,15 +154,14 @@ class NodeOptions:
 
         ``auto`` is shown with the device it stands for here: ``device auto (cpu)``.
         """
-        # lazy: `fedavg --help` reads this module
-        from fedavg.models.evaluation import resolve_device
+        from fedavg.models.evaluation import resolve_device  # lazy: --help reads this module
 
         device = self.device
         if device == "auto":
             device = f"auto ({resolve_device(device)})"
         part = (f" partition {self.partition_id}/{self.num_partitions}"
                 if self.partition_id is not None else "")
-        return (f"node: data [bold]{self.dataset}[/]{part}, device {device}, "
+        return (f"node: data [bold]{escape(self.dataset)}[/]{part}, device {device}, "
                 f"{threads} CPU thread(s)" + (f", model code {escape(model)}" if model else "")
                 + f"; connecting to {address}" + (" (TLS)" if tls else " (NO TLS)"))
 

@@ -154,8 +154,8 @@ class FlowerProcess:
 
 
 def start_command(args: list[str]) -> subprocess.Popen:
-    """Start ``python -m fedavg.cli.app ARGS`` (e.g. a node per GPU); :func:`stop_all` stops it."""
-    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli.app", *args],
+    """Start ``python -m fedavg.cli ARGS`` (e.g. a node per GPU); :func:`stop_all` stops it."""
+    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", *args],
                             preexec_fn=die_with_parent)
     _COMMANDS.append(proc)
     return proc

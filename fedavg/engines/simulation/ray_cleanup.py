@@ -202,7 +202,6 @@ def shutdown_ray(since: float, marker: str, timeout_s: float = 0.0) -> None:
         import ray
 
         if ray.is_initialized():
-
             disconnect_ray()
     except Exception:  # noqa: BLE001 - clean up the processes below in any case
         log.debug("ray.shutdown failed", exc_info=True)

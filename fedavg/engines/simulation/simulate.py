@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+import fedavg
 from fedavg.config.settings import RunConfig
 from fedavg.engines.simulation.ray_cleanup import abortable, free_engine_threads, shutdown_ray
 from fedavg.engines.simulation.ray_start import RayStart
@@ -292,7 +293,6 @@ def _prepare_and_run(config: RunConfig, ckpt, output, backend: dict[str, Any], c
     show_plan(console, prepared, config)
     if ckpt is not None and console is not None:
         console.print(f"resuming {out} after round {ckpt.round} of {config.merge.rounds}")
-    import fedavg  # lazy: the root package sits above every layer
 
     state = run.RunState()
     state.marks.update(imported=fedavg.IMPORTED_AT, entered=started, prepared=time.monotonic())

@@ -116,7 +116,6 @@ def stored_args(name: str, input_shape: tuple[int, ...], num_classes: int,
     where the folder is not; the others store ``args`` as given.
     """
     if source_kind(name) == "hf":
-
         return stored_config(name, num_classes, args)
     return dict(args)
 
@@ -134,7 +133,6 @@ def source_notes(name: str, pretrained: bool = False) -> list[str]:
         return [f"model {name}: the initial model loads torchvision's pretrained weights "
                 "(DEFAULT, downloaded once), with a new last Linear layer for the classes"]
     if kind == "hf":
-
         return [weights_note(name)]
     return []
 
@@ -175,7 +173,6 @@ def build(name: str, input_shape: tuple[int, ...], num_classes: int, args: Mappi
         return build_torchvision(name[len("torchvision:"):], input_shape, num_classes, args,
                                  pretrained=initial and pretrained)
     if kind == "hf":
-
         return build_hf(name, input_shape, num_classes, args, initial=initial)
     return build_user(name, input_shape, num_classes, args)
 
