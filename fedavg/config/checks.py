@@ -104,5 +104,6 @@ def check_strategy(c: RunConfig) -> str | None:
     return None
 
 
-#: The checks in the order :meth:`RunConfig.validate` runs them.
-CHECKS = (check_data, check_train, check_merge, check_strategy)
+#: The checks in the order :meth:`RunConfig.validate` runs them; :func:`check_strategy` runs
+#: last, once, as validate builds the strategy (:meth:`RunConfig.build_strategy`).
+CHECKS = (check_data, check_train, check_merge)
