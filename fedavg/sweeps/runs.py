@@ -122,10 +122,12 @@ def find_runs(root: str | Path) -> tuple[list[Run], list[str]]:
 
 
 def read_run(folder: Path, notes: list[str] | None = None) -> Run:
-    """Read one run folder (``summary.json`` and ``metrics.jsonl``).
+    """Read one run folder (``summary.json`` and ``metrics.jsonl``; ``model.json`` is checked).
 
     A ``metrics.jsonl`` line that is not a round's record (cut short, edited) is left out,
     and ``notes`` gets a line naming it; of a round recorded twice, the last record counts.
+    A ``model.json`` that is not a JSON object gets a line in ``notes`` too (the run's
+    figures stand; its model cannot be loaded).
 
     Raises
     ------
@@ -151,6 +153,9 @@ def read_run(folder: Path, notes: list[str] | None = None) -> Run:
     if bad and notes is not None:
         notes.append(f"{folder}: line(s) {', '.join(map(str, bad[:5]))} of its metrics.jsonl "
                      "are not round records; they are left out of its curve")
+    if (damage := _model_meta_damage(folder)) and notes is not None:
+        notes.append(f"{folder}: its model.json {damage}: its figures are reported, but its "
+                     "model cannot be loaded (fedavg evaluate / predict)")
     rows = [by_round[r] for r in sorted(by_round)]
     accuracies = [summary["accuracy"], summary["best_accuracy"]]
     counts = [summary["rounds"], summary.get("num_nodes", 1)]
@@ -170,6 +175,15 @@ def read_run(folder: Path, notes: list[str] | None = None) -> Run:
                curve=[(int(r["round"]), float(r["accuracy"])) for r in rows],
                round_walls=[float(r["wall_s"]) for r in rows[1:]  # not a start-up's round
                             if finite_number(r.get("wall_s")) and not r.get("resumed")])
+
+
+def _model_meta_damage(folder: Path) -> str | None:
+    """Say what is wrong with a run's ``model.json`` (cut short, edited); ``None``: readable."""
+    try:
+        meta = json.loads((folder / "model.json").read_text())
+    except ValueError:  # json.JSONDecodeError and UnicodeDecodeError
+        return "is not JSON (cut short or edited)"
+    return None if isinstance(meta, dict) else f"holds a {type(meta).__name__}, not an object"
 
 
 def flat_settings(summary: dict[str, Any]) -> dict[str, Any]:

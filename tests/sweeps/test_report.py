@@ -535,3 +535,19 @@ def test_the_sweep_end_names_the_report_command_quoted_for_a_shell(tmp_path, mon
     line = shown.getvalue().splitlines()[-1]
     assert line.startswith("tables and plots: fedavg report ")
     assert shlex.split(line.split(": ", 1)[1]) == ["fedavg", "report", str(out)]
+
+
+@pytest.mark.parametrize("damaged, says", [
+    (lambda text: text[: len(text) // 2], "is not JSON (cut short or edited)"),
+    (lambda text: "[1, 2]", "holds a list, not an object"),
+])
+def test_a_run_whose_model_json_is_damaged_is_reported_with_a_note(tmp_path, damaged, says):
+    fake_run(tmp_path / "good", [0.5, 0.9], 10.0)
+    bad = fake_run(tmp_path / "bad", [0.5, 0.7], 5.0, partitioner="dirichlet")
+    (bad / "model.json").write_text(damaged((bad / "model.json").read_text()))
+    result = write_report(tmp_path)
+    assert result["num_runs"] == 2  # its figures stand
+    assert f"{bad}: its model.json {says}: its figures are reported, but its model cannot " \
+           "be loaded (fedavg evaluate / predict)" in result["notes"]
+    assert not any(str(tmp_path / "good") in n for n in result["notes"])
+
