@@ -1399,3 +1399,13 @@ def test_batch_size_one_is_refused_for_a_batchnorm_model(tmp_path):
         prepare(RunConfig().replace(model=f"{code}:bn", batch_size=1))
     assert prepare(RunConfig().replace(model=f"{code}:bn", batch_size=2)).spec is not None
     assert prepare(RunConfig().replace(model="mlp", batch_size=1)).spec is not None
+
+
+@pytest.mark.parametrize("args", [["--cpus-per-node", "1e-9"],
+                                  ["--gpus-per-node", "0.00005", "--device", "cpu"]])
+def test_a_resource_share_below_rays_unit_is_refused_before_anything_starts(args):
+    proc = run_cli("simulate", *args, "--rounds", "1", check=False, timeout=120)
+    assert proc.returncode == 2
+    line = assert_one_error_line(proc.stderr)
+    assert f"{args[0]} must be at least 0.0001" in line and "units of 0.0001" in line
+

@@ -125,12 +125,32 @@ def check_resources(device: str, cpus_per_node: float, gpus_per_node: float | No
     _backend_config(device, cpus_per_node, gpus_per_node, verbose=False)
 
 
+#: Ray counts resources in units of 0.0001 (its MIN_RESOURCE_GRANULARITY): a smaller share
+#: is zero to it, and its engine fails on it only as the run starts.
+RAY_RESOURCE_UNIT = 0.0001
+
+
+def _check_resource_units(cpus_per_node: float, gpus_per_node: float | None) -> None:
+    """Refuse a positive CPU or GPU share per node below Ray's resource unit.
+
+    Raises
+    ------
+    UserError
+        ``cpus_per_node`` or ``gpus_per_node`` is above 0 and below :data:`RAY_RESOURCE_UNIT`.
+    """
+    for flag, share in (("--cpus-per-node", cpus_per_node), ("--gpus-per-node", gpus_per_node)):
+        if share is not None and 0 < share < RAY_RESOURCE_UNIT:
+            raise UserError(f"{flag} must be at least {RAY_RESOURCE_UNIT:g} (got {share:g}): "
+                            "Ray counts resources in units of 0.0001")
+
+
 def _backend_config(device: str, cpus_per_node: float, gpus_per_node: float | None,
                     verbose: bool, ray_address: str | None = None) -> dict[str, Any]:
     import torch
 
     logs = {"logging_level": logging.INFO if verbose else logging.ERROR,
             "log_to_driver": verbose}
+    _check_resource_units(cpus_per_node, gpus_per_node)
     if ray_address is not None:  # the cluster's machines have the cores and GPUs
         if not cpus_per_node > 0:
             raise UserError(f"--cpus-per-node must be > 0 (got {cpus_per_node:g})")
