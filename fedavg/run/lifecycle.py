@@ -41,6 +41,7 @@ from fedavg.util.timeline import phases
 
 log = logging.getLogger("fedavg")
 
+
 @dataclass
 class RoundRecord:
     """What one round produced (one line of ``metrics.jsonl``).
