@@ -175,6 +175,24 @@ def evaluate(
         err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
 
 
+def export(
+    model_dir: Annotated[Path, path_argument(help="A run's output folder (a LoRA model)")],
+    output: Annotated[Path, path_option(
+        "--output", "-o", help="Folder for the full model")],
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace a previous model in --output")] = False,
+    model: SavedModelCodeOption = None,
+) -> None:
+    """Fold a LoRA model's adapters into its base; write a plain full model."""
+    from fedavg.use.export import export_model  # lazy: loads with its command
+
+    with guard(failed="error"):
+        res = export_model(model_dir, output, overwrite=overwrite, code=model)
+    console.print(f"folded the adapters of {res['adapted_layers']} layers into the base: "
+                  f"{res['parameters']:,} parameters written to "
+                  f"[bold]{escape(str(res['output']))}[/]", highlight=False)
+
+
 def predict(
     model_dir: Annotated[Path, path_argument(help="A run's output folder")],
     inputs: Annotated[list[str], typer.Argument(
@@ -353,6 +371,7 @@ def build_app() -> typer.Typer:
     app.command(name="merge")(with_settings(merge, config=False, merge=True))
     app.command(name="evaluate")(evaluate)
     app.command(name="predict")(predict)
+    app.command(name="export")(export)
     app.command(name="strategies")(list_strategies)
     app.command(name="models")(list_models)
     app.command(name="coordinator")(with_settings(

@@ -55,7 +55,7 @@ def check_train(c: RunConfig) -> str | None:
     if t.pretrained and not t.model.startswith("torchvision:"):
         return ("--pretrained takes a torchvision:NAME model (an hf: folder starts from its "
                 "own weights; your own builder can take a --model-arg for it)")
-    return t.problem()
+    return t.problem() or first_problem(t)  # node options, then the model's (--lora-*)
 
 
 def check_merge(c: RunConfig) -> str | None:

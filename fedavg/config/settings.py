@@ -43,6 +43,9 @@ from fedavg.util.errors import UserError
 OPTIMIZERS = ("sgd", "adam")
 #: Learning-rate schedules over a node's local epochs (:func:`fedavg.node.recipe.make_scheduler`).
 LR_SCHEDULES = ("constant", "cosine", "step")
+#: ``--lora-merge``: ``exact`` merges the nodes' products ``B_k A_k`` (:mod:`strategies.lora`),
+#: ``average`` averages ``A`` and ``B`` separately (:class:`fedavg.models.lora.LoraModel`).
+LORA_MERGES = ("exact", "average")
 #: Seeds are below 2**31: nodes derive their own seeds from the run's without overflow.
 MAX_SEED = 2**31
 
@@ -209,6 +212,18 @@ class ModelChoice:
         one key, ``model-args``, holding them as JSON text.
     pretrained : bool
         Start the run from the torchvision model's pretrained weights (downloaded).
+    lora_rank : int
+        Rank ``r`` of the LoRA adapters nodes train on the frozen pretrained model
+        (:mod:`fedavg.models.lora`); 0: off, every weight is trained and sent.
+    lora_alpha : float
+        LoRA scaling numerator: the update is ``alpha / r * B @ A``.
+    lora_dropout : float
+        Dropout on the adapters' input, in [0, 1).
+    lora_targets : str or None
+        Comma-separated names of the modules to adapt; default by architecture
+        (:func:`fedavg.models.lora.default_targets`).
+    lora_merge : str
+        ``exact`` or ``average`` (:data:`LORA_MERGES`).
     """
 
     model: str = setting("auto", "Model (see `fedavg models`): a name, torchvision:NAME, "
@@ -216,6 +231,25 @@ class ModelChoice:
     model_args: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
     pretrained: bool = setting(False, "Start from the torchvision model's pretrained weights "
                                "(downloaded)")
+    lora_rank: int = setting(0, "LoRA adapters' rank r: nodes train and send only adapters "
+                             "and the head of a pretrained model (0: off)",
+                             rule=non_negative())
+    lora_alpha: float = setting(16.0, "LoRA scaling: the update is alpha / r * B A",
+                                rule=positive())
+    lora_dropout: float = setting(0.0, "Dropout on the LoRA adapters' input",
+                                  rule=fraction(closed_low=True, closed_high=False))
+    lora_targets: str | None = setting(None, "Modules to adapt, comma-separated (default: "
+                                       "attention query,value; else by architecture)")
+    lora_merge: str = setting("exact", "exact (average of the nodes' B A products) | average "
+                              "(A and B averaged apart)", rule=one_of(LORA_MERGES))
+
+    def lora(self) -> dict[str, Any] | None:
+        """Return the LoRA settings of the model spec (``None``: ``--lora-rank 0``)."""
+        if not self.lora_rank:
+            return None
+        targets = tuple(t.strip() for t in (self.lora_targets or "").split(",") if t.strip())
+        return {"rank": self.lora_rank, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
+                "targets": list(targets), "merge": self.lora_merge}
 
 
 @dataclass(frozen=True)
@@ -366,6 +400,32 @@ class RunConfig:
                 raise UserError(problem)
         self.build_strategy()
         return self
+
+    def data_settings(self) -> dict[str, Any]:
+        """Return the settings :func:`fedavg.data.load.load` takes besides the dataset.
+
+        Those of :func:`fedavg.data.load.data_settings`, with the tokenizer that comes with a
+        pretrained model (``minilm``'s WordPiece) in place of ``--tokenizer``'s default.
+
+        Raises
+        ------
+        UserError
+            ``--tokenizer`` given for a model that brings its own; the model's package missing.
+        """
+        # lazy: config stays light for `fedavg --help`; loading data loads these anyway
+        from fedavg.data.load import data_settings
+        from fedavg.data.text import FileTokenizer
+        from fedavg.models.pretrained import own_tokenizer
+
+        settings = data_settings(self.data)
+        own = own_tokenizer(self.train.model)
+        if own is not None:
+            if self.data.tokenizer != "hashed":
+                raise UserError(f"--model {self.train.model} brings its own tokenizer: leave "
+                                f"--tokenizer {self.data.tokenizer} out")
+            settings["tokenizer"] = FileTokenizer(own, self.data.max_tokens,
+                                                  source=f"{self.train.model}'s tokenizer")
+        return settings
 
     def build_strategy(self):
         """Build the configured merge strategy (a new ``strategies.Strategy``).

@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from fedavg.models import images as _images  # noqa: F401  (registers the built-in builders)
+from fedavg.models import pretrained as pretrained_models
 from fedavg.models import sources as model_sources
 from fedavg.models import text as _text  # noqa: F401
+from fedavg.models.lora import LoraSpec, wrap
 from fedavg.models.register import _MODELS, INPUT_KINDS, register_model  # noqa: F401
 from fedavg.models.sources import (
     DATA_ARGS,
@@ -135,10 +137,11 @@ def make_model(name: str, input_shape: tuple[int, ...], num_classes: int,
     name = resolve_model(name, shape, _kind(name, args))
     fn = _MODELS[name][0]
     what = f"model {name!r}"
-    kwargs = model_sources.Takes.of(fn, what).kwargs(what, args)
+    kwargs = _takes(name, fn, what).kwargs(what, args)
     _check_sizes(fn, what, kwargs)
+    own = {"initial": initial} if name in pretrained_models.PRETRAINED else {}
     try:
-        return fn(shape, int(num_classes), **kwargs)
+        return fn(shape, int(num_classes), **kwargs, **own)
     except (ValueError, RuntimeError, MemoryError) as exc:
         if too_big := _allocation_failed(exc):
             raise UserError(f"model {name!r}" + (f" with {kwargs}" if kwargs else "")
@@ -165,6 +168,25 @@ def _allocation_failed(exc: BaseException) -> str | None:
             else "not enough memory for its weights")
 
 
+def base_sha256(name: str) -> str | None:
+    """Return the SHA-256 of the pretrained weights model ``name`` starts from, if any.
+
+    A registered pretrained model's weights file, or an ``hf:`` folder's
+    ``model.safetensors``; ``None`` for a model that starts from random weights.
+
+    Raises
+    ------
+    UserError
+        The weights package is not installed, or the folder's weights are pickled.
+    """
+    if name in pretrained_models.PRETRAINED:
+        return pretrained_models.weights_sha256(name)
+    if model_sources.source_kind(name) == "hf":
+        weights = model_sources.hf_weights_file(name)
+        return None if weights is None else pretrained_models.file_sha256(str(weights))
+    return None
+
+
 def check_model_args(name: str, args: dict[str, Any]) -> None:
     """Refuse, before any data is loaded, builder arguments that model ``name`` cannot take.
 
@@ -186,9 +208,25 @@ def check_model_args(name: str, args: dict[str, Any]) -> None:
     fn = model_sources.user_builder(name) if kind == "code" else _MODELS[name][0]
     what = f"model {name!r}"
     data = dict.fromkeys(model_sources.DATA_ARGS, 1)  # text data gives these: not missing
-    kwargs = model_sources.Takes.of(fn, what).kwargs(what, {**args, **data})
+    kwargs = _takes(name, fn, what).kwargs(what, {**args, **data})
     if kind == "registry":
         _check_sizes(fn, what, {k: v for k, v in kwargs.items() if k not in data})
+
+
+def _takes(name: str, fn, what: str) -> model_sources.Takes:
+    """Return what builder ``fn`` of ``name`` takes from ``--model-arg``.
+
+    A pretrained model's keyword-only arguments (``initial``, a test's ``config``) are
+    fedavg's alone.
+    """
+    takes = model_sources.Takes.of(fn, what)
+    if name not in pretrained_models.PRETRAINED:
+        return takes
+    import inspect
+
+    own = {n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    return model_sources.Takes(tuple(n for n in takes.names if n not in own), takes.any,
+                               tuple(n for n in takes.required if n not in own))
 
 
 def _check_sizes(fn, what: str, kwargs: dict[str, Any]) -> None:
@@ -273,6 +311,9 @@ class ModelSpec:
     pretrained : bool
         The initial model (:meth:`build` with ``initial=True``) loads torchvision's
         pretrained weights. Not stored: every other copy gets its weights as a state dict.
+    lora : LoraSpec or None
+        LoRA adapters on the frozen pretrained model (:mod:`fedavg.models.lora`): every copy
+        loads the pretrained base and only the adapters, head and buffers travel.
     """
 
     name: str
@@ -280,49 +321,83 @@ class ModelSpec:
     num_classes: int
     args: dict[str, Any] = field(default_factory=dict)
     pretrained: bool = False
+    lora: LoraSpec | None = None
 
     @classmethod
     def resolve(cls, name: str, input_shape: tuple[int, ...], num_classes: int,
                 args: dict[str, Any] | None = None, *, pretrained: bool = False,
-                kind: str | None = None) -> "ModelSpec":
+                kind: str | None = None, lora: dict[str, Any] | None = None) -> "ModelSpec":
         """Return the spec of model ``name`` (``auto`` resolved, what rebuilding needs added).
 
         ``kind`` is the data's (:data:`INPUT_KINDS`): a registered model must take it.
+        ``lora``: ``rank``, ``alpha``, ``dropout``, ``targets`` and ``merge`` of LoRA
+        adapters (:class:`~fedavg.models.lora.LoraSpec`; head and default targets are found
+        when the model is first built, :meth:`build`).
 
         Raises
         ------
         UserError
-            Unknown model, or a model source that cannot be read (see
-            :func:`fedavg.models.sources.stored_args`).
+            Unknown model, a model source that cannot be read (see
+            :func:`fedavg.models.sources.stored_args`), or LoRA for a model without
+            pretrained weights.
         """
         shape = tuple(int(s) for s in input_shape)
         name = resolve_model(name, shape, kind)
         args = dict(args or {})
         if ":" in name:
             args = stored_args(name, shape, int(num_classes), args)
-        return cls(name, shape, int(num_classes), args, pretrained)
+        spec = None
+        if lora is not None:
+            sha = base_sha256(name)
+            if sha is None:
+                raise UserError(f"--lora-rank adapts pretrained weights, and model {name} starts "
+                                "from random ones: use a pretrained model (fedavg models: "
+                                f"{', '.join(pretrained_models.PRETRAINED)}) or an hf: folder "
+                                "with model.safetensors")
+            spec = LoraSpec.from_dict({**lora, "base_sha256": sha})
+        return cls(name, shape, int(num_classes), args, pretrained, spec)
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> "ModelSpec":
         """Inverse of :meth:`as_dict` (the ``model`` entry of ``model.json``)."""
+        lora = spec.get("lora")
         return cls(spec["name"], tuple(spec["input_shape"]), int(spec["num_classes"]),
-                   dict(spec.get("args", {})))
+                   dict(spec.get("args", {})),
+                   lora=None if lora is None else LoraSpec.from_dict(lora))
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain dict for JSON and the wire."""
-        return {"name": self.name, "input_shape": list(self.input_shape),
-                "num_classes": self.num_classes, "args": dict(self.args)}
+        """Plain dict for JSON and the wire (``lora`` only with adapters)."""
+        out = {"name": self.name, "input_shape": list(self.input_shape),
+               "num_classes": self.num_classes, "args": dict(self.args)}
+        if self.lora is not None:
+            out["lora"] = self.lora.as_dict()
+        return out
 
     def build(self, initial: bool = False) -> nn.Module:
         """Build a fresh instance; ``initial``: the run's initial model (loads weights).
 
+        With LoRA every copy loads the pretrained base (checked against
+        ``lora.base_sha256``) and gets adapters; the first build fills in the spec's head
+        and default targets.
+
         Raises
         ------
         UserError
-            See :func:`build_model`.
+            See :func:`build_model`; a base whose weights differ from the run's.
         """
-        return make_model(self.name, self.input_shape, self.num_classes, self.args,
-                          initial=initial, pretrained=self.pretrained)
+        if self.lora is None:
+            return make_model(self.name, self.input_shape, self.num_classes, self.args,
+                              initial=initial, pretrained=self.pretrained)
+        own = base_sha256(self.name)
+        if self.lora.base_sha256 and own != self.lora.base_sha256:
+            raise UserError(f"model {self.name}: the run's pretrained weights have SHA-256 "
+                            f"{self.lora.base_sha256[:12]}, this install's {str(own)[:12]}: "
+                            "install the same weights (package version) as the coordinator")
+        net = make_model(self.name, self.input_shape, self.num_classes, self.args, initial=True,
+                         pretrained=self.pretrained)
+        model = wrap(net, self.lora, self.num_classes)
+        self.lora = model.spec
+        return model
 
     def check(self, model: nn.Module) -> list[str]:
         """Check ``model`` maps a ``(2, *input_shape)`` batch to ``(2, K)``; return its notes.

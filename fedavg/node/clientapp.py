@@ -23,7 +23,7 @@ from flwr.clientapp import ClientApp
 
 import strategies
 from fedavg.models.evaluation import resolve_device
-from fedavg.models.registry import build_model
+from fedavg.models.registry import ModelSpec
 from fedavg.node import keys
 from fedavg.node.train import train
 from fedavg.node.wire import TrainSettings
@@ -68,9 +68,19 @@ def partition_arrays(source, partition_id: int) -> tuple[np.ndarray, np.ndarray]
 
 @functools.lru_cache(maxsize=4)
 def _model_for(spec_json: str) -> torch.nn.Module:
-    spec = json.loads(spec_json)
-    return build_model(spec["name"], tuple(spec["input_shape"]), spec["num_classes"],
-                       **spec.get("args", {}))
+    return ModelSpec.from_dict(json.loads(spec_json)).build()
+
+
+def reply_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Return the state dict a node sends back: all but what only the coordinator changes.
+
+    With ``--lora-merge exact`` the adapted weights ``W`` travel to the nodes, which train
+    only the adapters beside them; the coordinator has them already, so they are not sent back.
+    """
+    state = model.state_dict()
+    for key in getattr(model, "downlink_only", lambda: ())():
+        state.pop(key, None)
+    return state
 
 
 def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
@@ -130,7 +140,7 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
                             **update.metrics})
     if rule is not None:
         metrics[keys.STATE_ROUND] = state_round
-    reply = RecordDict({keys.ARRAYS: ArrayRecord(model.state_dict()), keys.METRICS: metrics})
+    reply = RecordDict({keys.ARRAYS: ArrayRecord(reply_state(model)), keys.METRICS: metrics})
     for key, arrays in update.arrays.items():
         reply[key] = ArrayRecord(arrays)
     if update.state is not None and context is not None:

@@ -29,7 +29,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedavg.config.settings import RunConfig
-from fedavg.data.load import Split, check_kind, conform, data_settings, load
+from fedavg.data.load import Split, check_kind, conform, load
 from fedavg.data.shares import share_out
 from fedavg.node import keys
 from fedavg.node.wire import TrainSettings
@@ -82,13 +82,13 @@ def node_arrays(dataset: str, partition_id: int, num_partitions: int,
             raise UserError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
         config = config.replace(num_nodes=num_partitions)
         try:  # split exactly as the coordinator's run does
-            data = load(d.dataset, **data_settings(d))
+            data = load(d.dataset, **config.data_settings())
             parts, _, _ = share_out(config, config.build_strategy(), data)
         except UserError as exc:  # say it in the node's terms
             raise UserError(str(exc).replace("--num-nodes", "--num-partitions")) from None
         idx = parts[partition_id]
         return data.train.x[idx], data.train.y[idx].astype(np.int64), list(data.classes), data
-    data = load(dataset, **{**data_settings(d), "partition_by": None})
+    data = load(dataset, **{**config.data_settings(), "partition_by": None})
     return data.train.x, data.train.y.astype(np.int64), list(data.classes), data
 
 

@@ -18,6 +18,11 @@ from fedavg.node.recipe import LogitAdjustment, augmenter, make_scheduler, round
 from fedavg.util.errors import UserError
 
 
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """Return the parameters a node trains: all but the frozen ones (a LoRA model's base)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def _batches(n: int, batch_size: int, generator: torch.Generator | None, smallest: int = 1):
     """Yield the index batches of one epoch, leaving out one smaller than ``smallest``."""
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
@@ -35,11 +40,11 @@ def make_optimizer(model: nn.Module, name: str, *, lr: float, momentum: float,
     ValueError
         Another name.
     """
+    params = trainable(model)
     if name == "adam":
-        return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
     if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
-                               weight_decay=weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}; use sgd or adam")
 
 
@@ -147,7 +152,7 @@ def _batchnorms(model: nn.Module) -> list[nn.Module]:
 def _extras(model: nn.Module, yt: torch.Tensor, proximal_mu: float, rule, sam_rho: float,
             logit_adjust: float) -> tuple:
     """Return what :func:`_step` takes beyond the batch: the proximal anchor, SAM, the rest."""
-    anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
+    anchor = [p.detach().clone() for p in trainable(model)] if proximal_mu > 0 else None
     adjust = LogitAdjustment(yt, logit_adjust) if logit_adjust > 0 else None
     return anchor, proximal_mu, rule, sam_rho, adjust
 
@@ -178,7 +183,7 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: to
             model, lambda: _losses(model, xb, yb, anchor, proximal_mu, rule, adjust)[1],
             sam_rho)
     if clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        torch.nn.utils.clip_grad_norm_(trainable(model), clip)
     if rule is not None:
         rule.before_step(model, float(opt.param_groups[0]["lr"]))
     opt.step()
@@ -192,7 +197,7 @@ def _losses(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor,
     loss = nn.functional.cross_entropy(logits if adjust is None else adjust(logits), yb)
     total = loss
     if anchor is not None:
-        prox = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+        prox = sum(((p - a) ** 2).sum() for p, a in zip(trainable(model), anchor))
         total = total + 0.5 * proximal_mu * prox
     if rule is not None:
         extra = rule.loss(model, xb, logits)

@@ -186,6 +186,15 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+def size(num_bytes: int) -> str:
+    """``num_bytes`` in decimal units: ``812 B``, ``45.3 kB``, ``91.2 MB``, ``1.20 GB``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            value = num_bytes / scale
+            return f"{value:.2f} {unit}" if value < 10 else f"{value:.1f} {unit}"
+    return f"{int(num_bytes)} B"
+
+
 def _figure(value: float | None) -> str:
     """Format an accuracy or loss with 4 decimals; ``nan`` for one JSON stored as ``null``."""
     return "nan" if value is None else f"{value:.4f}"
@@ -266,6 +275,7 @@ class Progress:
         self._bar.console.print(
             f"round {rec.round:>3}/{self.rounds}: accuracy {_figure(rec.accuracy)}{own}  "
             f"loss {_figure(rec.loss)}  train loss {train_loss}  nodes {rec.num_nodes}  "
+            f"sent {size(rec.bytes_to_nodes)}  got {size(rec.bytes_from_nodes)}  "
             f"{rec.wall_s:.2f} s")
         nxt = rec.round + 1
         self._bar.update(self._task, advance=1, description=(

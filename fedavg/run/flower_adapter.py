@@ -24,6 +24,7 @@ import strategies
 from fedavg.flower_compat import error_summary
 from fedavg.node import keys
 from fedavg.util.errors import RunError
+from strategies import lora as lora_math
 
 #: The most bytes of node models a round holds to fold them in partition order (1 GiB);
 #: above it replies are folded as they arrive, in O(model) memory.
@@ -150,6 +151,20 @@ def parse_reply(msg: Message) -> tuple[dict[str, torch.Tensor], float, MetricRec
     return state, metrics[keys.NUM_EXAMPLES], metrics
 
 
+def record_bytes(records: Iterable[ArrayRecord]) -> int:
+    """Return the bytes of the serialised arrays in ``records``.
+
+    Each :class:`flwr.app.Array` holds its tensor serialised (the NumPy ``.npy`` format:
+    a header of about 128 bytes, then the values); this is the sum of their lengths.
+    """
+    return sum(len(array.data) for record in records for array in record.values())
+
+
+def message_bytes(msg: Message) -> int:
+    """Return the bytes of the serialised arrays ``msg`` carries (0 for an error reply)."""
+    return 0 if msg.has_error() else record_bytes(msg.content.array_records.values())
+
+
 class _OverNorm(RunError):
     """A node's update farther from the round's model than ``--max-update-norm``."""
 
@@ -163,6 +178,7 @@ class _RoundTally:
         self.train_s: float | None = None
         self.reasons: list[tuple[int, str]] = []  # (node, why it was left out)
         self.over_norm = 0  # replies refused by --max-update-norm
+        self.bytes_to_nodes = self.bytes_from_nodes = 0  # serialised arrays, both ways
 
     def detail(self, most: int = 3) -> str:
         """Return the failures in one line; nodes with the same reason share it."""
@@ -187,7 +203,8 @@ class _RoundTally:
     def summary(self) -> dict[str, Any]:
         loss = self.loss_sum / self.weight_sum if self.weight_sum else float("nan")
         return {"train_loss": loss, "num_nodes": self.used, "num_failed": self.failed,
-                "train_s": self.train_s}
+                "train_s": self.train_s, "bytes_to_nodes": self.bytes_to_nodes,
+                "bytes_from_nodes": self.bytes_from_nodes}
 
 
 def _fold_order(msg: Message) -> tuple[int, int]:
@@ -230,6 +247,10 @@ class FlowerAdapter(FlowerFedAvg):
     round_offset : int
         Rounds already done (a resumed run): Flower's round ``r`` is the run's round
         ``r + round_offset``, which the nodes are sent and every callback is given.
+    exact_lora : mapping of str to float, optional
+        LoRA layer prefix -> scaling, for ``--lora-merge exact``: each reply's adapters are
+        folded into its adapted weights before the merge and set back to the round's
+        (``B = 0``), so every round's adapters start afresh (:mod:`strategies.lora`).
     **kwargs
         Flower ``FedAvg`` arguments (fractions, minimum node counts).
 
@@ -248,16 +269,19 @@ class FlowerAdapter(FlowerFedAvg):
                  min_replies: int = 1,
                  max_update_norm: float | None = None,
                  round_offset: int = 0,
+                 exact_lora: dict[str, float] | None = None,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.merge, self.reference, self.buffers, self.context = merge, reference, buffers, context
         self.on_failure, self.on_node_model = on_failure, on_node_model
         self.before_round, self.min_replies = before_round, min_replies
         self.max_update_norm, self.round_offset = max_update_norm, round_offset
+        self.exact_lora = exact_lora
         self.current_round = 0
         self.last_train: dict[str, Any] = {}
         self.last_merged: strategies.Merged | None = None
         self.round_started = time.monotonic()
+        self.bytes_to_nodes = 0  # of the round's messages, counted as they are built
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -276,6 +300,7 @@ class FlowerAdapter(FlowerFedAvg):
         for msg in messages:  # one record object shared by every message of the round
             for key, record in extras.items():
                 msg.content[key] = record
+        self.bytes_to_nodes = sum(message_bytes(msg) for msg in messages)
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
@@ -283,6 +308,7 @@ class FlowerAdapter(FlowerFedAvg):
         server_round += self.round_offset
         self.merge.begin(self.reference, self.buffers, self.context)
         tally = _RoundTally()
+        tally.bytes_to_nodes = self.bytes_to_nodes
         sent_to = getattr(replies, "destination", None) or {}
         answered: set[str] = set()
         ordered = sorted(replies, key=_fold_order) if self._hold_round(replies) else replies
@@ -309,9 +335,12 @@ class FlowerAdapter(FlowerFedAvg):
 
     def _fold(self, server_round: int, node: int, msg: Message, tally: _RoundTally) -> None:
         partition = -1
+        tally.bytes_from_nodes += message_bytes(msg)  # received, whether usable or not
         try:
             state, weight, metrics = parse_reply(msg)
             partition = int(metrics.get(keys.PARTITION_ID, -1))
+            if self.exact_lora:  # node k's model is W + s B_k A_k: merges see the products
+                state = lora_math.fold_reply(state, self.reference, self.exact_lora)
             self._check_norm(state, node)
             extras = {k: rec.to_torch_state_dict() for k, rec in
                       msg.content.array_records.items() if k != keys.ARRAYS}

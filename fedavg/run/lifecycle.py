@@ -22,7 +22,7 @@ import numpy as np
 
 from fedavg.config.setting_use import unused_setting_notes
 from fedavg.config.settings import RunConfig
-from fedavg.data.load import LoadedData, Split, data_settings, load
+from fedavg.data.load import LoadedData, Split, load
 from fedavg.data.overlap import overlap_note
 from fedavg.data.shares import share_out
 from fedavg.data.sources import same_source
@@ -61,6 +61,9 @@ class RoundRecord:
         Seconds from sending the round's messages to its saved checkpoint.
     train_s : float or None
         The slowest node's training time (seconds); ``wall_s`` minus this is overhead.
+    bytes_to_nodes, bytes_from_nodes : int
+        Bytes of serialised arrays the round's messages carried coordinator -> nodes (all
+        nodes together), and nodes -> coordinator (every reply, usable or not).
     merged_accuracy, merged_loss : float or None
         With ``--swa-start``, from that round on: the test accuracy and loss of the round's
         merged model itself (``accuracy`` and ``loss`` are then the weight average's, the
@@ -78,6 +81,8 @@ class RoundRecord:
     num_failed: int
     wall_s: float
     train_s: float | None = None
+    bytes_to_nodes: int = 0
+    bytes_from_nodes: int = 0
     merged_accuracy: float | None = None
     merged_loss: float | None = None
     resumed: bool = False
@@ -203,7 +208,7 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
 
     d = config.data
     strategy = config.build_strategy()
-    data = load(d.dataset, **data_settings(d)) if data is None else data.copy()
+    data = load(d.dataset, **config.data_settings()) if data is None else data.copy()
     leak = overlap_note(data.test.x, data.train.x, "test", d.dataset) if model else None
     if leak:  # (a deployment node, model=False, shows no notes)
         data.notes.append(leak)
@@ -229,7 +234,7 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
                             "tokenizer; leave them out (see --tokenizer, --max-tokens)")
         spec = ModelSpec.resolve(t.model, data.input_shape, len(data.classes),
                                  {**t.model_args, **text_model_args(data)},
-                                 pretrained=t.pretrained, kind=data.kind)
+                                 pretrained=t.pretrained, kind=data.kind, lora=t.lora())
         # fail early on shapes the model cannot take; say how its inputs are adapted
         built = spec.build()
         # lazy: loads torch, which only this path needs
@@ -385,6 +390,9 @@ def write_summary(result: RunResult, prepared: Prepared, config: RunConfig) -> N
         "rounds": len(result.rounds),
         "num_nodes": result.num_nodes,
         "wall_s": result.wall_s,
+        # serialised arrays of every round's messages (a resumed run's rounds included)
+        "bytes_to_nodes": sum(int(r.get("bytes_to_nodes") or 0) for r in result.rounds),
+        "bytes_from_nodes": sum(int(r.get("bytes_from_nodes") or 0) for r in result.rounds),
         "strategy": config.merge.strategy,
         "model": prepared.spec.name,
         "dataset": prepared.meta["dataset"]["source"],  # a local path made absolute

@@ -285,6 +285,7 @@ class ServerRun:
             min_replies=1 if deployment is None else per_round,
             max_update_norm=m.max_update_norm,
             round_offset=done,
+            exact_lora=exact_lora(self.model),
         )
 
     def report_failure(self, server_round: int, node: int, reason: str) -> None:
@@ -452,8 +453,18 @@ class ServerRun:
             num_failed=int(info.get("num_failed", 0)),
             wall_s=round(time.monotonic() - self.adapter.round_started, 3),
             train_s=None if info.get("train_s") is None else round(info["train_s"], 3),
+            bytes_to_nodes=int(info.get("bytes_to_nodes", 0)),
+            bytes_from_nodes=int(info.get("bytes_from_nodes", 0)),
             resumed=self.resume_from is not None and "round1_end" not in self.state.marks,
         )
+
+
+def exact_lora(model: torch.nn.Module) -> dict[str, float] | None:
+    """Return the layers whose LoRA updates the merge folds in (``--lora-merge exact``)."""
+    spec = getattr(model, "spec", None)
+    if spec is None or getattr(spec, "merge", None) != "exact":
+        return None
+    return model.adapted_layers()
 
 
 def make_server_app(config: RunConfig, prepared: Prepared, output: Path, state: RunState,

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 #: Round scalars (``RoundRecord`` fields) logged by both trackers; ``None`` values are left out.
 SCALARS = ("accuracy", "loss", "train_loss", "wall_s", "train_s", "num_nodes", "num_failed",
+           "bytes_to_nodes", "bytes_from_nodes",
            "merged_accuracy", "merged_loss")
 #: Files of the run folder logged to MLflow as the ``model`` artifact.
 MODEL_FILES = ("model.safetensors", "model.json", "summary.json", "metrics.jsonl",

@@ -18,6 +18,7 @@ from typing import Any, Iterable
 
 from fedavg.config.settings import RunConfig
 from fedavg.data.load import data_settings, load
+from fedavg.models.pretrained import has_own_tokenizer
 from fedavg.run.lifecycle import prepare
 from fedavg.run.output import RUN_FILES
 from fedavg.sweeps.grid import Point, Sweep, effective_settings, format_value, name_part
@@ -54,8 +55,9 @@ def check_points(planned: list[Planned]) -> dict[str, str]:
     """
 
     def key(p: Planned) -> str:
-        d = p.point.config.data
-        return json.dumps([d.dataset, data_settings(d)], sort_keys=True, default=str)
+        d, model = p.point.config.data, p.point.config.train.model
+        own = model if has_own_tokenizer(model) else None  # tokenizes with its own
+        return json.dumps([d.dataset, data_settings(d), own], sort_keys=True, default=str)
 
     problems = quick_problems(planned)
     held: dict[str, Any] = {}  # the data settings loaded now: their data, or the load's error
@@ -65,7 +67,7 @@ def check_points(planned: list[Planned]) -> dict[str, str]:
         if key(p) not in held:
             held.clear()
             try:
-                held[key(p)] = load(d.dataset, **data_settings(d))
+                held[key(p)] = load(d.dataset, **p.point.config.data_settings())
             except UserError as exc:
                 held[key(p)] = exc
         try:

@@ -5,7 +5,10 @@
 - ``accuracy_vs_alpha.png``: final accuracy against the Dirichlet ``alpha`` (when it varies
   among the runs of a partitioner taking ``alpha``), one line per group of the other
   varying settings, error bars over seeds;
-- ``wall_time_vs_nodes.png``: a run's wall time against ``num-nodes`` (when it varies).
+- ``wall_time_vs_nodes.png``: a run's wall time against ``num-nodes`` (when it varies);
+- ``accuracy_vs_bytes.png``: test accuracy after each round against the bytes sent both ways
+  so far (cumulative, log scale), one line per group (means over seeds), when the runs
+  counted them.
 
 A plot whose setting does not vary is not written (and an older one is removed), with a note.
 """
@@ -20,7 +23,8 @@ from fedavg.data.partition import get_partitioner
 from fedavg.sweeps.runs import group_runs
 from fedavg.util.errors import UserError
 
-PLOTS = ("accuracy_per_round.png", "accuracy_vs_alpha.png", "wall_time_vs_nodes.png")
+PLOTS = ("accuracy_per_round.png", "accuracy_vs_alpha.png", "wall_time_vs_nodes.png",
+         "accuracy_vs_bytes.png")
 
 
 def write_plots(runs: list, keys: list[str], folder: Path) -> tuple[list[Path], list[str]]:
@@ -59,6 +63,14 @@ def write_plots(runs: list, keys: list[str], folder: Path) -> tuple[list[Path], 
                 continue
             where = " among the runs whose partitioner takes it" if key == "alpha" else ""
             notes.append(f"{key} does not vary{where}: no {folder.name}/{name}")
+    path = folder / PLOTS[3]
+    if any(r.bytes_curve for r in runs):
+        _vs_bytes([r for r in runs if r.bytes_curve], keys, path)
+        written.append(path)
+    else:
+        path.unlink(missing_ok=True)
+        notes.append(f"no run counted its bytes (runs of an older fedavg): no "
+                     f"{folder.name}/{PLOTS[3]}")
     return written, notes
 
 
@@ -118,6 +130,19 @@ def _per_round(runs: list, keys: list[str], path: Path) -> None:
                             [m + s for m, s in zip(mean, std)], color=line.get_color(),
                             alpha=0.2)
     ax.xaxis.get_major_locator().set_params(integer=True)
+    _save(fig, ax, path, len(lines))
+
+
+def _vs_bytes(runs: list, keys: list[str], path: Path) -> None:
+    lines = _lines(runs, keys, ("seed",))
+    fig, ax = _figure("Test accuracy against bytes sent both ways (mean over seeds)",
+                      "bytes sent + received, cumulative", "test accuracy")
+    for label, group in lines:
+        rounds = min(len(run.bytes_curve) for run in group)
+        xs = [statistics.fmean(run.bytes_curve[i][0] for run in group) for i in range(rounds)]
+        ys = [statistics.fmean(run.bytes_curve[i][1] for run in group) for i in range(rounds)]
+        ax.plot(xs, ys, marker="o" if rounds < 30 else None, markersize=3, label=label)
+    ax.set_xscale("log")
     _save(fig, ax, path, len(lines))
 
 

@@ -63,7 +63,7 @@ def markdown_table(groups: list[Group], keys: list[str], target: float,
     pub = [] if published is None else ["published"]
     count = [] if "rounds" in keys else ["rounds"]  # a setting that varies shows them already
     head = [*keys, "n", "seeds", "final accuracy", "best accuracy", *pub,
-            f"round ≥ {target:g}", *count, "wall s", "round s"]
+            f"round ≥ {target:g}", *count, "wall s", "round s", "MB sent + got"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in groups:
         s = g.stats(target)
@@ -74,9 +74,17 @@ def markdown_table(groups: list[Group], keys: list[str], target: float,
                _pm(s["best_accuracy_mean"], s["best_accuracy_std"], 4),
                *([] if published is None else [_pm(_figure(published, g), None, 4)]), reached,
                *([str(s["rounds"])] if count else []), _pm(s["wall_s_mean"], s["wall_s_std"], 1),
-               _pm(s["round_s_mean"], None, 2)]
+               _pm(s["round_s_mean"], None, 2), _megabytes(s["bytes_mean"])]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
     return "\n".join(lines)
+
+
+def _megabytes(num_bytes: float | None) -> str:
+    """Bytes as megabytes (10**6) for the table; blank when not counted."""
+    if num_bytes is None:
+        return ""
+    mb = num_bytes / 1e6
+    return f"{mb:.3g}" if mb < 100 else f"{mb:,.0f}"
 
 
 def _figure(published, group: Group) -> float | None:
@@ -99,7 +107,7 @@ def write_csvs(groups: list[Group], runs: list[Run], keys: list[str], target: fl
     count = [] if "rounds" in keys else ["rounds"]  # a setting that varies shows them already
     stats = ["n", "accuracy_mean", "accuracy_std", "best_accuracy_mean", "best_accuracy_std",
              "target_round_mean", "target_reached", *count, "wall_s_mean", "wall_s_std",
-             "round_s_mean"]
+             "round_s_mean", "bytes_mean"]
     pub = [] if published is None else ["published_best_accuracy"]
     results = out / f"{name}.csv"
     with open(results, "w", newline="") as fh:
@@ -116,13 +124,13 @@ def write_csvs(groups: list[Group], runs: list[Run], keys: list[str], target: fl
     with open(per_run, "w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["run", *keys, *seed, "accuracy", "best_accuracy", "target_round",
-                         *count, "wall_s", "round_s", "target"])
+                         *count, "wall_s", "round_s", "bytes", "target"])
         for r in runs:
             writer.writerow([_relative(r.path, root),
                              *(_csv_value(r.settings.get(k)) for k in [*keys, *seed]),
                              r.accuracy, r.best_accuracy, _csv_value(r.target_round(target)),
                              *([r.rounds] if count else []), r.wall_s, _csv_value(r.round_s),
-                             target])
+                             _csv_value(r.bytes_total), target])
     return [results, per_run]
 
 

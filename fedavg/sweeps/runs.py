@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,12 @@ class Run:
     round_walls : list of float
         Seconds per round of the rounds that did not wait for a start-up: not round 1,
         nor the first round of a resumed run.
+    bytes_total : int or None
+        Bytes of serialised arrays sent both ways over the whole run (``None``: a run
+        recorded before fedavg counted them).
+    bytes_curve : list of (int, float)
+        ``(cumulative bytes both ways, test accuracy)`` after each round, from
+        ``metrics.jsonl`` (empty without byte counts).
     """
 
     path: Path
@@ -53,6 +59,8 @@ class Run:
     wall_s: float
     curve: list[tuple[int, float]]
     round_walls: list[float]
+    bytes_total: int | None = None
+    bytes_curve: list[tuple[int, float]] = field(default_factory=list)
 
     def target_round(self, target: float) -> int | None:
         """Return the first round whose test accuracy is >= ``target``, or ``None``."""
@@ -174,7 +182,26 @@ def read_run(folder: Path, notes: list[str] | None = None) -> Run:
                wall_s=float(summary["wall_s"]),
                curve=[(int(r["round"]), float(r["accuracy"])) for r in rows],
                round_walls=[float(r["wall_s"]) for r in rows[1:]  # not a start-up's round
-                            if finite_number(r.get("wall_s")) and not r.get("resumed")])
+                            if finite_number(r.get("wall_s")) and not r.get("resumed")],
+               bytes_total=_bytes_total(summary), bytes_curve=_bytes_curve(rows))
+
+
+def _bytes_total(summary: dict[str, Any]) -> int | None:
+    """Bytes sent both ways in the run, from ``summary.json`` (``None``: not counted)."""
+    both = [summary.get("bytes_to_nodes"), summary.get("bytes_from_nodes")]
+    return int(sum(both)) if all(finite_number(v) and v >= 0 for v in both) else None
+
+
+def _bytes_curve(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """``(cumulative bytes both ways, accuracy)`` per round; empty if a round lacks its count."""
+    curve, total = [], 0
+    for row in rows:
+        both = [row.get("bytes_to_nodes"), row.get("bytes_from_nodes")]
+        if not all(finite_number(v) and v >= 0 for v in both):
+            return []
+        total += int(sum(both))
+        curve.append((total, float(row["accuracy"])))
+    return curve
 
 
 def _model_meta_damage(folder: Path) -> str | None:
@@ -248,6 +275,8 @@ class Group:
         for name in ("accuracy", "best_accuracy", "wall_s"):
             out[f"{name}_mean"], out[f"{name}_std"] = mean_std(
                 [getattr(r, name) for r in self.runs])
+        counted = [r.bytes_total for r in self.runs if r.bytes_total is not None]
+        out["bytes_mean"] = statistics.fmean(counted) if counted else None
         reached = [r.target_round(target) for r in self.runs]
         reached = [r for r in reached if r is not None]
         out["target_round_mean"] = statistics.fmean(reached) if reached else None

@@ -17,7 +17,7 @@ from fedavg.data.sources import saved_load_args
 from fedavg.data.text import from_spec, model_tokenizer, text_inputs
 from fedavg.models.evaluation import evaluate as _evaluate
 from fedavg.models.evaluation import predict_proba, resolve_device
-from fedavg.models.registry import EnsembleModel, build_model
+from fedavg.models.registry import EnsembleModel, ModelSpec
 from fedavg.models.sources import saved_model_name
 from fedavg.run import checkpoint
 from fedavg.use.inputs import check_inputs, collect, input_notes, table_rows, text_table_rows
@@ -61,8 +61,7 @@ def load_model(directory: str | Path, device: str = "cpu",
 def _build(spec: Any, where: str, code: str | None = None) -> torch.nn.Module:
     try:
         name = saved_model_name(str(spec["name"]), code, where)
-        return build_model(name, tuple(spec["input_shape"]), int(spec["num_classes"]),
-                           **spec.get("args", {}))
+        return ModelSpec.from_dict({**spec, "name": name}).build()
     except UserError as exc:
         raise UserError(f"{where}/{checkpoint.META}: {exc}") from None
     except (KeyError, TypeError, ValueError) as exc:

@@ -62,6 +62,17 @@ def test_default_simulate_on_digits_then_evaluate_and_predict(tmp_path, no_leaks
     assert all(r["num_nodes"] == 5 for r in rounds)
     assert rounds[-1]["accuracy"] == summary["accuracy"]
     assert rounds[-1]["train_loss"] < rounds[0]["train_loss"]  # nodes really trained
+    # bytes on the wire: each of the 5 nodes gets the model and sends it back, serialised
+    from safetensors.torch import load_file
+
+    weights = load_file(out / "model.safetensors")
+    model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    for r in rounds:  # plus a .npy header (< 200 bytes) per array
+        for way in ("bytes_to_nodes", "bytes_from_nodes"):
+            assert 5 * model_bytes < r[way] < 5 * (model_bytes + 200 * len(weights)), r
+    assert summary["bytes_to_nodes"] == sum(r["bytes_to_nodes"] for r in rounds)
+    assert summary["bytes_from_nodes"] == sum(r["bytes_from_nodes"] for r in rounds)
+    assert "sent " in proc.stdout and " kB" in proc.stdout
 
     meta = json.loads((out / "model.json").read_text())
     assert meta["model"]["name"] == "mlp" and meta["classes"] == [str(i) for i in range(10)]

