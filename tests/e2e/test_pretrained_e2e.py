@@ -1,0 +1,49 @@
+"""End to end with real pretrained weights: MiniLM LoRA adapters on a few hundred AG News texts."""
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+from helpers.cli import SHARED_DATA, run_cli
+
+pytestmark = pytest.mark.e2e
+
+SPORTS = "The Yankees beat the Red Sox 7-2 as their pitcher threw a shutout in the playoff game"
+#: all-MiniLM-L6-v2's weights, float32 (22.7M values)
+FULL_MODEL_BYTES = 90_800_000
+
+
+def _news(folder, train=400, test=200):
+    folder.mkdir()
+    for split, rows in (("train", train), ("test", test)):
+        table = pq.read_table(SHARED_DATA / "ag_news" / f"{split}.parquet").slice(0, rows)
+        pq.write_table(table, folder / f"{split}.parquet")
+    return folder
+
+
+def test_minilm_lora_trains_adapters_only_merges_exactly_predicts_and_exports(tmp_path,
+                                                                             no_leaks):
+    out = tmp_path / "run"
+    proc = run_cli("simulate", "--dataset", _news(tmp_path / "news"), "--model", "minilm",
+                   "--lora-rank", "4", "--num-nodes", "2", "--rounds", "1", "--max-tokens",
+                   "32", "--optimizer", "adam", "--lr", "0.001", "--output", out)
+    assert "LoRA r=4, alpha=16 on 12 layers (query,value), head head" in proc.stdout
+    meta = json.loads((out / "model.json").read_text())
+    assert meta["model"]["lora"]["merge"] == "exact"
+    assert meta["input"]["tokenizer"]["kind"] == "file"  # minilm's own, no --tokenizer
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # up: 2 nodes x (adapters + head), far below 2 % of the full model each
+    assert 0 < row["bytes_from_nodes"] < 2 * 0.02 * FULL_MODEL_BYTES, row
+    # down: the adapted query and value weights (12 x 384 x 384 floats) beside them
+    assert 2 * 12 * 384 * 384 * 4 < row["bytes_to_nodes"] < 2 * 0.1 * FULL_MODEL_BYTES, row
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accuracy"] > 0.5, summary  # 4 classes; the base alone is chance
+    pred = run_cli("predict", out, SPORTS, "--text", "--output", "-").stdout
+    assert f"{SPORTS},sports," in pred
+
+    full = tmp_path / "full"
+    run_cli("export", out, "--output", full)
+    assert "lora" not in json.loads((full / "model.json").read_text())["model"]
+    assert (full / "model.safetensors").stat().st_size > FULL_MODEL_BYTES * 0.99
+    ev = json.loads(run_cli("evaluate", full, "--json").stdout)
+    assert ev["accuracy"] == pytest.approx(summary["accuracy"], abs=1e-3)
