@@ -131,6 +131,9 @@ class Strategy:
     description: str = ""
     paper: str = ""
     one_shot: bool = False
+    #: The result keeps the node models as they came (an output ensemble), merging no
+    #: parameters.
+    keeps_members: bool = False
     """True for "train many, then merge" methods, applied once after local training."""
     needs_validation: bool = False
     """True when the merge uses ``MergeContext.val_x`` / ``val_y``."""

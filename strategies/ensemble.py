@@ -70,6 +70,9 @@ class Ensemble(_Collect):
     paper = ("Dietterich 2000, Ensemble Methods in Machine Learning; fitted weights: "
              "van der Laan et al. 2007, Super Learner")
     one_shot = True
+    #: Its result is the node models as they came (no parameter merge): a LoRA run keeps
+    #: each member's own adapters.
+    keeps_members = True
 
     options = (Option("ensemble_weights", str, "num-examples", "How members are weighted",
                       choices=WEIGHTINGS),)

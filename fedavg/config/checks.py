@@ -53,8 +53,15 @@ def check_train(c: RunConfig) -> str | None:
     if bad is not None:
         return f"--model-arg {bad!r}: argument names must be Python names (hidden=64)"
     if t.pretrained and not t.model.startswith("torchvision:"):
-        return ("--pretrained takes a torchvision:NAME model (an hf: folder starts from its "
-                "own weights; your own builder can take a --model-arg for it)")
+        return ("--pretrained takes a torchvision:NAME model (an hf: folder and minilm, "
+                "efficientnet-lite0 start from their own weights; your own builder can take a "
+                "--model-arg for it)")
+    if t.pretrained not in (None, "default"):
+        from pathlib import Path  # lazy: this module stays light
+
+        if not Path(t.pretrained).expanduser().is_file():
+            return (f"--pretrained {t.pretrained}: no such file; give default (torchvision's "
+                    "weights) or a local .safetensors or state-dict file")
     return t.problem() or first_problem(t)  # node options, then the model's (--lora-*)
 
 

@@ -210,8 +210,11 @@ class ModelChoice:
     model_args : mapping
         Arguments of the model's builder (``--model-arg KEY=VALUE``); in Flower's run config
         one key, ``model-args``, holding them as JSON text.
-    pretrained : bool
-        Start the run from the torchvision model's pretrained weights (downloaded).
+    pretrained : str or None
+        Start a torchvision model from pretrained weights: ``default`` (torchvision's
+        ``DEFAULT`` weights, downloaded once) or the path of a local weights file
+        (safetensors, or a state dict read with ``torch.load(weights_only=True)``); ``None``:
+        random weights. ``True`` / ``False`` (older configs) mean ``default`` / ``None``.
     lora_rank : int
         Rank ``r`` of the LoRA adapters nodes train on the frozen pretrained model
         (:mod:`fedavg.models.lora`); 0: off, every weight is trained and sent.
@@ -229,8 +232,9 @@ class ModelChoice:
     model: str = setting("auto", "Model (see `fedavg models`): a name, torchvision:NAME, "
                          "hf:PATH, module:function or file.py:function")
     model_args: Mapping[str, Any] = field(default_factory=dict, metadata={"cli": False})
-    pretrained: bool = setting(False, "Start from the torchvision model's pretrained weights "
-                               "(downloaded)")
+    pretrained: str | None = setting(None, "torchvision models: start from pretrained weights, "
+                                     "default (torchvision's, downloaded) or PATH (a local "
+                                     ".safetensors or state-dict file)")
     lora_rank: int = setting(0, "LoRA adapters' rank r: nodes train and send only adapters "
                              "and the head of a pretrained model (0: off)",
                              rule=non_negative())
@@ -242,6 +246,11 @@ class ModelChoice:
                                        "attention query,value; else by architecture)")
     lora_merge: str = setting("exact", "exact (average of the nodes' B A products) | average "
                               "(A and B averaged apart)", rule=one_of(LORA_MERGES))
+
+    def __post_init__(self) -> None:
+        old = str(self.pretrained).lower()  # the flag of older configs and scripts
+        if old in ("true", "false"):
+            object.__setattr__(self, "pretrained", "default" if old == "true" else None)
 
     def lora(self) -> dict[str, Any] | None:
         """Return the LoRA settings of the model spec (``None``: ``--lora-rank 0``)."""

@@ -103,15 +103,14 @@ def default_targets(net: nn.Module, head: str) -> tuple[str, ...]:
     """Return the modules to adapt when ``--lora-targets`` is not given.
 
     Attention query and value projections (Hu et al.'s choice), pointwise convolutions of a
-    timm EfficientNet, else every ``Linear`` layer but the head.
+    timm EfficientNet, else every ``Linear`` layer but the head (by full name).
     """
     names = {name.rsplit(".", 1)[-1] for name, _ in net.named_modules()}
     for targets in DEFAULT_TARGETS:
         if set(targets) <= names:
             return targets
-    linear = sorted({name.rsplit(".", 1)[-1] for name, m in net.named_modules()
-                     if isinstance(m, nn.Linear) and name != head
-                     and not name.startswith(head + ".")})
+    linear = [name for name, m in net.named_modules()  # full names: "0" alone is ambiguous
+              if isinstance(m, nn.Linear) and name != head and not name.startswith(head + ".")]
     if not linear:
         raise UserError("--lora-rank: the model has no Linear layer beside its head to adapt; "
                         "name the layers with --lora-targets")

@@ -245,12 +245,13 @@ def load_minilm_weights(model: MeanPooledClassifier) -> None:
     "minilm", "all-MiniLM-L6-v2 (6-layer BERT, 22.7M parameters, pretrained), mean pooling "
     "and a new head; its own WordPiece tokenizer", ("text",), MINILM, _minilm_tokenizer)
 def minilm(input_shape, num_classes, vocab_size: int = 30522, pad_id: int = 0,
-           dropout: float = 0.1, *, initial: bool = False,
+           dropout: float = 0.1, weights: str = "pretrained", *, initial: bool = False,
            config: dict[str, Any] | None = None) -> nn.Module:
     """all-MiniLM-L6-v2 classifier over ``(N, L)`` token ids of its own tokenizer.
 
     ``config`` replaces the package's BERT configuration (tests build a tiny one, no package
-    needed); ``initial`` loads the package's weights.
+    needed); ``initial`` loads the package's weights unless ``weights="random"`` (the same
+    network from random weights, for comparison).
 
     Raises
     ------
@@ -266,7 +267,7 @@ def minilm(input_shape, num_classes, vocab_size: int = 30522, pad_id: int = 0,
         raise UserError(f"model minilm takes at most {config.get('max_position_embeddings', 512)}"
                         f" tokens per text: lower --max-tokens (got {input_shape[0]})")
     model = MeanPooledClassifier(config, num_classes, pad_id, dropout)
-    if initial and not _weightless():
+    if initial and _starts_pretrained("minilm", weights) and not _weightless():
         load_minilm_weights(model)
     return model
 
@@ -355,9 +356,12 @@ def _timm():
 @register_pretrained(
     "efficientnet-lite0", "EfficientNet-Lite0 (timm, 4.7M parameters) from ImageNet weights, "
     "new head", ("image",), EFFICIENTNET_LITE0)
-def efficientnet_lite0(input_shape, num_classes, dropout: float = 0.2, *,
-                       initial: bool = False) -> nn.Module:
+def efficientnet_lite0(input_shape, num_classes, dropout: float = 0.2,
+                       weights: str = "pretrained", *, initial: bool = False) -> nn.Module:
     """EfficientNet-Lite0 over ``(N, C, H, W)`` images; ``initial`` loads ImageNet weights.
+
+    ``weights="random"`` (``--model-arg weights=random``): the same network from random
+    weights, for comparison.
 
     1-channel images are repeated to 3 channels; inputs the network cannot take are resized
     (:func:`~fedavg.models.sources.images.adapt_images`).
@@ -369,9 +373,27 @@ def efficientnet_lite0(input_shape, num_classes, dropout: float = 0.2, *,
     """
     net = _timm().create_model("efficientnet_lite0", pretrained=False,
                                num_classes=int(num_classes), drop_rate=float(dropout))
-    if initial and not _weightless():
+    if initial and _starts_pretrained("efficientnet-lite0", weights) and not _weightless():
         load_efficientnet_weights(net)
     return adapt_images(net, tuple(input_shape), "efficientnet-lite0")
+
+
+#: ``--model-arg weights=...`` of a pretrained model.
+WEIGHTS_CHOICES = ("pretrained", "random")
+
+
+def _starts_pretrained(model: str, weights: str) -> bool:
+    """Whether ``weights`` asks for the pretrained weights (``random``: no).
+
+    Raises
+    ------
+    UserError
+        Another value.
+    """
+    if weights not in WEIGHTS_CHOICES:
+        raise UserError(f"model {model}: --model-arg weights must be pretrained or random "
+                        f"(got {weights!r})")
+    return weights == "pretrained"
 
 
 def _weightless() -> bool:

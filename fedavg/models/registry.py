@@ -116,12 +116,12 @@ def build_model(
 
 def make_model(name: str, input_shape: tuple[int, ...], num_classes: int,
                args: dict[str, Any] | None = None, *, initial: bool = False,
-               pretrained: bool = False) -> nn.Module:
+               pretrained: str | None = None) -> nn.Module:
     """Build a model as :func:`build_model` does, with its arguments in ``args``.
 
     ``initial``: the run's initial model, the only one that loads weights (torchvision's
-    pretrained weights with ``pretrained``, an ``hf:`` folder's); registered and user-code
-    models ignore both.
+    pretrained weights with ``pretrained``: ``default`` or a file; an ``hf:`` folder's; a
+    pretrained model's package); user-code models ignore both.
     """
     shape, args = tuple(int(s) for s in input_shape), dict(args or {})
     try:
@@ -168,11 +168,12 @@ def _allocation_failed(exc: BaseException) -> str | None:
             else "not enough memory for its weights")
 
 
-def base_sha256(name: str) -> str | None:
+def base_sha256(name: str, pretrained: str | None = None) -> str | None:
     """Return the SHA-256 of the pretrained weights model ``name`` starts from, if any.
 
-    A registered pretrained model's weights file, or an ``hf:`` folder's
-    ``model.safetensors``; ``None`` for a model that starts from random weights.
+    A registered pretrained model's weights file, an ``hf:`` folder's
+    ``model.safetensors``, or a torchvision model's ``--pretrained PATH``; ``None`` for a
+    model that starts from random weights (or torchvision's downloaded ones).
 
     Raises
     ------
@@ -184,6 +185,10 @@ def base_sha256(name: str) -> str | None:
     if model_sources.source_kind(name) == "hf":
         weights = model_sources.hf_weights_file(name)
         return None if weights is None else pretrained_models.file_sha256(str(weights))
+    if model_sources.source_kind(name) == "torchvision" and pretrained not in (None, "default"):
+        from pathlib import Path
+
+        return pretrained_models.file_sha256(str(Path(pretrained).expanduser().resolve()))
     return None
 
 
@@ -308,9 +313,11 @@ class ModelSpec:
     args : dict
         Builder-specific arguments (``--model-arg``; an ``hf:`` model's ``hf_config``; text
         data's ``vocab_size`` and ``pad_id``).
-    pretrained : bool
-        The initial model (:meth:`build` with ``initial=True``) loads torchvision's
-        pretrained weights. Not stored: every other copy gets its weights as a state dict.
+    pretrained : str or None
+        The initial model (:meth:`build` with ``initial=True``) of a torchvision model loads
+        pretrained weights: ``default`` (torchvision's) or a local file. Stored only with
+        LoRA (every copy then loads the base); otherwise every other copy gets its weights
+        as a state dict.
     lora : LoraSpec or None
         LoRA adapters on the frozen pretrained model (:mod:`fedavg.models.lora`): every copy
         loads the pretrained base and only the adapters, head and buffers travel.
@@ -320,12 +327,12 @@ class ModelSpec:
     input_shape: tuple[int, ...]
     num_classes: int
     args: dict[str, Any] = field(default_factory=dict)
-    pretrained: bool = False
+    pretrained: str | None = None
     lora: LoraSpec | None = None
 
     @classmethod
     def resolve(cls, name: str, input_shape: tuple[int, ...], num_classes: int,
-                args: dict[str, Any] | None = None, *, pretrained: bool = False,
+                args: dict[str, Any] | None = None, *, pretrained: str | None = None,
                 kind: str | None = None, lora: dict[str, Any] | None = None) -> "ModelSpec":
         """Return the spec of model ``name`` (``auto`` resolved, what rebuilding needs added).
 
@@ -346,9 +353,15 @@ class ModelSpec:
         args = dict(args or {})
         if ":" in name:
             args = stored_args(name, shape, int(num_classes), args)
+        if isinstance(pretrained, bool):  # the older flag
+            pretrained = "default" if pretrained else None
+        elif pretrained not in (None, "default"):  # a file: nodes with LoRA load it too
+            from pathlib import Path
+
+            pretrained = str(Path(pretrained).expanduser().resolve())
         spec = None
         if lora is not None:
-            sha = base_sha256(name)
+            sha = base_sha256(name, pretrained) if args.get("weights") != "random" else None
             if sha is None:
                 raise UserError(f"--lora-rank adapts pretrained weights, and model {name} starts "
                                 "from random ones: use a pretrained model (fedavg models: "
@@ -362,15 +375,17 @@ class ModelSpec:
         """Inverse of :meth:`as_dict` (the ``model`` entry of ``model.json``)."""
         lora = spec.get("lora")
         return cls(spec["name"], tuple(spec["input_shape"]), int(spec["num_classes"]),
-                   dict(spec.get("args", {})),
+                   dict(spec.get("args", {})), spec.get("pretrained") if lora else None,
                    lora=None if lora is None else LoraSpec.from_dict(lora))
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict for JSON and the wire (``lora`` only with adapters)."""
         out = {"name": self.name, "input_shape": list(self.input_shape),
                "num_classes": self.num_classes, "args": dict(self.args)}
-        if self.lora is not None:
+        if self.lora is not None:  # every copy loads the base: where from
             out["lora"] = self.lora.as_dict()
+            if self.pretrained is not None:
+                out["pretrained"] = self.pretrained
         return out
 
     def build(self, initial: bool = False) -> nn.Module:
@@ -388,13 +403,14 @@ class ModelSpec:
         if self.lora is None:
             return make_model(self.name, self.input_shape, self.num_classes, self.args,
                               initial=initial, pretrained=self.pretrained)
-        own = base_sha256(self.name)
+        own = base_sha256(self.name, self.pretrained)
         if self.lora.base_sha256 and own != self.lora.base_sha256:
             raise UserError(f"model {self.name}: the run's pretrained weights have SHA-256 "
                             f"{self.lora.base_sha256[:12]}, this install's {str(own)[:12]}: "
                             "install the same weights (package version) as the coordinator")
-        net = make_model(self.name, self.input_shape, self.num_classes, self.args, initial=True,
-                         pretrained=self.pretrained)
+        weighted = torch.get_default_device().type != "meta"  # a meta build: shapes only
+        net = make_model(self.name, self.input_shape, self.num_classes, self.args,
+                         initial=weighted, pretrained=self.pretrained)
         model = wrap(net, self.lora, self.num_classes)
         self.lora = model.spec
         return model

@@ -234,7 +234,8 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
                             "tokenizer; leave them out (see --tokenizer, --max-tokens)")
         spec = ModelSpec.resolve(t.model, data.input_shape, len(data.classes),
                                  {**t.model_args, **text_model_args(data)},
-                                 pretrained=t.pretrained, kind=data.kind, lora=t.lora())
+                                 pretrained=t.pretrained, kind=data.kind,
+                                 lora=_lora_settings(t, strategy, data.notes))
         # fail early on shapes the model cannot take; say how its inputs are adapted
         built = spec.build()
         # lazy: loads torch, which only this path needs
@@ -250,6 +251,21 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
     if grouped:
         data.notes.append(grouped)  # shown with the plan, kept in model.json
     return prepared
+
+
+def _lora_settings(t, strategy, notes: list[str]) -> dict | None:
+    """Return the LoRA settings of the model spec; an ensemble keeps each node's adapters.
+
+    An output ensemble merges no parameters, so the ``exact`` merge (which folds each node's
+    adapters into the adapted weights) would only make every member carry those weights:
+    its members keep their own adapters instead (``average`` transport), said in a note.
+    """
+    lora = t.lora()
+    if lora and lora["merge"] == "exact" and getattr(strategy, "keeps_members", False):
+        lora["merge"] = "average"
+        notes.append(f"--lora-merge exact: {strategy.name} merges no parameters; each member "
+                     "keeps its own adapters (one base, one set of adapters per node)")
+    return lora
 
 
 def _coverage_notes(data: LoadedData, parts: list[np.ndarray], partitioner: str) -> list[str]:

@@ -47,3 +47,28 @@ def test_minilm_lora_trains_adapters_only_merges_exactly_predicts_and_exports(tm
     assert (full / "model.safetensors").stat().st_size > FULL_MODEL_BYTES * 0.99
     ev = json.loads(run_cli("evaluate", full, "--json").stdout)
     assert ev["accuracy"] == pytest.approx(summary["accuracy"], abs=1e-3)
+
+
+def test_an_ensemble_of_lora_nodes_saves_one_base_and_each_nodes_adapters(tmp_path, no_leaks):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageClassification, ViTConfig
+
+    folder = tmp_path / "vit"  # a pretrained base: weights in model.safetensors
+    AutoModelForImageClassification.from_config(ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        image_size=16, patch_size=4, num_channels=3)).save_pretrained(folder)
+    out = tmp_path / "run"
+    proc = run_cli("simulate", "--model", f"hf:{folder}", "--lora-rank", "2", "--strategy",
+                   "ensemble", "--rounds", "1", "--num-nodes", "3", "--output", out)
+    assert "each member keeps its own adapters" in proc.stdout
+    meta = json.loads((out / "model.json").read_text())
+    assert meta["kind"] == "ensemble" and meta["model"]["lora"]["merge"] == "average"
+    saved = load_file(out / "model.safetensors")
+    members = {k.split(".", 2)[1] for k in saved}
+    assert members == {"0", "1", "2"}  # member.<i>.<key>
+    assert all(".lora_" in k or ".classifier." in k for k in saved), sorted(saved)[:5]
+    base_bytes = (folder / "model.safetensors").stat().st_size
+    assert (out / "model.safetensors").stat().st_size < base_bytes  # 3 adapters < 1 base
+    ev = json.loads(run_cli("evaluate", out, "--json").stdout)
+    assert ev["accuracy"] == pytest.approx(json.loads(
+        (out / "summary.json").read_text())["accuracy"], abs=1e-3)

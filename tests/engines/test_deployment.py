@@ -1021,6 +1021,40 @@ def test_coordinator_and_three_nodes_over_tls(cluster, certs, tmp_path):
 
 
 @pytest.mark.e2e
+def test_lora_adapters_across_machines_over_tls(cluster, certs, tmp_path):
+    """LoRA on a saved Hugging Face model: nodes build the base themselves, send adapters."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageClassification, ViTConfig
+
+    folder = tmp_path / "vit"  # a "pretrained" base: weights in model.safetensors
+    AutoModelForImageClassification.from_config(ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        image_size=16, patch_size=4, num_channels=3)).save_pretrained(folder)
+    out = tmp_path / "run"
+    coord = cluster.coordinator("--rounds", "2", "--min-nodes", "2", "--certs", certs,
+                                "--model", f"hf:{folder}", "--lora-rank", "2", "--lr", "0.1",
+                                "--output", out)
+    nodes = [cluster.node(f"node{i}", "--certs", certs, "--partition-id", i,
+                          "--num-partitions", 2, "--once") for i in range(2)]
+    assert cluster.wait(coord) == 0, cluster.log("coordinator")
+    for n in nodes:
+        assert cluster.wait(n, 60) == 0, cluster.log(n.name)
+    assert "(TLS)" in cluster.log("coordinator")
+    meta = json.loads((out / "model.json").read_text())
+    assert meta["model"]["lora"]["targets"] in (["query", "value"], ["q_proj", "v_proj"])
+    saved = load_file(out / "model.safetensors")
+    assert all(".lora_" in k or ".classifier." in k or k.endswith("base_layer.weight")
+               for k in saved), sorted(saved)
+    rounds = rounds_of(out)
+    assert [r["num_nodes"] for r in rounds] == [2, 2]
+    # down: adapted weights + adapters + head; up: adapters + head only
+    assert all(0 < r["bytes_from_nodes"] < r["bytes_to_nodes"] / 2 for r in rounds), rounds
+    ev = subprocess.run([sys.executable, "-m", "fedavg.cli", "evaluate", str(out), "--json"],
+                        capture_output=True, text=True, check=True)
+    assert json.loads(ev.stdout)["accuracy"] == pytest.approx(rounds[-1]["accuracy"])
+
+
+@pytest.mark.e2e
 def test_node_killed_in_round_two_run_still_finishes(cluster, tmp_path):
     """A node SIGKILLed mid-run: its round and the rest finish with the other two."""
     out = tmp_path / "run"

@@ -316,6 +316,9 @@ def test_pretrained_needs_a_torchvision_model():
     with pytest.raises(UserError, match="--pretrained takes a torchvision:NAME model"):
         RunConfig().replace(model="mlp", pretrained=True).validate()
     RunConfig().replace(model="torchvision:resnet18", pretrained=True).validate()
+    # the flag of older configs means torchvision's own weights
+    assert RunConfig().replace(pretrained=True).train.pretrained == "default"
+    assert RunConfig().replace(pretrained=False).train.pretrained is None
 
 
 # --------------------------------------------------------------------------- adapters
@@ -844,7 +847,7 @@ def test_models_lists_every_form_with_an_example(invoke):
     (["--model", "torchvision:resnet19"], "unknown torchvision model 'resnet19'"),
     (["--model", "missing_models.py:build"], "missing_models.py does not exist here"),
     (["--model", "hf:no-such-folder"], "no such folder"),
-    (["--pretrained"], "--pretrained takes a torchvision:NAME model"),
+    (["--pretrained", "default"], "--pretrained takes a torchvision:NAME model"),
 ])
 def test_model_mistakes_on_the_command_line_are_one_line(invoke, args, words):
     code, _, err = invoke("simulate", "--num-nodes", "2", "--rounds", "1", *args)

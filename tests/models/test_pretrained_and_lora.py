@@ -1,4 +1,4 @@
-"""Pretrained models from packages, and LoRA adapters on them (fedavg/models/pretrained.py, lora.py)."""
+"""Pretrained models from packages, and LoRA adapters on them (models/pretrained.py, lora.py)."""
 
 import importlib.util
 import json
@@ -67,8 +67,9 @@ def test_efficientnet_weights_are_renamed_to_timm_and_load_completely():
     path = pretrained.EFFICIENTNET_LITE0.path("efficientnet-lite0")
     stored = torch.load(path, weights_only=True)
     own = model.net.state_dict()
-    assert torch.equal(own["blocks.1.0.conv_pwl.weight"], stored["_blocks.1._project_conv.weight"])
-    assert torch.equal(own["blocks.6.0.conv_dw.weight"], stored["_blocks.15._depthwise_conv.weight"])
+    pairs = (("blocks.1.0.conv_pwl.weight", "_blocks.1._project_conv.weight"),
+             ("blocks.6.0.conv_dw.weight", "_blocks.15._depthwise_conv.weight"))
+    assert all(torch.equal(own[mine], stored[theirs]) for mine, theirs in pairs)
     assert own["classifier.weight"].shape == (10, 1280)  # a new head for the classes
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
 
@@ -153,3 +154,51 @@ def test_export_refuses_a_model_without_adapters(tmp_path):
     with pytest.raises(UserError, match="has no LoRA adapters: it is a full model already"):
         export_model(tmp_path / "run", tmp_path / "out")
     assert json.loads((tmp_path / "run" / "model.json").read_text())["model"]["name"] == "mlp"
+
+
+# --------------------------------------------------------------------------- --pretrained PATH
+
+
+def _resnet_file(tmp_path, suffix):
+    import torchvision
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    state = {k: v.contiguous() for k, v in
+             torchvision.models.resnet18(weights=None, num_classes=1000).state_dict().items()}
+    path = tmp_path / f"resnet18{suffix}"
+    save_file(state, path) if suffix == ".safetensors" else torch.save(state, path)
+    return path, state
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_pretrained_path_loads_every_tensor_but_the_head(tmp_path, suffix):
+    path, state = _resnet_file(tmp_path, suffix)
+    spec = ModelSpec.resolve("torchvision:resnet18", (3, 32, 32), 10, pretrained=str(path))
+    net = spec.build(initial=True).net
+    assert torch.equal(net.state_dict()["layer4.1.conv2.weight"], state["layer4.1.conv2.weight"])
+    assert net.fc.weight.shape == (10, 512)  # a new head for the data's classes
+    assert any(str(path) in note for note in spec.check(spec.build(initial=True)))
+    # with LoRA every copy loads the file, and the run keeps its hash
+    lora_spec = ModelSpec.resolve("torchvision:resnet18", (3, 32, 32), 10, pretrained=str(path),
+                                  lora={"rank": 2, "alpha": 4, "dropout": 0, "targets": [],
+                                        "merge": "average"})
+    assert lora_spec.lora.base_sha256 == pretrained.file_sha256(str(path.resolve()))
+    assert ModelSpec.from_dict(lora_spec.as_dict()).pretrained == str(path.resolve())
+
+
+def test_a_pretrained_file_of_other_things_is_one_line(tmp_path):
+    import pickle
+
+    bad = tmp_path / "object.pth"
+    bad.write_bytes(pickle.dumps({"weights": object()}))
+    spec = ModelSpec.resolve("torchvision:resnet18", (3, 32, 32), 10, pretrained=str(bad))
+    with pytest.raises(UserError, match="not a safetensors file or state dict of tensors"):
+        spec.build(initial=True)
+    with pytest.raises(UserError, match="--pretrained nope.pth: no such file"):
+        RunConfig().replace(model="torchvision:resnet18", pretrained="nope.pth").validate()
+    other, _ = _resnet_file(tmp_path, ".safetensors")
+    spec = ModelSpec.resolve("torchvision:mobilenet_v3_small", (3, 32, 32), 10,
+                             pretrained=str(other))
+    with pytest.raises(UserError, match="does not fit torchvision:mobilenet_v3_small"):
+        spec.build(initial=True)

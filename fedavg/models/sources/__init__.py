@@ -4,8 +4,10 @@
 
 - ``torchvision:NAME``: ``torchvision.models.get_model(NAME, weights=None, num_classes=K)``,
   any classification model (``torchvision.models.list_models(module=torchvision.models)``).
-  With ``--pretrained`` the run's initial model is built with ``weights="DEFAULT"``
-  (downloaded once into torch's cache) and its last ``Linear`` replaced by one with K outputs.
+  With ``--pretrained default`` the run's initial model is built with ``weights="DEFAULT"``
+  (downloaded once into torch's cache), with ``--pretrained PATH`` it loads a local weights
+  file (safetensors, or a state dict read with ``weights_only=True``); either way its last
+  ``Linear`` is replaced by one with K outputs.
 - ``hf:PATH``: a local Hugging Face ``transformers`` folder (``config.json``, optionally
   ``model.safetensors``), built by :mod:`fedavg.models.sources.hf`.
 - ``package.module:function`` or ``path/to/file.py:function``: ``function(input_shape,
@@ -122,7 +124,7 @@ def stored_args(name: str, input_shape: tuple[int, ...], num_classes: int,
     return dict(args)
 
 
-def source_notes(name: str, pretrained: bool = False) -> list[str]:
+def source_notes(name: str, pretrained: str | None = None) -> list[str]:
     """Say which weights the run's initial model of ``name`` starts from, when not random.
 
     Raises
@@ -131,16 +133,19 @@ def source_notes(name: str, pretrained: bool = False) -> list[str]:
         An ``hf:`` folder whose weights are pickled (never loaded).
     """
     kind = source_kind(name)
-    if kind == "torchvision" and pretrained:
+    if kind == "torchvision" and pretrained == "default":
         return [f"model {name}: the initial model loads torchvision's pretrained weights "
                 "(DEFAULT, downloaded once), with a new last Linear layer for the classes"]
+    if kind == "torchvision" and pretrained:
+        return [f"model {name}: the initial model loads the weights of {pretrained}, with a "
+                "new last Linear layer for the classes"]
     if kind == "hf":
         return [weights_note(name)]
     return []
 
 
 def build(name: str, input_shape: tuple[int, ...], num_classes: int, args: Mapping[str, Any],
-          *, initial: bool = False, pretrained: bool = False) -> nn.Module:
+          *, initial: bool = False, pretrained: str | None = None) -> nn.Module:
     """Build a ``torchvision:``, ``hf:`` or user-code model.
 
     Parameters
@@ -156,8 +161,9 @@ def build(name: str, input_shape: tuple[int, ...], num_classes: int, args: Mappi
     initial : bool
         The run's initial model: the only one that loads weights (an ``hf:`` folder's, or
         torchvision's with ``pretrained``).
-    pretrained : bool
-        With ``initial``: torchvision's ``weights="DEFAULT"``.
+    pretrained : str, optional
+        With ``initial``: ``default`` (torchvision's ``weights="DEFAULT"``) or a local
+        weights file.
 
     Returns
     -------
@@ -173,7 +179,7 @@ def build(name: str, input_shape: tuple[int, ...], num_classes: int, args: Mappi
     kind = source_kind(name)
     if kind == "torchvision":
         return build_torchvision(name[len("torchvision:"):], input_shape, num_classes, args,
-                                 pretrained=initial and pretrained)
+                                 pretrained=pretrained if initial else None)
     if kind == "hf":
         return build_hf(name, input_shape, num_classes, args, initial=initial)
     return build_user(name, input_shape, num_classes, args)

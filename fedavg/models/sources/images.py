@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -186,7 +187,7 @@ def _settable(builder: Callable, num_classes: int, param: inspect.Parameter | No
 
 
 def build_torchvision(name: str, input_shape: tuple[int, ...], num_classes: int,
-                      args: Mapping[str, Any], pretrained: bool = False) -> nn.Module:
+                      args: Mapping[str, Any], pretrained: str | None = None) -> nn.Module:
     """Build ``torchvision:NAME`` with ``num_classes`` outputs, adapted to ``input_shape``.
 
     Parameters
@@ -199,9 +200,10 @@ def build_torchvision(name: str, input_shape: tuple[int, ...], num_classes: int,
         Output width K.
     args : mapping
         Arguments of the model (``dropout``, ``width_per_group`` ...).
-    pretrained : bool
-        ``weights="DEFAULT"`` (downloaded when not cached), then a new last ``Linear`` with
-        K outputs. Otherwise random initialisation, nothing downloaded.
+    pretrained : str, optional
+        ``default``: ``weights="DEFAULT"`` (downloaded when not cached); a path: that local
+        weights file (:func:`load_weights_file`); then a new last ``Linear`` with K outputs.
+        ``None``: random initialisation, nothing downloaded.
 
     Raises
     ------
@@ -221,7 +223,9 @@ def build_torchvision(name: str, input_shape: tuple[int, ...], num_classes: int,
                         "module=torchvision.models))')")
     builder = torchvision.models.get_model_builder(name)
     kwargs = _torchvision_takes(name, builder, num_classes).kwargs(what, args)
-    if pretrained:
+    if pretrained not in (None, "default", True):
+        net = _from_file(builder, kwargs, num_classes, pretrained, what)
+    elif pretrained:
         try:
             net = builder(weights="DEFAULT", **kwargs)
         except (TypeError, ValueError) as exc:
@@ -236,6 +240,63 @@ def build_torchvision(name: str, input_shape: tuple[int, ...], num_classes: int,
         except (TypeError, ValueError, RuntimeError) as exc:
             raise UserError(f"{what} with {dict(kwargs)}: {first_line(exc)}") from None
     return adapt_images(net, input_shape, what)
+
+
+def load_weights_file(path: str) -> dict[str, Any]:
+    """Read a state dict from ``path``: safetensors, else ``torch.load(weights_only=True)``.
+
+    Never unpickles anything but tensors and containers of them.
+
+    Raises
+    ------
+    UserError
+        No such file, or a file that is neither (one line naming it).
+    """
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UserError(f"--pretrained {path}: no such file")
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(file))
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a damaged file, or a pickle of more than tensors
+        raise UserError(f"--pretrained {path}: not a safetensors file or state dict of tensors "
+                        f"({first_line(exc)})") from None
+    state = state.get("state_dict", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
+                                              for v in state.values()):
+        raise UserError(f"--pretrained {path}: holds no state dict of tensors")
+    return state
+
+
+def _from_file(builder: Callable, kwargs: dict, num_classes: int, path: str,
+               what: str) -> nn.Module:
+    """Build the model with K outputs and load every tensor of ``path`` but the head's.
+
+    Raises
+    ------
+    UserError
+        A tensor of the model (other than its head) missing from the file or of another
+        shape, or a tensor the model does not have.
+    """
+    state = load_weights_file(path)
+    net = builder(weights=None, num_classes=num_classes, **kwargs)
+    head = [n for n, m in net.named_modules() if isinstance(m, nn.Linear)][-1:]
+    own = net.state_dict()
+    skip = tuple(f"{h}." for h in head)
+    lost = [k for k in own if not k.startswith(skip)
+            and (k not in state or state[k].shape != own[k].shape)]
+    extra = [k for k in state if k not in own]
+    if lost or extra:
+        first = f"{lost[0]} missing or of another shape" if lost else f"unexpected {extra[0]}"
+        raise UserError(f"--pretrained {path} does not fit {what} ({first}; {len(lost)} "
+                        f"missing or mis-shaped, {len(extra)} unexpected)")
+    fits = {k: v for k, v in state.items() if k in own and v.shape == own[k].shape}
+    net.load_state_dict(fits, strict=False)
+    return net
 
 
 def _replace_head(net: nn.Module, num_classes: int, what: str) -> None:
