@@ -116,3 +116,45 @@ def fold_into_base(state: StateDict, layers: Mapping[str, float]) -> dict[str, t
         out[f"{prefix}.weight"] = (base.float() + delta(state[a], state[b], scaling, base.shape)
                                    ).to(base.dtype)
     return out
+
+
+def low_rank(delta: torch.Tensor, max_rank: int,
+             rtol: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Factor ``delta`` as ``P @ Q`` of at most ``max_rank`` columns, when it is that low rank.
+
+    An exact merge of ``k`` nodes' rank-``r`` adapters changes each adapted weight by at most
+    rank ``k * r`` (a sum of ``k`` products), so the change travels as two thin factors
+    instead of the whole weight (FLoRA's stacking, Wang et al. 2024, arXiv:2409.05976,
+    recovered here from the merged weight by an SVD, so that any linear merge qualifies).
+
+    Parameters
+    ----------
+    delta : torch.Tensor
+        ``(out, in)`` or ``(out, in, kh, kw)`` change of a weight.
+    max_rank : int
+        Columns ``P`` may have.
+    rtol : float
+        Largest relative Frobenius error ``||delta - P Q|| / ||delta||`` accepted.
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor) or None
+        ``P`` ``(out, rho)`` and ``Q`` ``(rho, in * kh * kw)`` in ``delta``'s dtype, or ``None``
+        when ``delta`` is not of rank ``max_rank`` or less (a median or an adaptive server
+        step changes every entry on its own).
+    """
+    m = delta.reshape(delta.shape[0], -1).double()
+    u, s, vh = torch.linalg.svd(m, full_matrices=False)
+    keep = int((s > s[0] * 1e-12).sum()) if s.numel() and s[0] > 0 else 0
+    if keep > max_rank:
+        keep = max_rank
+    p, q = u[:, :keep] * s[:keep], vh[:keep]
+    norm = float(torch.linalg.norm(m))
+    if norm and float(torch.linalg.norm(m - p @ q)) > rtol * norm:
+        return None
+    return p.to(delta.dtype), q.to(delta.dtype)
+
+
+def add_low_rank(weight: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Return ``weight + P @ Q`` (reshaped to the weight), computed the same on every copy."""
+    return weight + (p @ q).reshape(weight.shape).to(weight.dtype)

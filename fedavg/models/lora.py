@@ -156,6 +156,8 @@ class LoraModel(nn.Module):
         self.layers = {name[len("net."):]: spec.scaling for name, m in self.named_modules()
                        if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
         self._travelling = self.travelling()
+        self._pretrained = {k: t.detach().clone() for k, t in super().state_dict().items()
+                            if k in self.downlink_only()}  # W as built: a node's round 0
         self.fedavg_notes = [self.describe()]
 
     def describe(self) -> str:
@@ -196,6 +198,10 @@ class LoraModel(nn.Module):
         if self.spec.merge != "exact":
             return frozenset()
         return frozenset(f"net.{prefix}.base_layer.weight" for prefix in self.layers)
+
+    def pretrained_weights(self) -> dict[str, torch.Tensor]:
+        """Return the adapted weights as built from the pretrained base (``exact`` only)."""
+        return self._pretrained
 
     def adapted_layers(self) -> dict[str, float]:
         """Adapted layer prefix (as in the state dict) -> scaling ``alpha / r``."""

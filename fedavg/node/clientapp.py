@@ -24,7 +24,7 @@ from flwr.clientapp import ClientApp
 import strategies
 from fedavg.models.evaluation import resolve_device
 from fedavg.models.registry import ModelSpec
-from fedavg.node import keys
+from fedavg.node import keys, lora_base
 from fedavg.node.train import train
 from fedavg.node.wire import TrainSettings
 
@@ -123,7 +123,9 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
     cfg = settings or TrainSettings.from_record(message.content[keys.CONFIG])
     try:
         model = _model_for(json.dumps(cfg.model, sort_keys=True))
-        model.load_state_dict(message.content[keys.ARRAYS].to_torch_state_dict(), strict=True)
+        state, lora_round = lora_base.round_weights(model, message, context)
+        model.load_state_dict(state, strict=True)
+        del state
         rule, state_round = _begin_rule(cfg, model, message, context)
         started = time.perf_counter()
         try:
@@ -140,6 +142,9 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
                             **update.metrics})
     if rule is not None:
         metrics[keys.STATE_ROUND] = state_round
+    if lora_round is not None:  # W unchanged by training: kept for the next round's update
+        lora_base.keep(context, model.state_dict(), model, lora_round)
+        metrics[keys.LORA_BASE_ROUND] = lora_round
     reply = RecordDict({keys.ARRAYS: ArrayRecord(reply_state(model)), keys.METRICS: metrics})
     for key, arrays in update.arrays.items():
         reply[key] = ArrayRecord(arrays)

@@ -50,3 +50,19 @@ control variate, FedDyn's gradient, MOON's previous model), kept between its rou
 NODE_STATE_INFO = "fedavg-node-state-info"
 """Key of the ConfigRecord beside :data:`NODE_STATE`: ``strategy`` and ``round`` it was made
 by and in."""
+
+LORA_BASE = "lora-base"
+"""Key of the ConfigRecord of a ``--lora-merge exact`` round: ``from``, the round whose
+adapted weights the message builds on (-1: they are in ``arrays``, in full), and ``to``, the
+round whose weights the node trains on after adding :data:`LORA_DELTAS`."""
+
+LORA_DELTAS = "lora-deltas"
+"""Key of the ArrayRecord of low-rank updates of the adapted weights, ``r<round>:<layer>:P``
+and ``...:Q`` (``W_round = W_(round-1) + P @ Q``), for the rounds after ``from``."""
+
+LORA_BASE_ROUND = "lora-base-round"
+"""Reply metric: the round whose adapted weights the node now holds in its state."""
+
+LORA_STATE = "fedavg-lora-base"
+"""Key of the ArrayRecord in a node's ``Context.state`` holding its adapted weights, and of
+the ConfigRecord beside it (``<key>-info``: their ``round``)."""

@@ -11,6 +11,7 @@ them over one by one), so the coordinator holds one node model at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -251,6 +252,9 @@ class FlowerAdapter(FlowerFedAvg):
         LoRA layer prefix -> scaling, for ``--lora-merge exact``: each reply's adapters are
         folded into its adapted weights before the merge and set back to the round's
         (``B = 0``), so every round's adapters start afresh (:mod:`strategies.lora`).
+    lora_transport : fedavg.run.lora_transport.LoraTransport, optional
+        With ``exact_lora``: sends each node the adapted weights as the low-rank updates it
+        lacks instead of whole.
     **kwargs
         Flower ``FedAvg`` arguments (fractions, minimum node counts).
 
@@ -270,13 +274,14 @@ class FlowerAdapter(FlowerFedAvg):
                  max_update_norm: float | None = None,
                  round_offset: int = 0,
                  exact_lora: dict[str, float] | None = None,
+                 lora_transport=None,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.merge, self.reference, self.buffers, self.context = merge, reference, buffers, context
         self.on_failure, self.on_node_model = on_failure, on_node_model
         self.before_round, self.min_replies = before_round, min_replies
         self.max_update_norm, self.round_offset = max_update_norm, round_offset
-        self.exact_lora = exact_lora
+        self.exact_lora, self.lora_transport = exact_lora, lora_transport
         self.current_round = 0
         self.last_train: dict[str, Any] = {}
         self.last_merged: strategies.Merged | None = None
@@ -300,6 +305,8 @@ class FlowerAdapter(FlowerFedAvg):
         for msg in messages:  # one record object shared by every message of the round
             for key, record in extras.items():
                 msg.content[key] = record
+        if self.lora_transport is not None:
+            self.lora_transport.outgoing(messages, arrays)
         self.bytes_to_nodes = sum(message_bytes(msg) for msg in messages)
         return messages
 
@@ -346,6 +353,8 @@ class FlowerAdapter(FlowerFedAvg):
                       msg.content.array_records.items() if k != keys.ARRAYS}
             self.merge.add_reply(state, weight, node=str(node), arrays=extras,
                                  metrics=dict(metrics))
+            if self.lora_transport is not None:
+                self.lora_transport.replied(node, metrics.get(keys.LORA_BASE_ROUND))
             if self.on_node_model is not None:
                 self.on_node_model(server_round, state, {
                     "node_id": node, "num_examples": weight,
@@ -355,6 +364,8 @@ class FlowerAdapter(FlowerFedAvg):
                        if keys.STATE_ROUND in metrics else {})})
             del state
         except (RunError, strategies.MergeError, ValueError, TypeError) as exc:
+            if self.lora_transport is not None:
+                self.lora_transport.replied(node, None)  # its W unknown: whole next time
             tally.failed += 1
             tally.over_norm += isinstance(exc, _OverNorm)
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -408,6 +419,9 @@ class FlowerAdapter(FlowerFedAvg):
             merged = self.merge.result()
         except strategies.MergeError as exc:
             raise RunError(f"round {server_round}: {exc}") from None
+        if self.lora_transport is not None and not merged.is_ensemble:
+            merged = dataclasses.replace(merged, state_dict=self.lora_transport.merged(
+                merged.state_dict, self.reference, tally.used))
         for member in merged.members if merged.is_ensemble else [merged.state_dict]:
             bad = strategies.first_non_finite(member)
             if bad is not None:

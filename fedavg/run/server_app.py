@@ -34,6 +34,7 @@ from fedavg.run import checkpoint, resume
 from fedavg.run.display import Progress
 from fedavg.run.flower_adapter import FlowerAdapter, StreamingGrid
 from fedavg.run.lifecycle import Prepared, RoundRecord, RunState
+from fedavg.run.lora_transport import LoraTransport
 from fedavg.run.merge_context import merge_context
 from fedavg.run.output import clear_previous_run
 from fedavg.run.resume_checks import check_same_data, check_same_model
@@ -286,6 +287,8 @@ class ServerRun:
             max_update_norm=m.max_update_norm,
             round_offset=done,
             exact_lora=exact_lora(self.model),
+            lora_transport=None if exact_lora(self.model) is None else LoraTransport(
+                sorted(self.model.downlink_only()), self.model.spec.rank, version=done),
         )
 
     def report_failure(self, server_round: int, node: int, reason: str) -> None:

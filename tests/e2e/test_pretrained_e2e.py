@@ -72,3 +72,34 @@ def test_an_ensemble_of_lora_nodes_saves_one_base_and_each_nodes_adapters(tmp_pa
     ev = json.loads(run_cli("evaluate", out, "--json").stdout)
     assert ev["accuracy"] == pytest.approx(json.loads(
         (out / "summary.json").read_text())["accuracy"], abs=1e-3)
+
+
+def _vit(folder):
+    from transformers import AutoModelForImageClassification, ViTConfig
+
+    AutoModelForImageClassification.from_config(ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        image_size=16, patch_size=4, num_channels=3)).save_pretrained(folder)
+    return folder
+
+
+def test_exact_lora_updates_travel_low_rank_and_train_as_whole_weights_do(tmp_path, no_leaks,
+                                                                          monkeypatch):
+    """The nodes rebuild W from low-rank updates: the run equals one sending W whole."""
+    import fedavg
+    from fedavg.config.settings import RunConfig
+    from fedavg.run.lora_transport import LoraTransport
+
+    config = RunConfig().replace(model=f"hf:{_vit(tmp_path / 'vit')}", lora_rank=2,
+                                 rounds=3, num_nodes=3, lr=0.1)
+    lean = fedavg.simulate(config, output=tmp_path / "lean")
+    monkeypatch.setattr(LoraTransport, "_needs", lambda self, node: None)  # W whole, always
+    whole = fedavg.simulate(config, output=tmp_path / "whole")
+    for a, b in zip(lean.rounds, whole.rounds):
+        assert a["accuracy"] == pytest.approx(b["accuracy"], abs=0.01)
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3)
+    # round 1: every node builds the base itself; then the rank-6 updates, not W
+    down = [r["bytes_to_nodes"] for r in lean.rounds]
+    assert down[0] < down[1] == down[2] < whole.rounds[1]["bytes_to_nodes"], (down, whole.rounds)
+    assert [r["bytes_from_nodes"] for r in lean.rounds] == [
+        r["bytes_from_nodes"] for r in whole.rounds]
