@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -47,7 +48,8 @@ import fedavg
 from fedavg.config.settings import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
+#: The real datasets (FEDAVG_SHARED_DATA, else ../shared/data beside the checkout).
+DATA = Path(os.environ.get("FEDAVG_SHARED_DATA", ROOT.parent / "shared" / "data"))
 FULL = {"model": "minilm", "optimizer": "adam", "lr": 5e-5, "max_tokens": 64}
 LORA = {"model": "minilm", "optimizer": "adam", "lr": 1e-3, "max_tokens": 64,
         "lora_rank": 8, "lora_alpha": 16.0}
