@@ -107,11 +107,13 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     Frozen parameters and second names of a shared one included: the state-dict entries a
     coordinator counts as parameters (every floating entry that is not a buffer). An
-    integer parameter (never trained) is left out.
+    integer parameter (never trained) is left out, and so is a parameter the model's state
+    dict does not hold (a LoRA model's frozen base, which never travels).
     """
+    entries = model.state_dict(keep_vars=True)
     return {name: p.detach().clone()
             for name, p in model.named_parameters(remove_duplicate=False)
-            if p.is_floating_point()}
+            if p.is_floating_point() and name in entries}
 
 
 def fitting(arrays: Mapping[str, torch.Tensor] | None, like: Mapping[str, torch.Tensor],

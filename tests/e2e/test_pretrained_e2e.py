@@ -4,6 +4,7 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 from helpers.cli import SHARED_DATA, run_cli
 
 pytestmark = pytest.mark.e2e
@@ -103,3 +104,23 @@ def test_exact_lora_updates_travel_low_rank_and_train_as_whole_weights_do(tmp_pa
     assert down[0] < down[1] == down[2] < whole.rounds[1]["bytes_to_nodes"], (down, whole.rounds)
     assert [r["bytes_from_nodes"] for r in lean.rounds] == [
         r["bytes_from_nodes"] for r in whole.rounds]
+
+
+@pytest.mark.parametrize("strategy", ["scaffold", "feddyn", "moon", "fednova", "fedadam"])
+def test_strategies_whose_nodes_train_differently_train_adapters_too(tmp_path, strategy):
+    """Node rules see the trainable adapters and head; the frozen base never travels."""
+    from safetensors.torch import load_file
+
+    out, vit = tmp_path / "run", _vit(tmp_path / "vit")
+    run_cli("simulate", "--model", f"hf:{vit}", "--lora-rank", "2", "--strategy", strategy,
+            "--rounds", "2", "--num-nodes", "3", "--lr", "0.05", "--output", out)
+    rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["num_nodes"], r["num_failed"]) for r in rounds] == [(3, 0), (3, 0)], rounds
+    # the nodes' adapters were trained and folded into the adapted weights
+    from fedavg.models.registry import ModelSpec
+
+    spec = ModelSpec.from_dict(json.loads((out / "model.json").read_text())["model"])
+    base = spec.build().pretrained_weights()  # W as every node builds it
+    saved = load_file(out / "model.safetensors")
+    assert base and set(base) <= set(saved)
+    assert all(not torch.equal(saved[k], w) for k, w in base.items())

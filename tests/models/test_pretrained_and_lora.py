@@ -202,3 +202,41 @@ def test_a_pretrained_file_of_other_things_is_one_line(tmp_path):
                              pretrained=str(other))
     with pytest.raises(UserError, match="does not fit torchvision:mobilenet_v3_small"):
         spec.build(initial=True)
+
+
+# --------------------------------------------------------------------------- every merge
+
+
+def _parameter_merges():
+    import strategies
+
+    return [n for n in strategies.available()
+            if not (strategies.strategy_class(n).trains_nodes
+                    or strategies.strategy_class(n).needs_validation
+                    or strategies.strategy_class(n).needs_unlabeled
+                    or getattr(strategies.strategy_class(n), "keeps_members", False))]
+
+
+@pytest.mark.parametrize("name", _parameter_merges())
+def test_every_parameter_merge_takes_exactly_folded_adapters(name):
+    """Node models of a LoRA run, folded: every strategy merges them into the same keys."""
+    import strategies
+    from strategies.lora import fold_reply
+
+    model = _tiny(merge="exact")
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(2)
+    replies = []
+    for _ in range(5):
+        reply = {k: v + 0.01 * torch.randn_like(v) for k, v in reference.items()
+                 if k not in model.downlink_only()}  # nodes send no W back
+        replies.append(fold_reply(reply, reference, model.adapted_layers()))
+    merge = strategies.get(name)
+    merged = merge.merge(replies, weights=[1, 2, 3, 4, 5], reference=reference).state_dict
+    assert set(merged) == set(reference)
+    assert all(bool(torch.isfinite(t).all()) for t in merged.values())
+    model.load_state_dict(merged)  # a model the next round starts from
+    if name in ("fedavg", "fedprox"):  # W moves by the weighted mean of the products
+        w = next(iter(model.downlink_only()))
+        expected = sum(c * r[w] for c, r in zip([1, 2, 3, 4, 5], replies)) / 15
+        assert torch.allclose(merged[w], expected, atol=1e-6)
