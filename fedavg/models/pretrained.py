@@ -36,6 +36,7 @@ from torch import nn
 
 from fedavg.models.register import register_model
 from fedavg.models.sources.args import first_line
+from fedavg.models.sources.hf import token_ids
 from fedavg.models.sources.images import adapt_images
 from fedavg.util.errors import UserError
 
@@ -203,17 +204,10 @@ class MeanPooledClassifier(nn.Module):
         self.pad_id = int(pad_id)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """``(N, L)`` int64 token ids -> ``(N, K)`` logits.
-
-        Raises
-        ------
-        TypeError
-            Floating inputs (token ids must not be normalised).
-        """
-        if ids.is_floating_point():
-            raise TypeError("the model takes (N, L) int64 token ids, got floating inputs")
+        """``(N, L)`` int64 token ids -> ``(N, K)`` logits (:func:`token_ids`)."""
+        ids = token_ids(ids)
         mask = (ids != self.pad_id).long()
-        hidden = self.encoder(input_ids=ids.long(), attention_mask=mask).last_hidden_state
+        hidden = self.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
         weights = mask.unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)
         return self.head(self.dropout(pooled))

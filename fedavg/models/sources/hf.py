@@ -173,6 +173,19 @@ def stored_config(name: str, num_classes: int, args: Mapping[str, Any]) -> dict[
     return {**dict(args), HF_CONFIG: config_dict(name, num_classes, args)}
 
 
+def token_ids(ids: torch.Tensor) -> torch.Tensor:
+    """Return ``(N, L)`` token ids as int64.
+
+    Raises
+    ------
+    TypeError
+        Floating inputs (token ids must not be normalised).
+    """
+    if ids.is_floating_point():
+        raise TypeError("the model takes (N, L) int64 token ids, got floating inputs")
+    return ids.long()
+
+
 class TextClassifier(nn.Module):
     """A sequence classifier that takes ``(N, L)`` int64 token ids and returns logits.
 
@@ -191,16 +204,8 @@ class TextClassifier(nn.Module):
         self.fedavg_notes: list[str] = []
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """``(N, L)`` int64 token ids -> ``(N, K)`` logits.
-
-        Raises
-        ------
-        TypeError
-            Floating inputs (token ids must not be normalised).
-        """
-        if ids.is_floating_point():
-            raise TypeError("the model takes (N, L) int64 token ids, got floating inputs")
-        ids = ids.long()
+        """``(N, L)`` int64 token ids -> ``(N, K)`` logits (:func:`token_ids`)."""
+        ids = token_ids(ids)
         return self.net(input_ids=ids, attention_mask=(ids != self.pad_id).long()).logits
 
 
