@@ -94,10 +94,13 @@ def run_leg(name: str, settings: dict, dataset: str, out: Path) -> dict:
     """Run one leg; return its figures (accuracy, wall seconds, bytes per round and in all)."""
     settings = dict(settings)
     cpus = settings.pop("cpus", 1.0)
-    config = RunConfig().replace(dataset=dataset, seed=0, **settings)
+    # a CPU round of full fine-tuning takes minutes: no node may be cut off by the timeout
+    config = RunConfig().replace(dataset=dataset, seed=0, round_timeout=7200.0, **settings)
     result = fedavg.simulate(config, output=out / name, overwrite=True, cpus_per_node=cpus)
     summary = json.loads(result.summary_path.read_text())
     rounds = len(result.rounds)
+    if any(r["num_failed"] for r in result.rounds):
+        raise RuntimeError(f"{name}: a node failed in a round: {result.failures[:1]}")
     return {"leg": name, "accuracy": result.accuracy, "wall_s": round(result.wall_s, 1),
             "rounds": rounds, "bytes_to_nodes": summary["bytes_to_nodes"],
             "bytes_from_nodes": summary["bytes_from_nodes"],
