@@ -56,10 +56,17 @@ LORA = {"model": "minilm", "optimizer": "adam", "lr": 1e-3, "max_tokens": 64,
 DIRICHLET = {"partitioner": "dirichlet", "alpha": 0.5}
 
 
+#: The order legs run in: those the targets compare first, the references after.
+ORDER = ("minilm-lora8-exact-iid", "minilm-full-fedavg-iid", "minilm-lora8-exact-dirichlet",
+         "minilm-lora8-average-dirichlet", "efficientnet-imagenet-dirichlet",
+         "efficientnet-random-dirichlet", "minilm-full-centralised", "fasttext-fedavg-iid",
+         "minilm-full-fedavg-dirichlet", "minilm-lora8-average-iid")
+
+
 def text_legs(rounds: int, nodes: int) -> dict[str, dict]:
     """Return the text legs by name: their settings beside the dataset."""
     fed = {"num_nodes": nodes, "rounds": rounds}
-    return {  # in the order they run: the targets' legs first
+    return {
         "minilm-lora8-exact-iid": {**LORA, **fed, "lora_merge": "exact"},
         "minilm-full-fedavg-iid": {**FULL, **fed},
         "minilm-lora8-exact-dirichlet": {**LORA, **fed, **DIRICHLET, "lora_merge": "exact"},
@@ -175,6 +182,7 @@ def main() -> None:
         cifar = str(cifar_subset(out / "cifar10-subset", args.cifar_train, args.cifar_test))
         plan += [(n, s, cifar) for n, s in image_legs(args.rounds, args.nodes).items()]
     only = set(args.only.split(",")) if args.only else None
+    plan.sort(key=lambda leg: ORDER.index(leg[0]) if leg[0] in ORDER else len(ORDER))
     for name, settings, dataset in plan:
         if name in rows or (only is not None and name not in only):
             continue
