@@ -188,7 +188,9 @@ def export(
 
     with guard(failed="error"):
         res = export_model(model_dir, output, overwrite=overwrite, code=model)
-    console.print(f"folded the adapters of {res['adapted_layers']} layers into the base: "
+    layers = res["adapted_layers"]
+    console.print(f"folded the adapters of {layers} layer{'s' if layers != 1 else ''} into "
+                  "the base: "
                   f"{res['parameters']:,} parameters written to "
                   f"[bold]{escape(str(res['output']))}[/]", highlight=False)
 

@@ -237,7 +237,7 @@ class ModelChoice:
                                      ".safetensors or state-dict file)")
     lora_rank: int = setting(0, "LoRA adapters' rank r: nodes train and send only adapters "
                              "and the head of a pretrained model (0: off)",
-                             rule=non_negative())
+                             rule=Rule(lambda v: 0 <= v <= 4096, "from 0 (off) to 4096"))
     lora_alpha: float = setting(16.0, "LoRA scaling: the update is alpha / r * B A",
                                 rule=positive())
     lora_dropout: float = setting(0.0, "Dropout on the LoRA adapters' input",

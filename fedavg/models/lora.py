@@ -146,8 +146,17 @@ class LoraModel(nn.Module):
         try:
             inject_adapter_in_model(config, net)
         except (ValueError, TypeError, RuntimeError) as exc:
-            raise UserError(f"--lora-targets {','.join(spec.targets)}: {str(exc).splitlines()[0]}"
-                            ) from None
+            said = str(exc).splitlines()[0]
+            if "groups=" in said:  # peft's advice (another rank) leads to an unmergeable layer
+                said = ("a grouped (depthwise) convolution, whose LoRA update cannot be "
+                        "merged into its weight; adapt pointwise convolutions or Linear layers")
+            raise UserError(f"--lora-targets {','.join(spec.targets)}: {said}") from None
+        grouped = next((name for name, m in net.named_modules() if hasattr(m, "lora_A")
+                        and getattr(getattr(m, "base_layer", None), "groups", 1) > 1), None)
+        if grouped is not None:
+            raise UserError(f"--lora-targets: {grouped} is a grouped (depthwise) convolution, "
+                            "whose LoRA update cannot be merged into its weight; adapt "
+                            "pointwise convolutions or Linear layers")
         for p in net.get_submodule(spec.head).parameters():
             p.requires_grad_(True)
         self.net = net
@@ -239,7 +248,7 @@ class LoraModel(nn.Module):
 
 
 def _mb(num_bytes: int) -> str:
-    return f"{num_bytes / 1e6:.2f} MB"
+    return f"{num_bytes / 1e6:.2f} MB" if num_bytes >= 1e5 else f"{num_bytes / 1e3:.1f} kB"
 
 
 def wrap(net: nn.Module, spec: LoraSpec, num_classes: int) -> LoraModel:

@@ -136,11 +136,22 @@ def weights_sha256(model: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def file_sha256(path: str) -> str:
-    """SHA-256 (hex) of the file at ``path``, read once per process."""
+    """SHA-256 (hex) of the file at ``path``, read once per process.
+
+    Raises
+    ------
+    UserError
+        The file is missing or not a regular file (a LoRA model's base weights moved).
+    """
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
+    try:
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    except OSError as exc:
+        raise UserError(f"the pretrained weights file {path} cannot be read ({exc.strerror}): "
+                        "a LoRA model builds its frozen base from it; put the file back "
+                        "there") from None
     return digest.hexdigest()
 
 

@@ -363,10 +363,11 @@ class ModelSpec:
         if lora is not None:
             sha = base_sha256(name, pretrained) if args.get("weights") != "random" else None
             if sha is None:
-                raise UserError(f"--lora-rank adapts pretrained weights, and model {name} starts "
-                                "from random ones: use a pretrained model (fedavg models: "
-                                f"{', '.join(pretrained_models.PRETRAINED)}) or an hf: folder "
-                                "with model.safetensors")
+                raise UserError(f"--lora-rank adapts pretrained weights every node loads from a "
+                                f"file it can check, and model {name} has none here: use "
+                                f"{', '.join(pretrained_models.PRETRAINED)} (without "
+                                "weights=random), an hf: folder with model.safetensors, or a "
+                                "torchvision model with --pretrained PATH")
             spec = LoraSpec.from_dict({**lora, "base_sha256": sha})
         return cls(name, shape, int(num_classes), args, pretrained, spec)
 
@@ -404,6 +405,10 @@ class ModelSpec:
             return make_model(self.name, self.input_shape, self.num_classes, self.args,
                               initial=initial, pretrained=self.pretrained)
         own = base_sha256(self.name, self.pretrained)
+        if self.lora.base_sha256 and own is None:
+            raise UserError(f"model {self.name}: the run's pretrained weights (SHA-256 "
+                            f"{self.lora.base_sha256[:12]}) are not here: restore the weights "
+                            "file the run started from")
         if self.lora.base_sha256 and own != self.lora.base_sha256:
             raise UserError(f"model {self.name}: the run's pretrained weights have SHA-256 "
                             f"{self.lora.base_sha256[:12]}, this install's {str(own)[:12]}: "

@@ -17,7 +17,7 @@ from pathlib import Path
 from fedavg.data.text import TOKENIZER_FILE
 from fedavg.models.registry import ModelSpec
 from fedavg.run import checkpoint
-from fedavg.run.output import check_output
+from fedavg.run.output import check_output, clear_previous_run
 from fedavg.use.inference import model_from_artifacts
 from fedavg.util.errors import UserError
 from strategies.lora import fold_into_base
@@ -68,7 +68,11 @@ def export_model(model_dir: str | Path, output: str | Path, *, overwrite: bool =
     net = ModelSpec.from_dict(plain).build()
     net.load_state_dict(full, strict=True)  # every tensor, nothing left over
     check_output(output, overwrite)
-    output.mkdir(parents=True, exist_ok=True)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create output folder {output}: {exc.strerror}") from None
+    clear_previous_run(output)  # --overwrite: nothing of the run it replaces stays
     if (model_dir / TOKENIZER_FILE).is_file():  # kept as it is, not rebuilt
         shutil.copyfile(model_dir / TOKENIZER_FILE, output / TOKENIZER_FILE)
     checkpoint.save(output, full, {

@@ -240,3 +240,75 @@ def test_every_parameter_merge_takes_exactly_folded_adapters(name):
         w = next(iter(model.downlink_only()))
         expected = sum(c * r[w] for c, r in zip([1, 2, 3, 4, 5], replies)) / 15
         assert torch.allclose(merged[w], expected, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_a_lora_runs_base_file_gone_is_one_line(tmp_path):
+    path, _ = _resnet_file(tmp_path, ".safetensors")
+    spec = ModelSpec.resolve("torchvision:resnet18", (3, 32, 32), 10, pretrained=str(path),
+                             lora={"rank": 2, "alpha": 4, "dropout": 0, "targets": [],
+                                   "merge": "exact"})
+    saved = spec.as_dict()
+    path.unlink()
+    pretrained.file_sha256.cache_clear()
+    with pytest.raises(UserError, match="cannot be read .*put the file back there"):
+        ModelSpec.from_dict(saved).build()
+    path.mkdir()  # a folder where the file was
+    pretrained.file_sha256.cache_clear()
+    with pytest.raises(UserError, match="cannot be read"):
+        ModelSpec.from_dict(saved).build()
+
+
+def test_grouped_convolutions_are_refused_as_lora_targets():
+    for rank in (4, 32):  # peft refuses 4 (not a multiple of the groups), takes 32
+        spec = lora.LoraSpec(rank=rank, alpha=8.0, dropout=0.0,
+                             targets=("blocks.0.0.conv_dw",), merge="exact")
+        with pytest.raises(UserError, match="grouped \\(depthwise\\) convolution"):
+            lora.wrap(pretrained.efficientnet_lite0((3, 32, 32), 10), spec, 10)
+
+
+def test_lora_rank_has_a_ceiling_and_random_bases_are_named_with_the_ways_out():
+    with pytest.raises(UserError, match="--lora-rank must be from 0 \\(off\\) to 4096"):
+        RunConfig().replace(lora_rank=10**12).validate()
+    with pytest.raises(UserError, match="torchvision model with --pretrained PATH"):
+        ModelSpec.resolve("torchvision:resnet18", (3, 32, 32), 10, pretrained="default",
+                          lora={"rank": 2, "alpha": 4, "dropout": 0, "targets": [],
+                                "merge": "exact"})
+
+
+def _lora_run(tmp_path):
+    from transformers import AutoModelForImageClassification, ViTConfig
+
+    from fedavg.run import checkpoint
+
+    folder = tmp_path / "vit"
+    AutoModelForImageClassification.from_config(ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        image_size=16, patch_size=4, num_channels=3)).save_pretrained(folder)
+    spec = ModelSpec.resolve(f"hf:{folder}", (3, 16, 16), 4, lora={
+        "rank": 2, "alpha": 4, "dropout": 0, "targets": [], "merge": "exact"})
+    model = spec.build()
+    checkpoint.save(tmp_path / "run", model.state_dict(), {
+        "model": spec.as_dict(), "classes": list("abcd"),
+        "input": {"kind": "image", "shape": [3, 16, 16], "scale": 1 / 255,
+                  "mean": [0.5] * 3, "std": [0.5] * 3}})
+    return tmp_path / "run"
+
+
+def test_export_writes_a_full_model_and_replaces_an_old_run_whole(tmp_path):
+    run = _lora_run(tmp_path)
+    with pytest.raises(UserError, match="cannot create output folder /proc/x"):
+        export_model(run, "/proc/x")
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in ("summary.json", "metrics.jsonl", "checkpoint.safetensors"):
+        (old / name).write_text("{}")
+    with pytest.raises(UserError, match="already holds a run"):
+        export_model(run, old)
+    res = export_model(run, old, overwrite=True)
+    assert sorted(p.name for p in old.iterdir()) == ["model.json", "model.safetensors"]
+    assert res["adapted_layers"] == 2
+    meta = json.loads((old / "model.json").read_text())
+    assert "lora" not in meta["model"] and meta["exported_from"]["lora"]["rank"] == 2
