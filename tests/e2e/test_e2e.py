@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def test_default_simulate_on_digits_then_evaluate_and_predict(tmp_path, no_leaks
             assert 5 * model_bytes < r[way] < 5 * (model_bytes + 200 * len(weights)), r
     assert summary["bytes_to_nodes"] == sum(r["bytes_to_nodes"] for r in rounds)
     assert summary["bytes_from_nodes"] == sum(r["bytes_from_nodes"] for r in rounds)
-    assert "sent " in proc.stdout and " kB" in proc.stdout
+    assert re.search(r"sent\s+[\d.]+\s+[kMG]?B\s+got\s+[\d.]+\s+[kMG]?B", proc.stdout)
 
     meta = json.loads((out / "model.json").read_text())
     assert meta["model"]["name"] == "mlp" and meta["classes"] == [str(i) for i in range(10)]

@@ -33,10 +33,10 @@ def test_minilm_lora_trains_adapters_only_merges_exactly_predicts_and_exports(tm
     assert meta["model"]["lora"]["merge"] == "exact"
     assert meta["input"]["tokenizer"]["kind"] == "file"  # minilm's own, no --tokenizer
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    # up: 2 nodes x (adapters + head), far below 2 % of the full model each
+    # up: 2 nodes x (adapters + head), far below 2 % of the full model each; down in round 1
+    # the same (every node builds the adapted weights from its own install)
     assert 0 < row["bytes_from_nodes"] < 2 * 0.02 * FULL_MODEL_BYTES, row
-    # down: the adapted query and value weights (12 x 384 x 384 floats) beside them
-    assert 2 * 12 * 384 * 384 * 4 < row["bytes_to_nodes"] < 2 * 0.1 * FULL_MODEL_BYTES, row
+    assert row["bytes_to_nodes"] == row["bytes_from_nodes"], row
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accuracy"] > 0.5, summary  # 4 classes; the base alone is chance
     pred = run_cli("predict", out, SPORTS, "--text", "--output", "-").stdout
