@@ -59,8 +59,10 @@ def check_train(c: RunConfig) -> str | None:
     if t.pretrained not in (None, "default"):
         from pathlib import Path  # lazy: this module stays light
 
-        if not Path(t.pretrained).expanduser().is_file():
-            return (f"--pretrained {t.pretrained}: no such file; give default (torchvision's "
+        path = Path(t.pretrained).expanduser()
+        if not path.is_file():
+            what = "not a file" if path.exists() else "no such file"
+            return (f"--pretrained {t.pretrained}: {what}; give default (torchvision's "
                     "weights) or a local .safetensors or state-dict file")
     return t.problem() or first_problem(t)  # node options, then the model's (--lora-*)
 

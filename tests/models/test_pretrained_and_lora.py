@@ -193,8 +193,11 @@ def test_a_pretrained_file_of_other_things_is_one_line(tmp_path):
     bad = tmp_path / "object.pth"
     bad.write_bytes(pickle.dumps({"weights": object()}))
     spec = ModelSpec.resolve("torchvision:resnet18", (3, 32, 32), 10, pretrained=str(bad))
-    with pytest.raises(UserError, match="not a safetensors file or state dict of tensors"):
+    with pytest.raises(UserError, match="pickles other objects, which fedavg never loads") as exc:
         spec.build(initial=True)
+    assert "weights_only=False" not in str(exc.value)  # no advice to unpickle it
+    with pytest.raises(UserError, match="--pretrained .*: not a file"):
+        RunConfig().replace(model="torchvision:resnet18", pretrained=str(tmp_path)).validate()
     with pytest.raises(UserError, match="--pretrained nope.pth: no such file"):
         RunConfig().replace(model="torchvision:resnet18", pretrained="nope.pth").validate()
     other, _ = _resnet_file(tmp_path, ".safetensors")

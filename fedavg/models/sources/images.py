@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import pickle
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -262,7 +263,11 @@ def load_weights_file(path: str) -> dict[str, Any]:
             state = load_file(str(file))
         else:
             state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - a damaged file, or a pickle of more than tensors
+    except pickle.UnpicklingError:  # objects beyond tensors: never unpickled
+        raise UserError(f"--pretrained {path}: not a safetensors file or state dict of tensors "
+                        "(it pickles other objects, which fedavg never loads): save "
+                        "model.state_dict() with safetensors or torch.save") from None
+    except Exception as exc:  # noqa: BLE001 - a damaged file
         raise UserError(f"--pretrained {path}: not a safetensors file or state dict of tensors "
                         f"({first_line(exc)})") from None
     state = state.get("state_dict", state) if isinstance(state, dict) else state
