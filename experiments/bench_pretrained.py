@@ -87,13 +87,20 @@ def image_legs(rounds: int, nodes: int) -> dict[str, dict]:
             "efficientnet-random-dirichlet": {**common, "model_args": {"weights": "random"}}}
 
 
-def cifar_subset(folder: Path, train: int, test: int) -> Path:
-    """Write the first ``train`` / ``test`` rows of CIFAR-10 into ``folder`` (Parquet)."""
+def cifar_subset(folder: Path, train: int, test: int, seed: int = 0) -> Path:
+    """Write ``train`` / ``test`` rows of CIFAR-10, drawn at random (seeded), into ``folder``.
+
+    Not the first rows: the files are sorted by label, so those hold two classes only.
+    """
+    import numpy as np
+
     folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
     for split, rows in (("train", train), ("test", test)):
         if not (folder / f"{split}.parquet").exists():
-            table = pq.read_table(DATA / "cifar10" / f"{split}.parquet").slice(0, rows)
-            pq.write_table(table, folder / f"{split}.parquet")
+            table = pq.read_table(DATA / "cifar10" / f"{split}.parquet")
+            pick = np.sort(rng.choice(len(table), size=min(rows, len(table)), replace=False))
+            pq.write_table(table.take(pick), folder / f"{split}.parquet")
     return folder
 
 
@@ -179,7 +186,8 @@ def main() -> None:
         ag_news = str(DATA / "ag_news")
         plan += [(n, s, ag_news) for n, s in text_legs(args.rounds, args.nodes).items()]
     if "image" in args.legs:
-        cifar = str(cifar_subset(out / "cifar10-subset", args.cifar_train, args.cifar_test))
+        cifar = str(cifar_subset(out / f"cifar10-random-{args.cifar_train}-{args.cifar_test}",
+                                 args.cifar_train, args.cifar_test))
         plan += [(n, s, cifar) for n, s in image_legs(args.rounds, args.nodes).items()]
     only = set(args.only.split(",")) if args.only else None
     plan.sort(key=lambda leg: ORDER.index(leg[0]) if leg[0] in ORDER else len(ORDER))
