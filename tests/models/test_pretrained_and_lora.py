@@ -83,8 +83,8 @@ def test_random_models_have_no_base_to_adapt():
     assert base_sha256("mlp") is None
     assert base_sha256("minilm") == pretrained.file_sha256(
         str(pretrained.MINILM.path("minilm")))
-    with pytest.raises(UserError, match="adapts pretrained weights, and model mlp starts from "
-                                        "random ones"):
+    with pytest.raises(UserError, match="adapts pretrained weights every node loads from a "
+                                        "file it can check, and model mlp has none here"):
         ModelSpec.resolve("mlp", (64,), 10, lora={"rank": 4, "alpha": 8, "dropout": 0,
                                                    "targets": [], "merge": "exact"})
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import pickle
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -263,13 +262,13 @@ def load_weights_file(path: str) -> dict[str, Any]:
             state = load_file(str(file))
         else:
             state = torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # objects beyond tensors: never unpickled
+    except Exception as exc:  # noqa: BLE001 - a damaged file, or objects beyond tensors
+        why = first_line(exc)
+        if type(exc).__name__ == "UnpicklingError":  # weights_only refused: never unpickled
+            why = ("it pickles other objects, which fedavg never loads: save "
+                   "model.state_dict() with safetensors or torch.save")
         raise UserError(f"--pretrained {path}: not a safetensors file or state dict of tensors "
-                        "(it pickles other objects, which fedavg never loads): save "
-                        "model.state_dict() with safetensors or torch.save") from None
-    except Exception as exc:  # noqa: BLE001 - a damaged file
-        raise UserError(f"--pretrained {path}: not a safetensors file or state dict of tensors "
-                        f"({first_line(exc)})") from None
+                        f"({why})") from None
     state = state.get("state_dict", state) if isinstance(state, dict) else state
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
                                               for v in state.values()):
