@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fedavg.util.errors import UserError
+from fedavg.util.units import size
 
 #: ``--lora-merge`` values: ``average`` (A and B averaged separately), ``exact`` (the average
 #: of the nodes' products ``B_k A_k``, :mod:`strategies.lora`).
@@ -180,7 +181,7 @@ class LoraModel(nn.Module):
         return (f"LoRA r={s.rank}, alpha={s.alpha:g} on {len(self.layers)} layers "
                 f"({','.join(s.targets)}), head {s.head} trained in full: {trained:,} of "
                 f"{total:,} values trained ({100 * trained / max(total, 1):.2f} %); "
-                f"{s.merge} merge; a node gets {_mb(sent)} and sends {_mb(back)} per round")
+                f"{s.merge} merge; a node gets {size(sent)} and sends {size(back)} per round")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run the network: a batch -> ``(N, K)`` logits."""
@@ -245,10 +246,6 @@ class LoraModel(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor of the model, frozen base included (``nn.Module``'s state dict)."""
         return dict(super().state_dict())
-
-
-def _mb(num_bytes: int) -> str:
-    return f"{num_bytes / 1e6:.2f} MB" if num_bytes >= 1e5 else f"{num_bytes / 1e3:.1f} kB"
 
 
 def wrap(net: nn.Module, spec: LoraSpec, num_classes: int) -> LoraModel:

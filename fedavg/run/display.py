@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from fedavg.data.partition import label_counts, values_per_node
+from fedavg.util.units import size
 
 if TYPE_CHECKING:
     from fedavg.config.settings import RunConfig
@@ -184,15 +185,6 @@ def _recipe(config: RunConfig, input_spec: dict[str, Any]) -> str:
 
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
-
-
-def size(num_bytes: int) -> str:
-    """``num_bytes`` in decimal units: ``812 B``, ``45.3 kB``, ``91.2 MB``, ``1.20 GB``."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if num_bytes >= scale:
-            value = num_bytes / scale
-            return f"{value:.2f} {unit}" if value < 10 else f"{value:.1f} {unit}"
-    return f"{int(num_bytes)} B"
 
 
 def _figure(value: float | None) -> str:

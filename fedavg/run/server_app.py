@@ -271,6 +271,7 @@ class ServerRun:
 
             def before_round(r: int) -> None:
                 deployment.wait_for_nodes(grid, per_round, f"for round {r}")
+        folded = exact_lora(self.model)  # the LoRA layers an exact merge folds, if any
         return FlowerAdapter(
             p.strategy, initial, self.report_failure,
             buffers=frozenset(name for name, _ in self.model.named_buffers()),
@@ -286,8 +287,8 @@ class ServerRun:
             min_replies=1 if deployment is None else per_round,
             max_update_norm=m.max_update_norm,
             round_offset=done,
-            exact_lora=exact_lora(self.model),
-            lora_transport=None if exact_lora(self.model) is None else LoraTransport(
+            exact_lora=folded,
+            lora_transport=None if folded is None else LoraTransport(
                 sorted(self.model.downlink_only()), self.model.spec.rank, version=done),
         )
 
