@@ -144,6 +144,14 @@ class Strategy:
     names and values (e.g. FedProx's ``proximal_mu``)."""
     options: tuple[Option, ...] = ()
     """The settings this strategy takes (see :class:`Option`); each becomes an attribute."""
+    skew_note: str = ""
+    """What the method does on label-skewed partitions, when that is not what it is for: the
+    run notes it for any partitioner but ``iid`` (empty: nothing to say)."""
+    node_defaults: Mapping[str, Any] = {}
+    """Node training settings the method's paper or measurements call for, by setting name
+    (``{"momentum": 0.0}``): a run applies them unless the user gives the setting
+    (:meth:`fedavg.config.settings.RunConfig.local_training`); ``fedavg strategies`` lists
+    them."""
     ordered: bool = False
     """Always fold a round's replies in partition order rather than as they arrive, so that
     a run does not depend on which node answered first, even when the round's models exceed

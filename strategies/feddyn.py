@@ -62,6 +62,10 @@ class FedDyn(Strategy):
     paper = ("Acar et al. 2021, Federated Learning Based on Dynamic Regularization, "
              "arXiv:2111.04263")
     options = (Option("alpha_dyn", float, 0.01, "FedDyn regulariser coefficient alpha (> 0)"),)
+    # the paper's local steps: plain SGD at lr 0.1. On digits (5 nodes, Dirichlet 0.5, 5
+    # rounds, seed 1): 0.872 accuracy, against 0.527 with the run's momentum 0.9 and 0.755
+    # with momentum 0 at lr 0.05
+    node_defaults = {"momentum": 0.0, "lr": 0.1}
     node_rule = FedDynNode
 
     def __init__(self, **options: Any) -> None:

@@ -228,7 +228,9 @@ class FedAdagrad(_ServerOpt):
     description = "server-side Adagrad over the FedAvg pseudo-gradient"
     paper = "Reddi et al. 2021, Adaptive Federated Optimization, arXiv:2003.00295"
 
-    options = (Option("server_lr", float, 1e-1, "Server learning rate"),
+    # 0.01: on digits (5 nodes, Dirichlet 0.5, 5 rounds, seed 1) 0.886 accuracy, against
+    # 0.680 at 0.1, 0.749 at 0.03 (the paper tunes it per task)
+    options = (Option("server_lr", float, 1e-2, "Server learning rate"),
                Option("tau", float, 1e-3, "Adaptivity of the server optimiser (> 0)"))
     beta1 = beta2 = 0.0
 

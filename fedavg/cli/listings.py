@@ -8,6 +8,7 @@ from __future__ import annotations
 from rich.markup import escape
 
 from fedavg.cli.support import console
+from fedavg.config.values import format_value
 
 
 def list_strategies() -> None:
@@ -23,8 +24,11 @@ def list_strategies() -> None:
         options = "".join(f"\n  {o.flag} {o.default}: {o.help}"
                           + (f" ({' | '.join(o.choices)})" if o.choices else "")
                           for o in cls.options)
-        table.add_row(name, f"{cls.description}{options}\n[dim]{cls.paper}[/]")
+        nodes = "".join(f"\n  node default --{k.replace('_', '-')} {format_value(v)}"
+                        for k, v in cls.node_defaults.items())
+        table.add_row(name, f"{cls.description}{options}{nodes}\n[dim]{cls.paper}[/]")
     console.print(table)
+    console.print("A strategy's node defaults apply unless you give the setting yourself.")
     console.print("Every strategy that is not one-shot also takes --swa-start R: from round R the "
                   "run saves the mean of the rounds' merged models (server-side SWA, Izmailov "
                   "et al. 2018, arXiv:1803.05407).")

@@ -28,8 +28,11 @@ class Rule:
     need: str
 
     def problem(self, name: str, value: Any) -> str | None:
-        """Return ``NAME must be NEED (got VALUE)`` for a value it refuses, else ``None``."""
-        if self.ok(value):
+        """Return ``NAME must be NEED (got VALUE)`` for a value it refuses, else ``None``.
+
+        ``None`` is a setting not given (its default applies), never refused.
+        """
+        if value is None or self.ok(value):
             return None
         shown = repr(value) if isinstance(value, str) else value
         return f"{name} must be {self.need} (got {shown})"

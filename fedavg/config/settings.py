@@ -62,6 +62,41 @@ def setting(default: Any, help: str, *, cli: bool = True, rule: Rule | None = No
                                             "resumable": resumable})
 
 
+def node_setting(fallback: Any, help: str, *, rule: Rule) -> Any:
+    """Return a node training field that a strategy may default.
+
+    The field's value is ``None`` until given: a run then trains with the strategy's own
+    value (:attr:`strategies.Strategy.node_defaults`), else with ``fallback``
+    (:meth:`LocalTraining.resolved`). ``rule`` checks a given value.
+    """
+    shown = f"{fallback:g}" if isinstance(fallback, float) else str(fallback)
+    return field(default=None, metadata={
+        "help": f"{help} (default {shown}, or the strategy's own: see `fedavg strategies`)",
+        "cli": True, "rule": rule, "resumable": False, "fallback": fallback})
+
+
+def strategy_node_defaults(strategy: str) -> dict[str, Any]:
+    """Return the node training settings strategy ``strategy`` declares (``{}``: unknown)."""
+    import strategies  # lazy: loads torch, which only this path needs
+
+    try:
+        return dict(strategies.strategy_class(strategy).node_defaults)
+    except strategies.UnknownStrategyError:  # refused by the run's checks, in one line
+        return {}
+
+
+def node_settings_filled(given: Mapping[str, Any], strategy: str) -> dict[str, Any]:
+    """Return the value of each node setting a strategy may default, for a recorded run.
+
+    ``given`` maps snake-case setting names to values (``None`` or absent: not given); each
+    takes strategy ``strategy``'s node default, else its fallback, as the run did.
+    """
+    defaults = strategy_node_defaults(strategy)
+    return {f.name: defaults.get(f.name, f.metadata["fallback"])
+            if given.get(f.name) is None else given[f.name]
+            for f in fields(LocalTraining) if "fallback" in f.metadata}
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Which data, and how it is split across nodes.
@@ -131,10 +166,11 @@ class LocalTraining:
         Passes over the node's partition per round.
     batch_size : int
         Samples per SGD step.
-    lr : float
-        Learning rate of the optimizer.
-    momentum : float
-        SGD momentum, in [0, 1) (unused by Adam).
+    lr : float or None
+        Learning rate of the optimizer; ``None``: not given, the strategy's own or 0.05.
+    momentum : float or None
+        SGD momentum, in [0, 1) (unused by Adam); ``None``: not given, the strategy's own
+        or 0.9 (:func:`node_setting`).
     weight_decay : float
         L2 penalty.
     optimizer : str
@@ -161,9 +197,9 @@ class LocalTraining:
 
     local_epochs: int = setting(1, "Local epochs per round", rule=at_least(1))
     batch_size: int = setting(32, "Samples per SGD step", rule=at_least(1))
-    lr: float = setting(0.05, "Learning rate (of --optimizer)", rule=positive())
-    momentum: float = setting(0.9, "SGD momentum",
-                              rule=fraction(closed_low=True, closed_high=False))
+    lr: float | None = node_setting(0.05, "Learning rate (of --optimizer)", rule=positive())
+    momentum: float | None = node_setting(0.9, "SGD momentum",
+                                          rule=fraction(closed_low=True, closed_high=False))
     weight_decay: float = setting(0.0, "L2 penalty", rule=non_negative())
     optimizer: str = setting("sgd", "Node optimizer: sgd (with --momentum) or adam",
                              rule=one_of(OPTIMIZERS))
@@ -185,9 +221,26 @@ class LocalTraining:
                                     "all parameters, e.g. 1.0; 0: off", rule=non_negative())
 
     @classmethod
-    def of(cls, train: LocalTraining) -> LocalTraining:
-        """Return the node training options of ``train`` (a :class:`TrainConfig`) alone."""
-        return cls(**{f.name: getattr(train, f.name) for f in fields(cls)})
+    def of(cls, train: LocalTraining, defaults: Mapping[str, Any] | None = None
+           ) -> LocalTraining:
+        """Return the node training options of ``train`` (a :class:`TrainConfig`) alone.
+
+        Settings not given take ``defaults`` (a strategy's
+        :attr:`~strategies.Strategy.node_defaults`), else their fallback
+        (:meth:`resolved`).
+        """
+        return cls(**{f.name: getattr(train, f.name) for f in fields(cls)}).resolved(defaults)
+
+    def resolved(self, defaults: Mapping[str, Any] | None = None) -> LocalTraining:
+        """Return a copy whose settings not given (``None``) take ``defaults``, else fallbacks.
+
+        ``defaults`` are a strategy's node defaults; a setting declared with
+        :func:`node_setting` falls back to its declared value. What a node trains with.
+        """
+        filled = {f.name: (defaults or {}).get(f.name, f.metadata["fallback"])
+                  for f in fields(self)
+                  if getattr(self, f.name) is None and "fallback" in f.metadata}
+        return dataclasses.replace(self, **filled) if filled else self
 
     def problem(self, name: Callable[[str], str] = lambda key: f"--{key}") -> str | None:
         """Return the first value a field's rule refuses, said with ``name(kebab-key)``.
@@ -409,6 +462,19 @@ class RunConfig:
                 raise UserError(problem)
         self.build_strategy()
         return self
+
+    def local_training(self) -> LocalTraining:
+        """Return how nodes train: the settings given, else the strategy's, else defaults.
+
+        Settings a strategy declares (:attr:`strategies.Strategy.node_defaults`, e.g.
+        FedDyn's plain SGD steps) apply unless the user gives them.
+        """
+        return LocalTraining.of(self.train, strategy_node_defaults(self.merge.strategy))
+
+    def applied_node_defaults(self) -> dict[str, Any]:
+        """Return the strategy's node defaults this run applies (those the user left out)."""
+        return {k: v for k, v in strategy_node_defaults(self.merge.strategy).items()
+                if getattr(self.train, k, None) is None}
 
     def data_settings(self) -> dict[str, Any]:
         """Return the settings :func:`fedavg.data.load.load` takes besides the dataset.

@@ -101,6 +101,7 @@ def train(
         ``train_loss`` (mean cross-entropy of the (adjusted) logits over all steps, nats,
         without the proximal term or the rule's), ``num_examples`` (samples), ``steps``.
     """
+    local = local.resolved()  # a setting not given: its declared fallback
     model.to(device).train()
     xt, yt = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.long)
     opt = make_optimizer(model, local.optimizer,

@@ -72,7 +72,7 @@ class TrainSettings:
     def for_run(cls, config, meta: dict[str, Any], strategy) -> TrainSettings:
         """Return the settings of ``config``'s rounds, plus what ``strategy`` sends its nodes."""
         return cls(model=meta["model"], input=meta["input"], classes=list(meta["classes"]),
-                   seed=config.data.seed, local=LocalTraining.of(config.train),
+                   seed=config.data.seed, local=config.local_training(),
                    **_method(strategy), **strategy.node_config)
 
     def to_record(self):
@@ -99,7 +99,8 @@ class TrainSettings:
             naming the entry (the node replies with this error; nothing is trained).
         """
         values = _decoded(cls, record, cls._JSON, skip=("local",))
-        settings = cls(**values, local=LocalTraining(**_decoded(LocalTraining, record)))
+        local = LocalTraining(**_decoded(LocalTraining, record)).resolved()
+        settings = cls(**values, local=local)
         settings.check()
         return settings
 
@@ -164,6 +165,8 @@ def _field_types(cls) -> dict[str, Any]:
 
 
 def _decode(key: str, raw: Any, kind: Any, is_json: bool) -> Any:
+    optional = [a for a in typing.get_args(kind) if a is not type(None)]
+    kind = optional[0] if len(optional) == 1 else kind  # `float | None`: a float on the wire
     try:
         if is_json:
             return json.loads(str(raw))

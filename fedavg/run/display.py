@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from fedavg.config.values import format_value
 from fedavg.data.partition import label_counts, values_per_node
 from fedavg.util.units import size
 
@@ -119,7 +120,8 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
               else f"inputs {tuple(prepared.spec.input_shape)}")
     console.print(
         f"model [bold]{prepared.spec.name}[/] on {inputs}, "
-        f"{prepared.spec.num_classes} classes; strategy [bold]{config.merge.strategy}[/], "
+        f"{prepared.spec.num_classes} classes; strategy [bold]{config.merge.strategy}[/]"
+        f"{node_defaults_text(config)}, "
         f"{_plural(config.merge.rounds, 'round')}, "
         f"{config.nodes_per_round}/{config.merge.num_nodes} "
         f"nodes per round, {config.train.local_epochs} local epoch(s)"
@@ -152,6 +154,15 @@ def logit_adjust_note(counts: np.ndarray, config: RunConfig) -> str | None:
             f"nodes hold one or two labels for {NARROW_SHARE:.0%} or more of their samples; "
             "there the label prior alone nearly fits a node's data and it learns little: "
             "lower it (0.1) or leave it off")
+
+
+def node_defaults_text(config: RunConfig) -> str:
+    """`` (its node defaults: --momentum 0)`` when the strategy's own node settings apply."""
+    applied = config.applied_node_defaults()
+    if not applied:
+        return ""
+    said = ", ".join(f"--{k.replace('_', '-')} {format_value(v)}" for k, v in applied.items())
+    return f" (its node defaults: {said})"
 
 
 def recipe_text(config: RunConfig, prepared) -> str:

@@ -293,8 +293,11 @@ def _strategy_notes(strategy, model, config: RunConfig) -> list[str]:
     import strategies  # lazy: loads torch, which only this path needs
 
     note = strategy.nodes_note(config.nodes_per_round)
+    skew = [strategy.skew_note] if strategy.skew_note and config.data.partitioner != "iid" \
+        else []
     try:
-        return strategy.check_setup(model, asdict(config.train)) + (
+        train = {**asdict(config.train), **asdict(config.local_training())}
+        return skew + strategy.check_setup(model, train) + (
             [f"{strategy.name}: {note}"] if note else [])
     except strategies.MergeError as exc:
         raise UserError(f"{strategy.name}: {exc}") from None
@@ -328,6 +331,8 @@ def _metadata(config: RunConfig, data: LoadedData, spec, validation, distill_x) 
             "notes": data.notes,
         },
         "strategy": config.merge.strategy, "config": config.as_dict(),
+        # what the nodes train with: given, else the strategy's own, else the default
+        "local_training": asdict(config.local_training()),
     }
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from fedavg.config.settings import RunConfig
+from fedavg.config.settings import RunConfig, node_settings_filled
 from fedavg.data.load import data_settings, load
 from fedavg.models.pretrained import has_own_tokenizer
 from fedavg.run.lifecycle import prepare
@@ -262,14 +262,19 @@ def _plain(obj: Any) -> Any:
 
 
 def _option_defaults(config: dict[str, Any]) -> dict[str, Any]:
-    """Return a nested run config with its strategy's options at their defaults where unset."""
+    """Return a nested run config with its strategy's options and node settings defaulted.
+
+    Where unset, as the run had them (:func:`~fedavg.config.settings.node_settings_filled`).
+    """
     import strategies  # lazy: loads torch, which only this path needs
 
     merge = config.get("merge") if isinstance(config.get("merge"), dict) else {}
     given = merge.get("options") if isinstance(merge.get("options"), dict) else {}
     options = strategies.option_defaults(merge.get("strategy"))
     options.update({k: v for k, v in given.items() if v is not None})
-    return {**config, "merge": {**merge, "options": options}}
+    train = config.get("train") if isinstance(config.get("train"), dict) else {}
+    train = {**train, **node_settings_filled(train, merge.get("strategy"))}
+    return {**config, "train": train, "merge": {**merge, "options": options}}
 
 
 def _difference(recorded: Any, wanted: dict[str, Any]) -> str | None:

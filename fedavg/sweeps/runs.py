@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedavg.config.settings import RunConfig
+from fedavg.config.settings import RunConfig, node_settings_filled
 from fedavg.config.values import finite_number
 from fedavg.sweeps.grid import format_value
 from fedavg.util.errors import UserError
@@ -232,6 +232,9 @@ def flat_settings(summary: dict[str, Any]) -> dict[str, Any]:
     flat["dataset"] = summary.get("dataset") or flat.get("dataset")  # a path made absolute
     flat["num-nodes"] = summary.get("num_nodes", flat.get("num-nodes"))
     flat.setdefault("strategy", summary.get("strategy"))
+    node = node_settings_filled({k.replace("-", "_"): v for k, v in flat.items()},
+                                flat["strategy"])  # what its nodes trained with
+    flat.update({k.replace("_", "-"): v for k, v in node.items()})
     return flat
 
 

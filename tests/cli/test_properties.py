@@ -70,7 +70,7 @@ def test_any_settings_build_a_valid_config_or_say_why(flat):
     # a valid config survives its flat form (Flower's run_config) unchanged
     assert RunConfig.from_flat(config.to_flat()) == config
     assert 0 <= config.data.seed < MAX_SEED and config.merge.num_nodes >= 1
-    assert 0 < config.merge.fraction <= 1 and config.train.lr > 0
+    assert 0 < config.merge.fraction <= 1 and config.local_training().lr > 0
     assert 1 <= config.nodes_per_round <= config.merge.num_nodes
 
 

@@ -125,3 +125,36 @@ def test_finite_number_takes_only_finite_json_numbers():
     assert all(finite_number(v) for v in (0, -3, 1.5, 1e308))
     assert not any(finite_number(v) for v in (True, False, float("nan"), float("inf"),
                                               -float("inf"), "1", None, [1]))
+
+
+def test_a_strategys_node_defaults_apply_unless_given():
+    import strategies
+    from fedavg.config.settings import LocalTraining
+
+    feddyn = dict(strategies.strategy_class("feddyn").node_defaults)
+    assert feddyn["momentum"] == 0.0  # the paper's plain SGD steps
+    run = RunConfig().replace(strategy="feddyn")
+    assert run.local_training().momentum == 0.0 and run.applied_node_defaults() == feddyn
+    given = RunConfig().replace(strategy="feddyn", momentum=0.9)
+    assert given.local_training().momentum == 0.9  # the user's value wins
+    assert "momentum" not in given.applied_node_defaults()
+    # the fallback for a strategy without node defaults, also after switching strategy
+    back = run.replace(strategy="fedavg")
+    assert back.local_training().momentum == 0.9 and back.local_training().lr == 0.05
+    assert back.applied_node_defaults() == {}
+    # a node receiving no value trains with the declared fallback
+    assert LocalTraining().resolved().momentum == 0.9
+
+
+def test_every_declared_node_default_is_a_node_setting_it_accepts():
+    import dataclasses
+
+    import strategies
+    from fedavg.config.settings import LocalTraining
+
+    declared = {f.name: f for f in dataclasses.fields(LocalTraining)}
+    for name, cls in strategies.available().items():
+        for key, value in cls.node_defaults.items():
+            f = declared[key]  # a node training setting
+            assert "fallback" in f.metadata, f"{name}: --{key} is not a node_setting"
+            assert f.metadata["rule"].problem(key, value) is None, (name, key, value)

@@ -180,7 +180,7 @@ def test_recipe_settings_are_checked_and_travel_to_the_nodes():
     record["augment"], record["lr-schedule"] = False, "linear"
     with pytest.raises(ValueError, match="lr-schedule"):
         TrainSettings.from_record(record)
-    assert math.isclose(settings.local.lr, config.train.lr)
+    assert math.isclose(settings.local.lr, config.local_training().lr)
 
 
 def test_sam_gradient_by_hand():

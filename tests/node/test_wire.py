@@ -75,3 +75,16 @@ def test_a_malformed_round_config_is_refused_naming_the_entry(key, value, messag
     record[key] = value
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)")):
         TrainSettings.from_record(record)
+
+
+def test_the_round_carries_the_strategys_node_defaults_and_the_users_own_values():
+    import strategies
+
+    meta = {"model": {"name": "mlp"}, "input": {}, "classes": ["a", "b"]}
+    run = RunConfig().replace(strategy="feddyn")
+    strategy = strategies.get("feddyn")
+    sent = TrainSettings.from_record(TrainSettings.for_run(run, meta, strategy).to_record())
+    assert sent.local.momentum == 0.0 and sent.local.lr == run.local_training().lr
+    mine = RunConfig().replace(strategy="feddyn", momentum=0.5)
+    sent = TrainSettings.from_record(TrainSettings.for_run(mine, meta, strategy).to_record())
+    assert sent.local.momentum == 0.5
