@@ -32,6 +32,7 @@ from fedavg.cli.options import (
     TextColumnOption,
     given,
     model_args,
+    non_empty,
     path_argument,
     path_option,
     pop_tracking,
@@ -198,6 +199,7 @@ def export(
 def predict(
     model_dir: Annotated[Path, path_argument(help="A run's output folder")],
     inputs: Annotated[list[str], typer.Argument(
+        parser=non_empty,
         help="Image files, folders of images, .txt files (one text per line), or datasets")],
     output: Annotated[Optional[Path], path_option(
         help="Write predictions to FILE.csv or FILE.json; - for CSV on stdout")] = None,

@@ -195,6 +195,16 @@ def path(value: str) -> Path:
     return Path(value)
 
 
+def non_empty(value: str) -> str:
+    """Return an input argument's value; an empty string (an unset shell variable) is refused.
+
+    Read as a path, ``""`` would be the current folder.
+    """
+    if not str(value).strip():
+        raise typer.BadParameter("needs a file, folder, dataset or text, not an empty string")
+    return value
+
+
 def path_option(*args: Any, **kwargs: Any) -> Any:
     """``typer.Option`` for a path: an empty value is a usage error (see :func:`path`)."""
     return typer.Option(*args, parser=path, **kwargs)

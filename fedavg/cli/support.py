@@ -76,6 +76,8 @@ def guard(interrupted: str = "interrupted", failed: str = "run failed"):
         try:
             yield
         except Exception as exc:  # a full or read-only disk: a failed run, not a bug
+            if too_long := name_too_long(exc):
+                raise UserError(too_long) from None
             why = disk_full(exc)
             if why is None:
                 raise
@@ -98,6 +100,21 @@ def guard(interrupted: str = "interrupted", failed: str = "run failed"):
                           + (f"; {escape(hint)}" if hint else ""), highlight=False,
                           soft_wrap=True)
         raise typer.Exit(1) from None
+
+
+def name_too_long(exc: BaseException) -> str | None:
+    """Say which given path the system refused as too long (``ENAMETOOLONG``); else None.
+
+    A name in a path holds at most 255 bytes on common file systems, a path 4,096: every
+    command's path arguments and options, and the settings that name files, meet this
+    here, in one place.
+    """
+    if not (isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG):
+        return None
+    name = str(exc.filename or "a path")
+    shown = name if len(name) <= 80 else f"{name[:60]}...{name[-16:]}"
+    return (f"{shown}: a name in this path is too long (at most 255 bytes a file or folder "
+            "name, 4,096 a path): give a shorter one")
 
 
 def disk_full(exc: BaseException) -> str | None:

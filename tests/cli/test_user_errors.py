@@ -1409,3 +1409,27 @@ def test_a_resource_share_below_rays_unit_is_refused_before_anything_starts(args
     line = assert_one_error_line(proc.stderr)
     assert f"{args[0]} must be at least 0.0001" in line and "units of 0.0001" in line
 
+
+
+LONG = "x" * 300  # one name longer than the 255 bytes a file system allows
+
+
+@pytest.mark.parametrize("args", [
+    ["evaluate", LONG], ["evaluate", "{model}", "--dataset", LONG], ["predict", LONG, "."],
+    ["report", LONG], ["report", ".", "--published", LONG], ["merge", LONG, LONG, "--output", "m"],
+    ["simulate", "--resume", LONG], ["simulate", "--dataset", "{ag_news}", "--tokenizer", LONG],
+    ["simulate", "--strategy", "greedy-soup", "--rounds", "1", "--validation", LONG],
+], ids=lambda a: " ".join(a[:2] if a[1] != "{model}" else a[::2]))
+def test_a_name_too_long_is_one_line_wherever_a_path_is_given(invoke, model_dir, args):
+    from helpers.cli import SHARED_DATA
+
+    filled = [a.format(model=model_dir, ag_news=SHARED_DATA / "ag_news") for a in args]
+    code, err = invoke(*filled)
+    line = assert_one_error_line(err)
+    assert code == 2 and "too long" in line.lower() and len(line) < 300, line
+
+
+def test_an_empty_predict_input_is_refused_not_read_as_the_current_folder(model_dir, tmp_path):
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / "digit.png")  # in the cwd
+    res = run_in(["predict", str(model_dir), ""], tmp_path)
+    assert res.returncode == 2 and "not an empty string" in assert_one_error_line(res.stderr)
