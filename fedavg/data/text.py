@@ -257,6 +257,9 @@ def make_tokenizer(name: str, max_length: int = 256, buckets: int = 131072) -> T
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"--tokenizer {name}: cannot read it ({exc})") from None
         return FileTokenizer(text, max_length, source=str(path))
+    if not path.is_dir():  # a device, a pipe, a socket
+        raise UserError(f"--tokenizer {name}: not a file or folder (use hashed, a "
+                        "tokenizer.json file or a transformers tokenizer folder)")
     return FileTokenizer(_transformers_json(path), max_length, source=str(path))
 
 

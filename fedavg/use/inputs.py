@@ -48,6 +48,9 @@ def collect(inputs: Sequence[str]) -> list[tuple[str, Any]]:
                 raise UserError(f"{raw} is neither an image ({', '.join(sorted(IMAGE_SUFFIXES))}) "
                                 "nor a dataset file")
             continue
+        if not path.is_dir():  # a device, a pipe, a socket
+            raise UserError(f"{raw} is not a file or folder: give image files, folders of "
+                            "images, .txt files or datasets")
         files = [path / f for f in files_below(path) if not is_hidden(f)]  # ._x.png, .git/
         images = sorted(p for p in files if p.suffix.lower() in IMAGE_SUFFIXES)
         # a folder of images is predicted image by image, whatever else it holds (a

@@ -1433,3 +1433,20 @@ def test_an_empty_predict_input_is_refused_not_read_as_the_current_folder(model_
     Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / "digit.png")  # in the cwd
     res = run_in(["predict", str(model_dir), ""], tmp_path)
     assert res.returncode == 2 and "not an empty string" in assert_one_error_line(res.stderr)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["simulate", "--dataset", "{ag_news}", "--tokenizer", "/dev/null"],
+     "--tokenizer /dev/null: not a file or folder"),
+    (["simulate", "--model", "torchvision:mobilenet_v2", "--model-arg", "dropout=abc"],
+     "--model-arg dropout=abc: torchvision:mobilenet_v2 takes a number for dropout"),
+    (["simulate", "--model", "mlp", "--model-arg", "hidden=abc"], "takes a number for hidden"),
+    (["predict", "{model}", "/dev/null"], "/dev/null is not a file or folder"),
+], ids=["tokenizer-device", "torchvision-arg-type", "builtin-arg-type", "predict-device"])
+def test_odd_values_are_said_in_the_products_words(invoke, model_dir, args, words):
+    from helpers.cli import SHARED_DATA
+
+    filled = [a.format(model=model_dir, ag_news=SHARED_DATA / "ag_news") for a in args]
+    code, err = invoke(*filled)
+    line = assert_one_error_line(err)
+    assert code == 2 and words in line and "not supported between" not in line, line

@@ -74,11 +74,15 @@ class Takes:
         It takes ``**kwargs`` too.
     required : tuple of str
         Named arguments without a default.
+    numeric : tuple of (str, number)
+        Named arguments whose default is a number, with that default: a value given for
+        them must be a number too.
     """
 
     names: tuple[str, ...]
     any: bool = False
     required: tuple[str, ...] = ()
+    numeric: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def of(cls, fn: Callable, what: str, positional: int = 2) -> Takes:
@@ -104,7 +108,8 @@ class Takes:
         named += [p for p in params if p.kind is kinds.KEYWORD_ONLY]
         return cls(tuple(p.name for p in named),
                    any=any(p.kind is kinds.VAR_KEYWORD for p in params),
-                   required=tuple(p.name for p in named if p.default is kinds.empty))
+                   required=tuple(p.name for p in named if p.default is kinds.empty),
+                   numeric=tuple((p.name, p.default) for p in named if _is_number(p.default)))
 
     def kwargs(self, what: str, args: Mapping[str, Any]) -> dict[str, Any]:
         """Return the keyword arguments to call the builder with.
@@ -126,8 +131,17 @@ class Takes:
                             f"{unknown[0]}=...); it takes: {takes}")
         out = {**user, **{k: v for k, v in args.items()
                           if k in DATA_ARGS and (self.any or k in self.names)}}
+        for name, default in self.numeric:
+            if name in user and not _is_number(user[name]):
+                raise UserError(f"--model-arg {name}={user[name]}: {what} takes "
+                                f"a number for {name} (its default is {default})")
         missing = [k for k in self.required if k not in out]
         if missing:
             raise UserError(f"{what} needs argument {missing[0]!r}: pass --model-arg "
                             f"{missing[0]}=VALUE")
         return out
+
+
+def _is_number(value: Any) -> bool:
+    """Whether ``value`` is an int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

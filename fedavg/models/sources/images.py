@@ -149,7 +149,8 @@ def _torchvision_takes(name: str, builder: Callable, num_classes: int) -> Takes:
     names = [n for n in (*own.names, *cls.names) if n not in ("weights", "progress",
                                                                "num_classes")
              and _settable(builder, num_classes, params.get(n))]
-    return Takes(tuple(dict.fromkeys(names)))
+    numeric = tuple((n, d) for n, d in (*own.numeric, *cls.numeric) if n in names)
+    return Takes(tuple(dict.fromkeys(names)), numeric=tuple(dict(numeric).items()))
 
 
 def _probe(builder: Callable, num_classes: int, **args: Any) -> nn.Module:
