@@ -161,9 +161,11 @@ def read_run(folder: Path, notes: list[str] | None = None) -> Run:
     if bad and notes is not None:
         notes.append(f"{folder}: line(s) {', '.join(map(str, bad[:5]))} of its metrics.jsonl "
                      "are not round records; they are left out of its curve")
-    if (damage := _model_meta_damage(folder)) and notes is not None:
-        notes.append(f"{folder}: its model.json {damage}: its figures are reported, but its "
-                     "model cannot be loaded (fedavg evaluate / predict)")
+    for name, damage in (("model.json", _model_meta_damage(folder)),
+                         ("model.safetensors", _model_file_damage(folder))):
+        if damage and notes is not None:
+            notes.append(f"{folder}: its {name} {damage}: its figures are reported, but its "
+                         "model cannot be loaded (fedavg evaluate / predict)")
     rows = [by_round[r] for r in sorted(by_round)]
     accuracies = [summary["accuracy"], summary["best_accuracy"]]
     counts = [summary["rounds"], summary.get("num_nodes", 1)]
@@ -202,6 +204,28 @@ def _bytes_curve(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
         total += int(sum(both))
         curve.append((total, float(row["accuracy"])))
     return curve
+
+
+def _model_file_damage(folder: Path) -> str | None:
+    """Say what is wrong with a run's ``model.safetensors``; ``None``: its header is whole.
+
+    Reads the header alone (8 bytes of length, then JSON): the file must hold every byte
+    its tensors' offsets name. Nothing is loaded.
+    """
+    path = folder / "model.safetensors"
+    try:
+        with open(path, "rb") as fh:
+            size = path.stat().st_size
+            length = int.from_bytes(fh.read(8), "little")
+            if not 2 <= length <= size - 8:
+                raise ValueError
+            header = json.loads(fh.read(length))
+        ends = [e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"]
+    except FileNotFoundError:
+        return "is missing"
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return "is not a safetensors file (cut short or edited)"
+    return "is cut short" if 8 + length + max(ends, default=0) > size else None
 
 
 def _model_meta_damage(folder: Path) -> str | None:

@@ -7,6 +7,9 @@ Fake run folders are written in the exact format fedavg writes (``summary.json``
 import json
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
 from fedavg.config.settings import RunConfig
 
 
@@ -45,6 +48,7 @@ def fake_run(folder: Path, accuracies: list[float], wall_s: float, model: str = 
         "classes": [str(i) for i in range(10)], "strategy": config.merge.strategy,
         "config": config.as_dict(), "rounds": len(accuracies),
         "metrics": {"accuracy": accuracies[-1], "loss": 1.0 - accuracies[-1]}}))
+    save_file({"w": torch.zeros(16)}, folder / "model.safetensors")
     return folder
 
 

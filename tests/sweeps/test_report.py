@@ -561,6 +561,26 @@ def test_the_sweep_end_names_the_report_command_quoted_for_a_shell(tmp_path, mon
 
 
 @pytest.mark.parametrize("damaged, says", [
+    (lambda data: data[:-20], "is cut short"),
+    (lambda data: data[:12], "is not a safetensors file (cut short or edited)"),
+    (lambda data: None, "is missing"),
+])
+def test_a_run_whose_model_file_is_damaged_is_reported_with_a_note(tmp_path, damaged, says):
+    fake_run(tmp_path / "good", [0.5, 0.9], 10.0)
+    bad = fake_run(tmp_path / "bad", [0.5, 0.7], 5.0, partitioner="dirichlet")
+    model = bad / "model.safetensors"
+    data = damaged(model.read_bytes())
+    model.unlink()
+    if data is not None:
+        model.write_bytes(data)
+    result = write_report(tmp_path)
+    assert result["num_runs"] == 2  # its figures stand
+    assert f"{bad}: its model.safetensors {says}: its figures are reported, but its model " \
+           "cannot be loaded (fedavg evaluate / predict)" in result["notes"]
+    assert not any(str(tmp_path / "good") in n for n in result["notes"])
+
+
+@pytest.mark.parametrize("damaged, says", [
     (lambda text: text[: len(text) // 2], "is not JSON (cut short or edited)"),
     (lambda text: "[1, 2]", "holds a list, not an object"),
 ])

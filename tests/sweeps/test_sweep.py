@@ -665,7 +665,7 @@ def test_a_run_folder_is_not_a_sweep_folder(tmp_path):
     for args in (["--dry-run"], []):
         res = CliRunner().invoke(_app(), ["sweep", str(TINY), "--output", str(run), *args])
         assert res.exit_code == 2, res.output
-        assert f"{run} holds a run (model.json), not a sweep" in res.output.replace(
+        assert f"{run} holds a run (model.safetensors), not a sweep" in res.output.replace(
             "\n", "")
     assert sorted(p.name for p in run.iterdir()) == before
 
