@@ -88,9 +88,9 @@ def simulate(
 
 
 def merge(
-    models: Annotated[Optional[list[Path]], typer.Argument(
+    models: Annotated[Optional[list[Path]], path_argument(
         help="Model folders, or folders of them (a run's nodes/)")] = None,
-    models_opt: Annotated[Optional[list[Path]], typer.Option(
+    models_opt: Annotated[Optional[list[Path]], path_option(
         "--models", help="Same as the arguments; repeatable")] = None,
     strategy: Annotated[str, typer.Option(
         help="Merge strategy (see `fedavg strategies`)")] = "average",
