@@ -149,6 +149,8 @@ def on_signal(message, cleanup=None):
         # back or goes on, so the engine is stopped and the exit code is 130 whatever it hit.
         text = message() if callable(message) else message
         try:
+            if err_console.is_terminal:  # the message on its own line, not after the bar's
+                err_console.file.write("\r\x1b[2K")
             err_console.print(escape(text), soft_wrap=True)
         except Exception:
             sys.stderr.write(f"{text}\n")
@@ -262,8 +264,9 @@ def run_app(app: typer.Typer) -> None:
     # lazy: loads with its command: `fedavg --help` stays fast
     from fedavg.util.interrupts import stoppers
 
-    if signal.SIGTERM in stoppers():  # not one the process was started with ignored
-        signal.signal(signal.SIGTERM, _terminated)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if sig in stoppers():  # not one the process was started with ignored
+            signal.signal(sig, _terminated)
     command = typer.main.get_command(app)
     try:
         code = command.main(prog_name="fedavg", standalone_mode=False)

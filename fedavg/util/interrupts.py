@@ -13,13 +13,14 @@ import threading
 
 
 def stoppers() -> tuple[int, ...]:
-    """SIGINT and SIGTERM, less one this process was started with ignored.
+    """SIGINT, SIGTERM and SIGHUP, less one this process was started with ignored.
 
     A shell starts a script's background job (``fedavg simulate ... &``) with SIGINT
-    ignored, so that a Ctrl-C meant for the script does not stop it; Python keeps that, and
-    so do fedavg's own handlers.
+    ignored, so that a Ctrl-C meant for the script does not stop it, and ``nohup`` ignores
+    SIGHUP; Python keeps that, and so do fedavg's own handlers. SIGHUP is the hangup of the
+    terminal (an ssh session or a tmux pane closed): it stops a command as Ctrl-C does.
     """
-    return tuple(sig for sig in (signal.SIGINT, signal.SIGTERM)
+    return tuple(sig for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
                  if signal.getsignal(sig) is not signal.SIG_IGN)
 
 

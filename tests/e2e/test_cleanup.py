@@ -8,6 +8,7 @@ inherit) is alive.
 """
 
 import contextlib
+import re
 import os
 import shutil
 import signal
@@ -314,3 +315,58 @@ def test_a_killed_simulation_is_cleaned_up_by_the_next_one(tmp_path):
     assert not any(folder.exists() for folder in abandoned)
     assert leftovers(deep) == [] and ray_fallbacks(proc.pid) == []
     assert not wait_gone(tag)
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "hangup"])
+def test_simulate_leading_its_terminal_leaves_nothing(tmpdir_env, tmp_path, how):
+    """``ssh -t host fedavg simulate ...`` or a tmux pane: the command leads its terminal.
+
+    Ctrl-C typed at that terminal (SIGINT to the whole foreground group, Ray's processes
+    too), or the terminal hanging up (SIGHUP): every process goes, none is left stopped.
+    """
+    import pty
+    import threading
+
+    tag = uuid.uuid4().hex
+    out = tmp_path / "run"
+    env = {**os.environ, "TMPDIR": str(tmpdir_env), "FEDAVG_TEST_TAG": tag}
+    pid, terminal = pty.fork()  # the child leads a new session on a new terminal
+    if pid == 0:
+        os.execve(sys.executable, [sys.executable, "-m", "fedavg.cli", "simulate",
+                                   "--num-nodes", "4", "--rounds", "50", "--output", str(out)],
+                  env)
+    shown = []
+
+    def drain():  # keep reading, as a terminal does, until it closes
+        with contextlib.suppress(OSError):
+            while chunk := os.read(terminal, 4096):
+                shown.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        metrics, deadline = out / "metrics.jsonl", time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert os.waitpid(pid, os.WNOHANG) == (0, 0), b"".join(shown)
+            assert time.monotonic() < deadline, b"".join(shown)
+            time.sleep(0.2)
+        if how == "ctrl-c":
+            os.write(terminal, b"\x03")  # the terminal's interrupt character
+        else:
+            os.close(terminal)  # the terminal hangs up
+        deadline = time.monotonic() + 120
+        while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+            assert time.monotonic() < deadline, "the command did not stop"
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        with contextlib.suppress(OSError):
+            os.close(terminal)
+    assert os.waitstatus_to_exitcode(done[1]) == 130, b"".join(shown)
+    if how == "ctrl-c":
+        text = b"".join(shown).decode(errors="replace")
+        assert re.search(r"(^|\n)interrupted", text.replace("\r\x1b[2K", "\n")), text
+    assert not wait_gone(tag), "processes left behind"
+    assert leftovers(tmpdir_env) == []

@@ -146,6 +146,11 @@ def kill_after_exit(since: float, marker: str) -> None:
     if os.fork() != 0:
         return
     try:  # the child: only plain system calls from here
+        # When this process leads its terminal's session (`ssh -t host fedavg ...`, a tmux
+        # pane), its exit hangs the terminal up: the kernel's SIGHUP would end this child
+        # before its SIGKILLs, and leave the frozen processes stopped for good.
+        for hangup in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+            signal.signal(hangup, signal.SIG_IGN)
         deadline = time.monotonic() + 5.0
         while os.getppid() == parent and time.monotonic() < deadline:
             time.sleep(0.005)
