@@ -538,10 +538,13 @@ def test_a_sigint_ignored_at_start_stays_ignored():
     from fedavg.cli import support as cli_support
     from fedavg.util.interrupts import held_interrupts, stoppers
 
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts it: it stays so
+        assert signal.SIGHUP not in stoppers()
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        assert stoppers() == (signal.SIGTERM,)
+        assert stoppers() == (signal.SIGTERM, signal.SIGHUP)
         with held_interrupts(raise_after=False) as held:
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
             signal.raise_signal(signal.SIGINT)  # ignored: not held, not raised later
@@ -550,7 +553,7 @@ def test_a_sigint_ignored_at_start_stays_ignored():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python starts
-        assert stoppers() == (signal.SIGINT, signal.SIGTERM)
+        assert stoppers() == (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)

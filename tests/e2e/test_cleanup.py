@@ -8,8 +8,8 @@ inherit) is alive.
 """
 
 import contextlib
-import re
 import os
+import re
 import shutil
 import signal
 import subprocess
