@@ -218,6 +218,57 @@ def predictions_table(rows: list[dict[str, Any]], shown: int = 50):
     return table
 
 
+#: Seconds between two heartbeat lines of a long phase when the output is not a terminal
+#: (``FEDAVG_HEARTBEAT_S`` sets another).
+HEARTBEAT_S = 30.0
+
+
+class Heartbeat:
+    """Without a terminal, a line at least every :data:`HEARTBEAT_S` seconds of a long phase.
+
+    A run written to a log file (``nohup``, CI) draws no progress bar; so that a round of
+    minutes does not look like a hang, a thread prints ``... still training round 3 (65 s)``
+    while a phase lasts.
+    """
+
+    def __init__(self, console, phase: str) -> None:
+        import os
+        import threading
+
+        self.console = console
+        self.every = float(os.environ.get("FEDAVG_HEARTBEAT_S", HEARTBEAT_S))
+        self._phase, self._since = phase, None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fedavg-heartbeat",
+                                        daemon=True)
+
+    def start(self) -> None:
+        """Start the phase's clock and the thread."""
+        import time
+
+        self._since = time.monotonic()
+        self._thread.start()
+
+    def phase(self, name: str) -> None:
+        """A new phase begins (the next round): its clock starts now."""
+        import time
+
+        self._phase, self._since = name, time.monotonic()
+
+    def stop(self) -> None:
+        """Stop the thread (it prints nothing more)."""
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=1.0)
+
+    def _run(self) -> None:
+        import time
+
+        while not self._done.wait(self.every):
+            self.console.print(f"... still {self._phase} "
+                               f"({time.monotonic() - self._since:.0f} s)", highlight=False)
+
+
 class Progress:
     """A progress bar over the rounds plus one line per round and per failed node.
 
@@ -240,8 +291,11 @@ class Progress:
         self.rounds = rounds
         self.listener = listener
         self._bar = None
+        self._beat = None
         if console is None:
             return
+        if not console.is_terminal:  # a log file, a pipe: no bar is drawn there
+            self._beat = Heartbeat(console, f"training round {done + 1}")
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -257,14 +311,18 @@ class Progress:
                                         completed=done)
 
     def start(self) -> None:
-        """Show the bar."""
+        """Show the bar (without a terminal: start the heartbeat lines)."""
         if self._bar is not None:
             self._bar.start()
+        if self._beat is not None:
+            self._beat.start()
 
     def stop(self) -> None:
-        """Remove the bar (the printed lines stay)."""
+        """Remove the bar (the printed lines stay); stop the heartbeat."""
         if self._bar is not None:
             self._bar.stop()
+        if self._beat is not None:
+            self._beat.stop()
 
     def on_round(self, rec: RoundRecord) -> None:
         """Print a finished round and advance the bar; tell the listener."""
@@ -281,8 +339,10 @@ class Progress:
             f"sent {size(rec.bytes_to_nodes)}  got {size(rec.bytes_from_nodes)}  "
             f"{rec.wall_s:.2f} s")
         nxt = rec.round + 1
-        self._bar.update(self._task, advance=1, description=(
-            f"training round {nxt}" if nxt <= self.rounds else "finishing"))
+        phase = f"training round {nxt}" if nxt <= self.rounds else "finishing"
+        self._bar.update(self._task, advance=1, description=phase)
+        if self._beat is not None:
+            self._beat.phase(phase)
 
     def on_note(self, text: str) -> None:
         """Print a note on the round just finished (the merge's)."""

@@ -303,3 +303,16 @@ def test_overwrite_replaces_the_previous_run_as_a_whole(tmp_path, no_leaks):
     assert diverged.returncode == 1, diverged.stderr
     left = sorted(p.name for p in out.iterdir())
     assert left == ["notes.txt"], left
+
+
+def test_without_a_terminal_a_long_phase_prints_a_line_at_least_every_heartbeat(tmp_path,
+                                                                             no_leaks):
+    # stdout is a pipe here, as under nohup or in CI: no bar is drawn; heartbeat every 0.5 s
+    proc = run_cli("simulate", "--rounds", "2", "--local-epochs", "3", "--output",
+                   tmp_path / "run", env={"FEDAVG_HEARTBEAT_S": "0.5"})
+    beats = re.findall(r"\.\.\. still (training round \d|finishing) \((\d+) s\)", proc.stdout)
+    assert beats and beats[0][0] == "training round 1", proc.stdout
+    assert all(int(seconds) >= 0 for _, seconds in beats)
+    lines = proc.stdout.splitlines()
+    first_round = next(i for i, line in enumerate(lines) if line.startswith("round   1/2"))
+    assert any("still training round 1" in line for line in lines[:first_round])
