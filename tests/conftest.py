@@ -36,6 +36,23 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"WARNING: {_NO_DATA}", yellow=True, bold=True)
 
 
+def _scale_time_limits(config, items) -> None:
+    """Scale each test's time limit (pytest-timeout's) to this machine's speed now.
+
+    A limit is set for a quiet 2-core machine; on a busy one (two suites side by side) it
+    grows by :func:`helpers.patience.slowness`, measured once per test process.
+    """
+    from helpers.patience import slowness
+
+    factor = slowness()
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        limit = float(marker.args[0]) if marker is not None and marker.args else default
+        if limit > 0:
+            item.add_marker(pytest.mark.timeout(limit * factor), append=False)
+
+
 def pytest_collection_modifyitems(config, items):
     """Put the tests marked ``long`` at even spacings, the first at the head of the list.
 
@@ -45,6 +62,7 @@ def pytest_collection_modifyitems(config, items):
     side by side, and the short ones fill in around them instead of queueing behind them at
     the end. The order depends only on the collected items, so every worker sees the same.
     """
+    _scale_time_limits(config, items)
     long = [item for item in items if item.get_closest_marker("long")]
     if not long:
         return

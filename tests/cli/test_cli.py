@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 import numpy as np
 import pytest
+from helpers.patience import within
 from PIL import Image
 from typer.main import get_command
 from typer.testing import CliRunner
@@ -330,7 +331,7 @@ def test_ctrl_c_while_the_cli_still_imports_is_one_line_and_exit_130(tmp_path, s
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # the signal goes once the CLI holds interrupts (it catches SIGTERM, which Python itself
     # never does), while torch and Flower still import: a fixed sleep may be too early
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + within(60)
     while not _catches(proc.pid, signal.SIGTERM):
         assert proc.poll() is None and time.monotonic() < deadline, "never held interrupts"
         time.sleep(0.005)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from helpers.cluster import Cluster, cluster_processes
+from helpers.patience import within
 
 pytestmark = pytest.mark.e2e  # real SuperLink / SuperNode / Ray processes
 
@@ -36,7 +37,7 @@ def leftovers(tmpdir: Path) -> list[str]:
 
 def wait_gone(tag: str, timeout_s: float = 15.0) -> list[str]:
     """Wait up to ``timeout_s`` for the processes tagged ``tag`` to go; return those left."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + within(timeout_s)
     while (left := cluster_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.3)
     return left
@@ -45,7 +46,7 @@ def wait_gone(tag: str, timeout_s: float = 15.0) -> list[str]:
 def wait_for_round(out: Path, proc, rounds: int = 1, timeout_s: float = 180.0) -> None:
     """Wait until run folder ``out`` holds ``rounds`` finished rounds."""
     metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + within(timeout_s)
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= rounds):
         assert proc.poll() is None, f"exited {proc.returncode} before round {rounds}"
         assert time.monotonic() < deadline, f"no round {rounds} after {timeout_s} s"
@@ -143,7 +144,7 @@ def test_gpu_node_parent_stops_its_nodes_and_their_folders(tmpdir_env, tmp_path)
         parent = subprocess.Popen([sys.executable, "-c", GPU_PARENT, f"127.0.0.1:{free_port()}"],
                                   stdout=fh, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + within(120)
         while len(private_folders(tmpdir_env, "fedavg-node-")) < 2 \
                 or "cannot reach the coordinator" not in log.read_text():
             assert parent.poll() is None and time.monotonic() < deadline, log.read_text()
@@ -345,7 +346,7 @@ def test_simulate_leading_its_terminal_leaves_nothing(tmpdir_env, tmp_path, how)
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
     try:
-        metrics, deadline = out / "metrics.jsonl", time.monotonic() + 240
+        metrics, deadline = out / "metrics.jsonl", time.monotonic() + within(240)
         while not (metrics.exists() and metrics.read_text().strip()):
             assert os.waitpid(pid, os.WNOHANG) == (0, 0), b"".join(shown)
             assert time.monotonic() < deadline, b"".join(shown)
@@ -354,7 +355,7 @@ def test_simulate_leading_its_terminal_leaves_nothing(tmpdir_env, tmp_path, how)
             os.write(terminal, b"\x03")  # the terminal's interrupt character
         else:
             os.close(terminal)  # the terminal hangs up
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + within(120)
         while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0):
             assert time.monotonic() < deadline, "the command did not stop"
             time.sleep(0.2)

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 from helpers.cli import engine_processes, run_cli
+from helpers.patience import within
 from PIL import Image
 
 pytestmark = pytest.mark.e2e
@@ -186,7 +187,7 @@ def test_interrupt_keeps_finished_rounds_and_leaves_no_process(tmp_path, sig):
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + within(240)
         while time.monotonic() < deadline and proc.poll() is None:
             metrics = out / "metrics.jsonl"
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
@@ -276,7 +277,7 @@ def test_two_runs_at_once_do_not_touch_each_other(tmp_path, no_leaks):
          "3", "--output", str(tmp_path / "long")],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + within(120)
         while not (tmp_path / "long" / "metrics.jsonl").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         run_cli("simulate", "--rounds", "1", "--num-nodes", "2", "--output", tmp_path / "short")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from helpers import container_engine as ce
+from helpers.patience import within
 
 from fedavg.engines.deployment import containers
 from fedavg.util.errors import UserError
@@ -471,7 +472,7 @@ def lose_a_node(engine, root):
     env = stack_env(root, ROUNDS="4", LOCAL_EPOCHS="5")  # a round of seconds
     output = Path(env["OUTPUT"])
     compose(engine, env, "up", "-d")
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + within(600)
     while not metrics(output) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert metrics(output), logs(engine, env)

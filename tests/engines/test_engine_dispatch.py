@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 from flwr.server.superlink.fleet.vce import vce_api
 from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+from helpers.patience import within
 
 from fedavg.flower_compat import fast_message_dispatch
 
@@ -40,7 +41,7 @@ def test_only_nodes_with_messages_are_asked_in_the_engines_node_order():
         thread = threading.Thread(target=vce_api.add_messages_to_queue,
                                   args=(state, out, nodes, stop))
         thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + within(10)
         while out.qsize() < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.3)  # a few more passes: nothing is handed out twice

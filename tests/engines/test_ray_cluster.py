@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers.cli import assert_one_error_line, run_cli
+from helpers.patience import within
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Head:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + within(15)
         while self.processes() and time.monotonic() < deadline:
             time.sleep(0.5)
         for p in self.processes():
@@ -80,7 +81,7 @@ def ray_head():
         env={**os.environ, "RAY_TMPDIR": str(folder)})
     head = Head(f"127.0.0.1:{port}", folder, proc)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + within(120)
         while "block forever" not in (folder / "head.log").read_text():
             assert proc.poll() is None, (folder / "head.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "the Ray head did not start in 120 s"
@@ -116,7 +117,7 @@ def test_simulation_runs_on_an_existing_ray_cluster_which_outlives_it(ray_head, 
     assert drivers and workers, sorted(f.name for f in logs)
     # The cluster is still up, the run's node actors are gone, and the run left no folder.
     assert ray_head.proc.poll() is None
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + within(20)
     while any("ClientAppActor" in " ".join(p.info["cmdline"] or [])
               for p in ray_head.processes()):
         assert time.monotonic() < deadline, "node actors outlived the run"

@@ -10,6 +10,7 @@ import uuid
 
 from fedavg.engines.deployment.processes import free_port
 from helpers.cli import tagged_processes
+from helpers.patience import within
 
 
 def cluster_processes(tag: str) -> list[str]:
@@ -76,7 +77,7 @@ class Cluster:
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + within(15)
         while cluster_processes(self.tag) and time.monotonic() < deadline:
             time.sleep(0.5)
         left = cluster_processes(self.tag)
