@@ -413,9 +413,13 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
                 raise UserError(f"split {name!r} lacks column(s) {missing}")
             continue
         like = None if name == train_name else splits["train"].x.shape[1:]
-        x = tokenized(tokenizer, ds[image[0]], source) if tokenizer else \
-            input_array(ds, image, source if like is None else f"{source}'s {name} split",
-                        like, notes)
+        if tokenizer:
+            texts = ds[image[0]]
+            notes.extend(empty_texts_note(texts, image[0], name))
+            x = tokenized(tokenizer, texts, source)
+        else:
+            x = input_array(ds, image, source if like is None else f"{source}'s {name} split",
+                            like, notes)
         feature = features[label]
         y = label_array(ds[label], mapping, classes, label, name,
                         names=getattr(feature, "names", None) if name != train_name else None)
@@ -438,3 +442,16 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
     else:
         cols = {"features": image, "label": label}
     return LoadedData(splits, classes, source, cols, notes=notes, tokenizer=tokenizer)
+
+
+def empty_texts_note(texts: list, column: str, split: str) -> list[str]:
+    """Say how many of a split's texts are empty (missing or blank); ``[]`` when none are.
+
+    An empty text trains as a blank input with its label: mostly a data mistake.
+    """
+    empty = sum(1 for t in texts if t is None or not str(t).strip())
+    if not empty:
+        return []
+    return [f"{empty} of {len(texts)} texts ({empty / len(texts):.0%}) in column {column!r} of "
+            f"the {split} split are empty: they train and test as blank inputs; drop those "
+            "rows if they are missing data"]

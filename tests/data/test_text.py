@@ -510,3 +510,17 @@ def test_a_txt_file_with_a_byte_order_mark_reads_its_first_text_as_written(tmp_p
     path.write_bytes("oil price up\n\nteam wins\n".encode("utf-8-sig"))
     assert text_inputs([str(path)], literal=False) == [("text", "oil price up"),
                                                        ("text", "team wins")]
+
+
+def test_empty_texts_are_noted_with_their_share(tmp_path):
+    from fedavg.data.load import load
+
+    rows = ["text,label"] + [("" if i % 5 == 0 else f"words of text {i}") + f",{'ab'[i % 2]}"
+                             for i in range(50)]
+    (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")
+    data = load(str(tmp_path / "train.csv"))
+    said = [n for n in data.notes if "texts (20%) in column 'text'" in n]
+    assert said and said[0].startswith("10 of 50 texts"), data.notes
+    full = tmp_path / "full.csv"
+    full.write_text("\n".join(r for r in rows if not r.startswith(",")) + "\n")
+    assert not any("are empty" in n for n in load(str(full)).notes)
