@@ -250,7 +250,7 @@ class Heartbeat:
         self._thread.start()
 
     def phase(self, name: str) -> None:
-        """A new phase begins (the next round): its clock starts now."""
+        """Begin a new phase (the next round): its clock starts now."""
         import time
 
         self._phase, self._since = name, time.monotonic()
