@@ -42,3 +42,32 @@ def unused_setting_notes(data_config) -> list[str]:
                          f"--partitioner {data_config.partitioner} (it is for --partitioner "
                          f"{' or '.join(users)})")
     return notes
+
+
+#: Model and node settings that only act with another: ``(applies(train), what it needs)``.
+NEEDS = {
+    "lora_alpha": (lambda t: t.lora_rank > 0, "--lora-rank R (LoRA adapters)"),
+    "lora_dropout": (lambda t: t.lora_rank > 0, "--lora-rank R (LoRA adapters)"),
+    "lora_targets": (lambda t: t.lora_rank > 0, "--lora-rank R (LoRA adapters)"),
+    "lora_merge": (lambda t: t.lora_rank > 0, "--lora-rank R (LoRA adapters)"),
+    "momentum": (lambda t: t.optimizer == "sgd", "--optimizer sgd"),
+}
+
+
+def unused_train_notes(train_config) -> list[str]:
+    """Say which model and node settings, given, do nothing with the run's other settings.
+
+    ``train_config`` is a :class:`fedavg.config.settings.TrainConfig`; a setting counts as
+    given when it differs from its default (``None``: not given, for those a strategy may
+    default). One rule (:data:`NEEDS`), noted once per run, not refused: a sweep may vary
+    it over points where it acts and points where it does not.
+    """
+    default = type(train_config)()
+    notes = []
+    for setting, (applies, needs) in NEEDS.items():
+        value = getattr(train_config, setting)
+        if value is not None and value != getattr(default, setting) and \
+                not applies(train_config):
+            notes.append(f"--{setting.replace('_', '-')} {value} does nothing without "
+                         f"{needs}")
+    return notes

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from fedavg.config.setting_use import unused_setting_notes
+from fedavg.config.setting_use import unused_setting_notes, unused_train_notes
 from fedavg.config.settings import RunConfig
 from fedavg.data.load import LoadedData, Split, load
 from fedavg.data.overlap import overlap_note
@@ -218,7 +218,7 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
     if d.tokenizer != "hashed" and data.kind != "text":
         data.notes.append(f"--tokenizer {d.tokenizer} does nothing for {data.kind} inputs "
                           "(it tokenizes text only)")
-    data.notes.extend(unused_setting_notes(d))
+    data.notes.extend(unused_setting_notes(d) + unused_train_notes(config.train))
     if features := data.columns.get("features"):  # chosen, not named: say which
         data.notes.append(f"tabular: label column {data.columns['label']!r}, {len(features)} "
                           f"feature column(s): {', '.join(features[:8])}"

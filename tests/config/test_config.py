@@ -158,3 +158,17 @@ def test_every_declared_node_default_is_a_node_setting_it_accepts():
             f = declared[key]  # a node training setting
             assert "fallback" in f.metadata, f"{name}: --{key} is not a node_setting"
             assert f.metadata["rule"].problem(key, value) is None, (name, key, value)
+
+
+def test_settings_that_act_only_with_another_are_noted_once():
+    from fedavg.config.setting_use import unused_train_notes
+
+    plain = RunConfig().replace(lora_alpha=32.0, lora_merge="average", optimizer="adam",
+                                momentum=0.5)
+    notes = unused_train_notes(plain.train)
+    assert notes == ["--lora-alpha 32.0 does nothing without --lora-rank R (LoRA adapters)",
+                     "--lora-merge average does nothing without --lora-rank R (LoRA adapters)",
+                     "--momentum 0.5 does nothing without --optimizer sgd"]
+    used = RunConfig().replace(lora_rank=8, lora_alpha=32.0, momentum=0.5)
+    assert unused_train_notes(used.train) == []
+    assert unused_train_notes(RunConfig().replace(optimizer="adam").train) == []
