@@ -168,7 +168,7 @@ class LoraModel(nn.Module):
         self._travelling = self.travelling()
         self._pretrained = {k: t.detach().clone() for k, t in super().state_dict().items()
                             if k in self.downlink_only()}  # W as built: a node's round 0
-        self.fedavg_notes = [self.describe()]
+        self.fedavg_notes = [*getattr(net, "fedavg_notes", []), self.describe()]
 
     def describe(self) -> str:
         """Say what is adapted, trained and sent, in one line (shown with the run's plan)."""

@@ -74,6 +74,21 @@ def test_efficientnet_weights_are_renamed_to_timm_and_load_completely():
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
 
 
+def test_efficientnet_upscales_small_images_and_starts_its_head_small():
+    small = pretrained.efficientnet_lite0((3, 32, 32), 10, weights="random")
+    assert small.size == (96, 96) and "32x32 images upscaled to 96x96" in small.fedavg_notes[-1]
+    head = small.net.classifier.weight
+    assert 0.005 < float(head.std()) < 0.015 and not small.net.classifier.bias.any()
+    logits = small(torch.randn(4, 3, 32, 32))
+    assert logits.shape == (4, 10) and float(logits.abs().max()) < 2  # a first loss near ln 10
+    large = pretrained.efficientnet_lite0((3, 128, 128), 10, weights="random")
+    assert large.size is None  # large enough as it is
+    assert pretrained.efficientnet_lite0((1, 28, 28), 10, weights="random",
+                                         image_size=64).size == (64, 64)
+    with pytest.raises(UserError, match="image_size must be >= 32"):
+        pretrained.efficientnet_lite0((3, 32, 32), 10, image_size=8)
+
+
 def test_timm_names_refuse_a_layer_neither_scheme_knows():
     with pytest.raises(KeyError):
         pretrained.timm_names({"_mystery.weight": torch.zeros(1)}, [1])
