@@ -64,6 +64,9 @@ def check_train(c: RunConfig) -> str | None:
             what = "not a file" if path.exists() else "no such file"
             return (f"--pretrained {t.pretrained}: {what}; give default (torchvision's "
                     "weights) or a local .safetensors or state-dict file")
+    if t.lora_targets is not None and not any(n.strip() for n in t.lora_targets.split(",")):
+        return ("--lora-targets needs module names, comma-separated (e.g. query,value); "
+                "leave it out for the architecture's default")
     return t.problem() or first_problem(t)  # node options, then the model's (--lora-*)
 
 

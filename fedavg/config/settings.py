@@ -12,12 +12,14 @@ What the coordinator sends a node each round is :class:`fedavg.node.wire.TrainSe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import typing
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from fedavg.config.checks import CHECKS, check_strategy
@@ -304,6 +306,11 @@ class ModelChoice:
         old = str(self.pretrained).lower()  # the flag of older configs and scripts
         if old in ("true", "false"):
             object.__setattr__(self, "pretrained", "default" if old == "true" else None)
+        elif self.pretrained not in (None, "default") and str(self.pretrained).strip():
+            # a weights file, absolute: a resumed run or a sweep point elsewhere finds it
+            with contextlib.suppress(OSError, ValueError):  # checked with the others
+                object.__setattr__(self, "pretrained",
+                                   str(Path(self.pretrained).expanduser().absolute()))
 
     def lora(self) -> dict[str, Any] | None:
         """Return the LoRA settings of the model spec (``None``: ``--lora-rank 0``)."""

@@ -172,3 +172,13 @@ def test_settings_that_act_only_with_another_are_noted_once():
     used = RunConfig().replace(lora_rank=8, lora_alpha=32.0, momentum=0.5)
     assert unused_train_notes(used.train) == []
     assert unused_train_notes(RunConfig().replace(optimizer="adam").train) == []
+
+
+def test_a_weights_file_is_kept_absolute_and_empty_lora_targets_are_refused(tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = RunConfig().replace(model="torchvision:resnet18", pretrained="w.safetensors")
+    assert config.train.pretrained == str(tmp_path / "w.safetensors")  # resumable elsewhere
+    assert RunConfig().replace(pretrained="default").train.pretrained == "default"
+    with pytest.raises(UserError, match="--lora-targets needs module names"):
+        RunConfig().replace(model="minilm", lora_rank=4, lora_targets=" , ").validate()

@@ -213,7 +213,7 @@ def test_a_pretrained_file_of_other_things_is_one_line(tmp_path):
     assert "weights_only=False" not in str(exc.value)  # no advice to unpickle it
     with pytest.raises(UserError, match="--pretrained .*: not a file"):
         RunConfig().replace(model="torchvision:resnet18", pretrained=str(tmp_path)).validate()
-    with pytest.raises(UserError, match="--pretrained nope.pth: no such file"):
+    with pytest.raises(UserError, match=r"--pretrained /\S*/nope.pth: no such file"):
         RunConfig().replace(model="torchvision:resnet18", pretrained="nope.pth").validate()
     other, _ = _resnet_file(tmp_path, ".safetensors")
     spec = ModelSpec.resolve("torchvision:mobilenet_v3_small", (3, 32, 32), 10,
