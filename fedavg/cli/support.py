@@ -78,6 +78,9 @@ def guard(interrupted: str = "interrupted", failed: str = "run failed"):
         except Exception as exc:  # a full or read-only disk: a failed run, not a bug
             if too_long := name_too_long(exc):
                 raise UserError(too_long) from None
+            if isinstance(exc, RuntimeError) and "home directory" in str(exc):  # expanduser
+                raise UserError("a path starts with ~NAME for a user this machine does not "
+                                "know: give the folder itself") from None
             if isinstance(exc, ValueError) and "null byte" in str(exc):  # os and pathlib say so
                 raise UserError("a path holds a NUL character (\\x00): give a path without "
                                 "one") from None

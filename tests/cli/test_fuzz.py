@@ -41,6 +41,7 @@ META = {"model": {"name": "mlp", "input_shape": [1, 8, 8], "num_classes": 10, "a
 
 LONG = "x" * 300
 ODD_TEXT = ["", " ", LONG, "ü✓ data", "a\nb", "-", "--", "0", "-1", "nan", "inf", "1e999",
+            "~nobody-here/x", "\x00",
             "None", "../..", "digits", "auto", "cpu", "fedavg", "mlp", "hashed", "x=1", "{}"]
 #: Files and folders made in the case folder (see ``place``); given as relative paths.
 PLACES = ["empty.csv", "header.csv", "one.csv", "junk.parquet", "junk.safetensors", "folder",
