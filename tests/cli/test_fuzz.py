@@ -42,11 +42,13 @@ META = {"model": {"name": "mlp", "input_shape": [1, 8, 8], "num_classes": 10, "a
 LONG = "x" * 300
 ODD_TEXT = ["", " ", LONG, "ü✓ data", "a\nb", "-", "--", "0", "-1", "nan", "inf", "1e999",
             "~nobody-here/x", "\x00",
-            "None", "../..", "digits", "auto", "cpu", "fedavg", "mlp", "hashed", "x=1", "{}"]
+            "None", "folder/../..x", "digits", "auto", "cpu", "fedavg", "mlp", "hashed", "x=1",
+            "{}"]
 #: Files and folders made in the case folder (see ``place``); given as relative paths.
+#: Every place is in the case folder (or a device): a command given a folder writes there.
 PLACES = ["empty.csv", "header.csv", "one.csv", "junk.parquet", "junk.safetensors", "folder",
-          "model", "damaged-model", "image.png", "sweep.toml", "missing", "/dev/null", "/",
-          "."]
+          "model", "damaged-model", "image.png", "sweep.toml", "missing", "/dev/null", ".",
+          "folder/..", "~", "~/x"]
 #: A valid value of each argument, drawn half the time so that cases get past it.
 VALID = {"model_dir": "model", "models": "model", "run": "model", "inputs": "image.png",
          "config": "sweep.toml", "runs_dir": "folder"}
@@ -115,11 +117,14 @@ def command_lines(command: str):
 def case_folder(tmp_path_factory):
     """Run in a fresh folder holding the odd files; undo what the commands set."""
     folder = tmp_path_factory.mktemp("fuzz")
-    saved = ({s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)},
+    saved = ({s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)},
              dict(os.environ), logging.getLogger("flwr").level, os.getcwd())
+    outside = {p: sorted(os.listdir(p)) for p in ("/", folder.parent)}
     os.chdir(folder)
+    os.environ["HOME"] = str(folder)  # `~` is the case folder too
     place(folder)
     yield folder
+    assert {p: sorted(os.listdir(p)) for p in outside} == outside, "wrote outside its folder"
     handlers, env, level, cwd = saved
     os.chdir(cwd)
     for sig, handler in handlers.items():
