@@ -30,7 +30,7 @@ from fedavg.data.sources import (  # noqa: F401  (digits_arrays re-exported)
     looks_like_path,
     open_source,
 )
-from fedavg.data.text import make_tokenizer, same_tokenization, tokenized
+from fedavg.data.text import make_tokenizer, read_texts, same_tokenization, tokenized
 from fedavg.util.errors import UserError
 
 __all__ = [
@@ -414,7 +414,7 @@ def _from_hf(dsdict, source, image_column, label_column, partition_by, text,
             continue
         like = None if name == train_name else splits["train"].x.shape[1:]
         if tokenizer:
-            texts = ds[image[0]]
+            texts = read_texts(lambda: ds[image[0]], source)
             notes.extend(empty_texts_note(texts, image[0], name))
             x = tokenized(tokenizer, texts, source)
         else:

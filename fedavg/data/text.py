@@ -389,8 +389,26 @@ def tokenized(tokenizer, texts, source: str) -> np.ndarray:
     try:
         return tokenizer.encode(texts)
     except UnicodeDecodeError as exc:
-        raise UserError(f"{source} holds text that is not UTF-8 ({exc.reason} at byte "
-                        f"{exc.start}): save it as UTF-8") from None
+        raise _not_utf8(exc, source) from None
+
+
+def read_texts(read, source: str) -> list:
+    """Return ``read()``, a text column; text that is not UTF-8 is one line naming the data.
+
+    Raises
+    ------
+    UserError
+        The column holds bytes that are not UTF-8.
+    """
+    try:
+        return list(read())  # a lazy column decodes as it is read
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(exc, source) from None
+
+
+def _not_utf8(exc: UnicodeDecodeError, source: str) -> UserError:
+    return UserError(f"{source} holds text that is not UTF-8 ({exc.reason} at byte "
+                     f"{exc.start}): save it as UTF-8")
 
 
 def model_tokenizer(meta: dict[str, Any], directory: str | Path) -> Tokenizer | str:

@@ -1439,8 +1439,9 @@ def test_an_empty_predict_input_is_refused_not_read_as_the_current_folder(model_
     (["simulate", "--dataset", "{ag_news}", "--tokenizer", "/dev/null"],
      "--tokenizer /dev/null: not a file or folder"),
     (["simulate", "--model", "torchvision:mobilenet_v2", "--model-arg", "dropout=abc"],
-     "--model-arg dropout=abc: torchvision:mobilenet_v2 takes a number for dropout"),
-    (["simulate", "--model", "mlp", "--model-arg", "hidden=abc"], "takes a number for hidden"),
+     "--model-arg dropout='abc' must be a number (torchvision:mobilenet_v2's default is 0.2)"),
+    (["simulate", "--model", "mlp", "--model-arg", "hidden=abc"],
+     "--model-arg hidden='abc' must be a whole number"),
     (["predict", "{model}", "/dev/null"], "/dev/null is not a file or folder"),
 ], ids=["tokenizer-device", "torchvision-arg-type", "builtin-arg-type", "predict-device"])
 def test_odd_values_are_said_in_the_products_words(invoke, model_dir, args, words):

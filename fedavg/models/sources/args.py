@@ -133,8 +133,9 @@ class Takes:
                           if k in DATA_ARGS and (self.any or k in self.names)}}
         for name, default in self.numeric:
             if name in user and not _is_number(user[name]):
-                raise UserError(f"--model-arg {name}={user[name]}: {what} takes "
-                                f"a number for {name} (its default is {default})")
+                whole = "whole " if isinstance(default, int) else ""
+                raise UserError(f"--model-arg {name}={user[name]!r} must be a {whole}number "
+                                f"({what}'s default is {default})")
         missing = [k for k in self.required if k not in out]
         if missing:
             raise UserError(f"{what} needs argument {missing[0]!r}: pass --model-arg "
