@@ -59,7 +59,10 @@ def check_train(c: RunConfig) -> str | None:
     if t.pretrained not in (None, "default"):
         from pathlib import Path  # lazy: this module stays light
 
-        path = Path(t.pretrained).expanduser()
+        try:
+            path = Path(t.pretrained).expanduser()
+        except RuntimeError:  # ~NAME of an unknown user
+            return f"--pretrained {t.pretrained}: no such user's folder; give the file's path"
         if not path.is_file():
             what = "not a file" if path.exists() else "no such file"
             return (f"--pretrained {t.pretrained}: {what}; give default (torchvision's "

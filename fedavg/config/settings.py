@@ -308,7 +308,7 @@ class ModelChoice:
             object.__setattr__(self, "pretrained", "default" if old == "true" else None)
         elif self.pretrained not in (None, "default") and str(self.pretrained).strip():
             # a weights file, absolute: a resumed run or a sweep point elsewhere finds it
-            with contextlib.suppress(OSError, ValueError):  # checked with the others
+            with contextlib.suppress(OSError, ValueError, RuntimeError):  # checked later
                 object.__setattr__(self, "pretrained",
                                    str(Path(self.pretrained).expanduser().absolute()))
 
