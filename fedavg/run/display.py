@@ -7,7 +7,11 @@ one engine reads like the other's. Nothing here touches Flower or Ray.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import re
+import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -223,6 +227,15 @@ def predictions_table(rows: list[dict[str, Any]], shown: int = 50):
 HEARTBEAT_S = 30.0
 
 
+def heartbeat_seconds() -> float:
+    """Return ``FEDAVG_HEARTBEAT_S`` when it is a number > 0, else :data:`HEARTBEAT_S`."""
+    try:
+        seconds = float(os.environ.get("FEDAVG_HEARTBEAT_S", HEARTBEAT_S))
+    except ValueError:
+        return HEARTBEAT_S
+    return seconds if 0 < seconds < math.inf else HEARTBEAT_S
+
+
 class Heartbeat:
     """Without a terminal, a line at least every :data:`HEARTBEAT_S` seconds of a long phase.
 
@@ -232,27 +245,20 @@ class Heartbeat:
     """
 
     def __init__(self, console, phase: str) -> None:
-        import os
-        import threading
-
         self.console = console
-        self.every = float(os.environ.get("FEDAVG_HEARTBEAT_S", HEARTBEAT_S))
-        self._phase, self._since = phase, None
+        self.every = heartbeat_seconds()
+        self._phase, self._since = phase, time.monotonic()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fedavg-heartbeat",
                                         daemon=True)
 
     def start(self) -> None:
         """Start the phase's clock and the thread."""
-        import time
-
         self._since = time.monotonic()
         self._thread.start()
 
     def phase(self, name: str) -> None:
         """Begin a new phase (the next round): its clock starts now."""
-        import time
-
         self._phase, self._since = name, time.monotonic()
 
     def stop(self) -> None:
@@ -262,8 +268,6 @@ class Heartbeat:
             self._thread.join(timeout=1.0)
 
     def _run(self) -> None:
-        import time
-
         while not self._done.wait(self.every):
             self.console.print(f"... still {self._phase} "
                                f"({time.monotonic() - self._since:.0f} s)", highlight=False)
