@@ -29,7 +29,7 @@ from typing import Any, Iterable
 import torch
 
 import strategies
-from fedavg.config.settings import RunConfig, resumable_settings
+from fedavg.config.settings import RunConfig, node_settings_filled, resumable_settings
 from fedavg.config.values import format_value
 from fedavg.data.text import TOKENIZER_FILE
 from fedavg.models.sources import absolute_name, names_same_code
@@ -293,9 +293,13 @@ def write_metrics(path: Path, rounds: list[dict[str, Any]]) -> None:
 
 
 def _option_defaults(flat: dict[str, Any]) -> dict[str, Any]:
-    """Return ``flat`` with the strategy's options not given at their defaults."""
+    """Return ``flat`` with the strategy's options and node settings not given at the values
+    the run takes for them (the strategy's defaults, else the settings' own)."""
     defaults = strategies.option_defaults(flat.get("strategy"))
-    return {**{k.replace("_", "-"): v for k, v in defaults.items()}, **flat}
+    given = {k.replace("-", "_"): v for k, v in flat.items()}
+    filled = node_settings_filled(given, flat.get("strategy"))
+    return {**{k.replace("_", "-"): v for k, v in defaults.items()}, **flat,
+            **{k.replace("_", "-"): v for k, v in filled.items()}}
 
 
 def resumed_config(ckpt: Checkpoint, config: RunConfig | None, where: str,
