@@ -8,7 +8,8 @@ Other installed packages add strategies through the ``fedavg.strategies`` entry-
 (see :func:`strategies.base.load_plugins`).
 """
 
-from strategies import ensemble as _ensemble  # noqa: F401  (importing a module registers it)
+from strategies import dare as _dare  # noqa: F401  (importing a module registers it)
+from strategies import ensemble as _ensemble  # noqa: F401
 from strategies import fedavg as _fedavg  # noqa: F401
 from strategies import feddyn as _feddyn  # noqa: F401
 from strategies import fednova as _fednova  # noqa: F401
@@ -17,6 +18,8 @@ from strategies import moon as _moon  # noqa: F401
 from strategies import robust as _robust  # noqa: F401
 from strategies import scaffold as _scaffold  # noqa: F401
 from strategies import soup as _soup  # noqa: F401
+from strategies import task_arithmetic as _task_arithmetic  # noqa: F401
+from strategies import ties as _ties  # noqa: F401
 from strategies.base import (
     MergeContext,
     Merged,

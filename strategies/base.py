@@ -163,6 +163,9 @@ class Strategy:
     trains_nodes: bool = False
     """True when the method changes how nodes train (a ``node_rule``, FedProx's proximal
     term): it has no meaning for a merge of saved models (``fedavg merge``)."""
+    needs_start: bool = False
+    """True when the merge works on task vectors, each model minus the model every node
+    started from (``begin``'s ``reference``): ``fedavg merge`` then needs that start model."""
     steps_from_start: bool = False
     """True when the merge steps away from the round's starting model (server optimisers):
     saved models have no such model, so it has no meaning for ``fedavg merge`` either."""

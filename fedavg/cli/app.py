@@ -102,6 +102,9 @@ def merge(
         help="Held-out dataset for greedy-soup, fitted weights, distill")] = None,
     distill_data: Annotated[Optional[str], typer.Option(
         help="Dataset for distill (its labels are dropped)")] = None,
+    start: Annotated[Optional[Path], path_option(
+        "--start", help="Model folder the merged models started from, for task-arithmetic, "
+        "ties, dare, dare-ties (default: the run's start/ beside its nodes/)")] = None,
     seed: Annotated[int, typer.Option(help="Seed of any random choice")] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
     overwrite: Annotated[bool, typer.Option(
@@ -127,7 +130,7 @@ def merge(
         output = default_output("merged-") if chosen else output
         try:
             res = merge_models(paths, output, config, dataset=dataset, overwrite=overwrite,
-                               model=model)
+                               model=model, start=start)
         except BaseException:
             if chosen:
                 remove_if_empty(output)

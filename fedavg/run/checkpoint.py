@@ -22,6 +22,9 @@ from fedavg.util.errors import UserError
 
 WEIGHTS = "model.safetensors"
 META = "model.json"
+#: With ``--save-node-models``: the folder beside ``nodes/`` holding the model the last
+#: round's nodes started from.
+START = "start"
 FORMAT = "fedavg-model/1"
 
 

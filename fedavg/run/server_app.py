@@ -192,6 +192,7 @@ class ServerRun:
         self.stale_summary = False
         self.stale_metrics = False  # metrics.jsonl to rewrite from the checkpoint's rounds
         self.saved_nodes: dict[str, int] = {}  # node model folder -> the node saved there
+        self.saved_start = False  # the last round's start, saved beside its node models
         self.stale_nodes = resume_from is not None  # a resumed run's earlier last round saved
 
     def __call__(self, grid: Grid) -> None:
@@ -302,7 +303,11 @@ class ServerRun:
         self.report_failure(self.adapter.current_round, node, "node disconnected during the round")
 
     def save_node_model(self, server_round: int, state_dict: dict, info: dict) -> None:
-        """With ``--save-node-models``: keep each node's model of the last round."""
+        """With ``--save-node-models``: keep each node's model of the last round.
+
+        The model they all started from goes to ``start/`` beside ``nodes/``, for the
+        task-vector merges of ``fedavg merge`` (TIES, DARE, task arithmetic).
+        """
         if not self.config.merge.save_node_models or server_round != self.config.merge.rounds:
             return
         pid = info["partition_id"]
@@ -314,6 +319,10 @@ class ServerRun:
             name = f"{name}-{info['node_id']}"
         checkpoint.save(self.output / "nodes" / name, state_dict,
                         {**self.prepared.meta, "rounds": server_round, "node": info})
+        if not self.saved_start:  # what the nodes started from: task-vector merges need it
+            checkpoint.save(self.output / checkpoint.START, self.adapter.reference,
+                            {**self.prepared.meta, "rounds": server_round - 1})
+            self.saved_start = True
 
     def drop_stale_node_models(self, last_round: int) -> None:
         """Remove the node models a resumed run saved at its earlier last round.

@@ -93,6 +93,7 @@ def merge_models(
     dataset: str | None = None,
     overwrite: bool = False,
     model: str | None = None,
+    start: str | Path | None = None,
 ) -> dict[str, Any]:
     """Merge saved single models (e.g. a run's ``nodes/*``) into one artifact in ``output``.
 
@@ -112,6 +113,10 @@ def merge_models(
     model : str, optional
         For models built by your code: that code (``file.py:function``, the file where it
         is now, or ``module:function``); saved models never make fedavg import code.
+    start : path, optional
+        For the task-vector strategies (``task-arithmetic``, ``ties``, ``dare``,
+        ``dare-ties``): the model folder every merged model started from. Default: the
+        ``start/`` folder a ``--save-node-models`` run keeps beside its ``nodes/``.
 
     Returns
     -------
@@ -125,7 +130,8 @@ def merge_models(
         Missing, damaged, repeated (the same weights twice) or unlike models (architecture,
         classes, input statistics, node models mixed with others); a strategy that lacks or
         does not use the data given, trains nodes or steps from a round's start (server
-        optimisers); a NaN/Inf merge; a
+        optimisers); a task-vector strategy without a start model, or a start given to
+        another strategy or unlike the models; a NaN/Inf merge; a
         bad ``dataset`` (checked first); an output folder that holds a run (without
         ``overwrite``), is an input or cannot be written; code ``model`` does not name.
     TypeError
@@ -135,14 +141,18 @@ def merge_models(
     t0 = time.monotonic()
     dirs, config, strategy = _one_merge(config, models)
     out = _check_output(output, dirs, overwrite)
+    start_dir = _start_folder(strategy, dirs, start)
     loaded = [checkpoint.load(d) for d in dirs]
     first = _check_alike(dirs, [meta for _, meta in loaded])
     name = saved_model_name(str(first["model"]["name"]), model, str(dirs[0]))
+    start_model = _start_model(start_dir, dirs[0], first, loaded)
     held = _test_data(first, dirs[0], dataset)  # a wrong --dataset: nothing merged or written
     validation, distill_x = _merge_data(config, strategy, first, dirs[0])
-    merged = _merge(strategy, config, dirs, loaded, first, validation, distill_x, name)
+    merged = _merge(strategy, config, dirs, loaded, first, validation, distill_x, name,
+                    start_model)
     meta = {**{k: v for k, v in first.items() if k not in _NOT_INHERITED},
-            "strategy": config.merge.strategy, "merged_from": [str(d) for d in dirs]}
+            "strategy": config.merge.strategy, "merged_from": [str(d) for d in dirs],
+            **({"start": str(start_dir)} if start_dir is not None else {})}
     with _output_folder(out, overwrite):  # made only now: a refused merge leaves none
         checkpoint.save_merged(out, merged, meta)
         result = _result(config.merge.strategy, len(dirs), merged.info,
@@ -366,7 +376,51 @@ def _merge_data(config: RunConfig, strategy, first: dict[str, Any], folder: Path
     return validation, distill_x
 
 
-def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill_x, name):
+def _start_folder(strategy, dirs: list[Path], start: str | Path | None) -> Path | None:
+    """Return the folder of the model the merged models started from, for task vectors.
+
+    Raises
+    ------
+    UserError
+        A task-vector strategy without ``start`` whose models are not all node models of
+        one run that kept its ``start/``; ``start`` given to another strategy.
+    """
+    if not strategy.needs_start:
+        if start is not None:
+            raise UserError(f"{strategy.name} does not use --start (only the task-vector "
+                            "strategies do: task-arithmetic, ties, dare, dare-ties): leave it out")
+        return None
+    if start is not None:
+        return Path(start).expanduser()
+    runs = {d.resolve().parent.parent for d in dirs}
+    if len(runs) == 1 and (found := runs.pop() / checkpoint.START / checkpoint.WEIGHTS).is_file():
+        return found.parent
+    raise UserError(f"{strategy.name} merges task vectors (each model minus the model they all "
+                    "started from): pass --start MODEL_FOLDER, or merge the nodes/ of one run "
+                    "trained with --save-node-models, which keeps its start/")
+
+
+def _start_model(start_dir: Path | None, first_dir: Path, first: dict[str, Any],
+                 loaded: list) -> dict | None:
+    """Load the start model, refusing one unlike the models merged."""
+    if start_dir is None:
+        return None
+    state, meta = checkpoint.load(start_dir)
+    if meta.get("kind") == "ensemble":
+        raise UserError(f"--start {start_dir} is an ensemble; pass the single model the "
+                        "merged models started from")
+    for key in ("model", "classes"):
+        if meta.get(key) != first[key]:
+            raise UserError(f"--start {start_dir} differs from {first_dir} in {key!r}: the "
+                            "start must be the model the merged models were trained from")
+    if problem := checkpoint.fit_problem(state, loaded[0][0]):
+        raise UserError(f"--start {start_dir}/{checkpoint.WEIGHTS} does not fit the merged "
+                        f"models: {problem}")
+    return state
+
+
+def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill_x, name,
+           start_model=None):
     import dataclasses
 
     import torch
@@ -381,7 +435,7 @@ def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill
     _check_fit(dirs, [sd for sd, _ in loaded], model.state_dict(), spec.name)
     try:
         merged = strategy.merge(
-            [sd for sd, _ in loaded], weights, [str(d) for d in dirs],
+            [sd for sd, _ in loaded], weights, [str(d) for d in dirs], reference=start_model,
             buffers=frozenset(name for name, _ in model.named_buffers()),
             context=merge_context(spec, first["input"], config.data.seed, validation,
                                   distill_x, config.train.device),

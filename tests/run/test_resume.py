@@ -386,6 +386,7 @@ def test_a_run_resumed_to_train_longer_keeps_only_its_last_rounds_node_models(tm
         (tmp_path / "nodes" / "mine").mkdir(exist_ok=True)  # not a node model: left alone
         run = ServerRun(config, prepared, tmp_path, RunState(),
                         resume_from=object() if resumed else None)
+        run.adapter = types.SimpleNamespace(reference={"w": torch.full((2,), float(resumed))})
         run.save_node_model(3, {"w": torch.ones(2)}, info)  # not the last round: no file
         assert json.loads((tmp_path / "nodes/node-0/model.json").read_text())["rounds"] == 2
         run.save_node_model(4, {"w": torch.ones(2)}, info)
@@ -395,6 +396,11 @@ def test_a_run_resumed_to_train_longer_keeps_only_its_last_rounds_node_models(tm
             run.drop_stale_node_models(4)
         assert {d.name for d in (tmp_path / "nodes").iterdir()} == left
         assert json.loads((tmp_path / "nodes/node-0/model.json").read_text())["rounds"] == 4
+        from safetensors.torch import load_file
+
+        start = load_file(tmp_path / "start/model.safetensors")  # what round 4 started from
+        meta = json.loads((tmp_path / "start/model.json").read_text())
+        assert torch.equal(start["w"], torch.full((2,), float(resumed))) and meta["rounds"] == 3
 
 
 def test_resume_refuses_a_model_now_built_from_other_files(tmp_path):
@@ -705,6 +711,7 @@ def test_two_nodes_of_one_partition_keep_both_node_models_and_say_so(tmp_path):
     run = ServerRun(RunConfig().replace(rounds=1, save_node_models=True),
                     types.SimpleNamespace(meta={"model": None}), tmp_path, RunState(),
                     progress=progress)
+    run.adapter = types.SimpleNamespace(reference={"w": torch.zeros(2)})
     for node_id, value in ((7, 1.0), (8, 2.0), (7, 3.0)):  # node 7 again: its own folder
         run.save_node_model(1, {"w": torch.full((2,), value)},
                             {"partition_id": 0, "node_id": node_id, "num_examples": 3})
