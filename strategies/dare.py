@@ -48,7 +48,7 @@ def drop_and_rescale(vector: torch.Tensor, p: float, generator: torch.Generator)
 
 
 def mask_seed(seed: int, merge: int, key: str, vector: torch.Tensor) -> int:
-    """A seed for the mask of task vector ``vector`` of parameter ``key`` in merge ``merge``.
+    """Return the seed of task vector ``vector``'s mask (parameter ``key``, merge ``merge``).
 
     The vector's own bytes enter the seed: each node's mask is the same whichever id the
     node has and in whichever order its model arrives, and nodes' masks differ.
@@ -103,11 +103,11 @@ class Dare(TaskVectorMerge):
         return torch.stack(out)
 
     def combine_vectors(self, key, vectors, weights):
-        """The sample-weighted mean of the dropped vectors."""
+        """Return the sample-weighted mean of the dropped vectors."""
         return _weighted_mean(self.dropped(key, vectors), weights)
 
     def info(self) -> dict:
-        """The merge's number, which fixed its masks."""
+        """Return the merge's number, which fixed its masks."""
         return {"dare_merge": self._merges}
 
     def state(self) -> dict[str, Any]:

@@ -78,7 +78,7 @@ class TaskVectorMerge(_Collect):
         raise NotImplementedError
 
     def info(self) -> dict:
-        """Facts about the merge for the run's metadata (default: none)."""
+        """Return facts about the merge for the run's metadata (default: none)."""
         return {}
 
 
@@ -103,5 +103,5 @@ class TaskArithmetic(TaskVectorMerge):
     paper = "Ilharco et al. 2023, Editing Models with Task Arithmetic, arXiv:2212.04089"
 
     def combine_vectors(self, key, vectors, weights):
-        """The sample-weighted mean of the task vectors."""
+        """Return the sample-weighted mean of the task vectors."""
         return _weighted_mean(vectors, weights)

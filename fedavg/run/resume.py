@@ -293,8 +293,10 @@ def write_metrics(path: Path, rounds: list[dict[str, Any]]) -> None:
 
 
 def _option_defaults(flat: dict[str, Any]) -> dict[str, Any]:
-    """Return ``flat`` with the strategy's options and node settings not given at the values
-    the run takes for them (the strategy's defaults, else the settings' own)."""
+    """Return ``flat`` with unset strategy options and node settings at the run's values.
+
+    Those are the strategy's defaults, else the settings' own.
+    """
     defaults = strategies.option_defaults(flat.get("strategy"))
     given = {k.replace("-", "_"): v for k, v in flat.items()}
     filled = node_settings_filled(given, flat.get("strategy"))
