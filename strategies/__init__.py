@@ -14,6 +14,7 @@ from strategies import fedavg as _fedavg  # noqa: F401
 from strategies import feddyn as _feddyn  # noqa: F401
 from strategies import fednova as _fednova  # noqa: F401
 from strategies import fedopt as _fedopt  # noqa: F401
+from strategies import fisher as _fisher  # noqa: F401
 from strategies import moon as _moon  # noqa: F401
 from strategies import robust as _robust  # noqa: F401
 from strategies import scaffold as _scaffold  # noqa: F401

@@ -170,10 +170,15 @@ class Strategy:
     """True when the merge steps away from the round's starting model (server optimisers):
     saved models have no such model, so it has no meaning for ``fedavg merge`` either."""
 
+    saved_extras: tuple[str, ...] = ()
+    """The reply records the merge needs beside each model (Fisher's ``fisher``):
+    ``--save-node-models`` keeps each as ``<name>.safetensors`` in the node's model folder,
+    and ``fedavg merge`` hands them back to :meth:`add_reply`."""
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if cls.node_rule is not None:
-            cls.trains_nodes = True
+        if cls.node_rule is not None and "trains_nodes" not in cls.__dict__:
+            cls.trains_nodes = True  # unless the class says its node rule only measures
 
     @classmethod
     def merges_saved_models(cls) -> bool:

@@ -119,6 +119,43 @@ def save(directory: str | Path, state_dict: Mapping[str, torch.Tensor],
     return directory
 
 
+def save_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor]) -> Path:
+    """Write ``tensors`` to the safetensors file ``path`` atomically (a model's extra record).
+
+    Returns
+    -------
+    pathlib.Path
+        ``path``.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    stored = storable(tensors)
+    atomic_write(path, lambda tmp: save_file(stored, tmp, metadata={"format": FORMAT}))
+    return path
+
+
+def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a safetensors file of tensors saved by :func:`save_tensors`; nothing unpickled.
+
+    Raises
+    ------
+    UserError
+        The file is missing or not a readable safetensors file, naming it.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path} is missing")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UserError(f"{path} is damaged ({str(exc).splitlines()[0] if str(exc) else exc})"
+                        ) from None
+
+
 MEMBER_PREFIX = "member."
 
 

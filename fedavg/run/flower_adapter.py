@@ -238,7 +238,9 @@ class FlowerAdapter(FlowerFedAvg):
     context : strategies.MergeContext, optional
         Data and model access for data-driven merges.
     on_node_model : callable, optional
-        ``(round, state_dict, info)`` for each usable node model, before it is dropped.
+        ``(round, state_dict, info, extras)`` for each usable node model, before it is
+        dropped; ``extras`` are the reply records the strategy merges with
+        (``Strategy.saved_extras``).
     before_round : callable, optional
         Called with the round number before its nodes are sampled (e.g. wait for nodes).
     min_replies : int
@@ -268,7 +270,7 @@ class FlowerAdapter(FlowerFedAvg):
                  on_failure: Callable[[int, int, str], None], *,
                  buffers: frozenset[str] = frozenset(),
                  context: strategies.MergeContext | None = None,
-                 on_node_model: Callable[[int, dict, dict], None] | None = None,
+                 on_node_model: Callable[[int, dict, dict, dict], None] | None = None,
                  before_round: Callable[[int], None] | None = None,
                  min_replies: int = 1,
                  max_update_norm: float | None = None,
@@ -361,7 +363,8 @@ class FlowerAdapter(FlowerFedAvg):
                     "partition_id": int(metrics.get(keys.PARTITION_ID, -1)),
                     "train_loss": float(metrics.get(keys.TRAIN_LOSS, float("nan"))),
                     **({"state_round": int(metrics[keys.STATE_ROUND])}
-                       if keys.STATE_ROUND in metrics else {})})
+                       if keys.STATE_ROUND in metrics else {})},
+                    {k: extras[k] for k in self.merge.saved_extras if k in extras})
             del state
         except (RunError, strategies.MergeError, ValueError, TypeError) as exc:
             if self.lora_transport is not None:

@@ -302,11 +302,14 @@ class ServerRun:
     def _lost(self, node: int) -> None:
         self.report_failure(self.adapter.current_round, node, "node disconnected during the round")
 
-    def save_node_model(self, server_round: int, state_dict: dict, info: dict) -> None:
+    def save_node_model(self, server_round: int, state_dict: dict, info: dict,
+                        extras: dict | None = None) -> None:
         """With ``--save-node-models``: keep each node's model of the last round.
 
         The model they all started from goes to ``start/`` beside ``nodes/``, for the
-        task-vector merges of ``fedavg merge`` (TIES, DARE, task arithmetic).
+        task-vector merges of ``fedavg merge`` (TIES, DARE, task arithmetic). ``extras``:
+        the reply records the strategy merges with (Fisher's estimate), kept beside the
+        model as ``<name>.safetensors``.
         """
         if not self.config.merge.save_node_models or server_round != self.config.merge.rounds:
             return
@@ -319,6 +322,9 @@ class ServerRun:
             name = f"{name}-{info['node_id']}"
         checkpoint.save(self.output / "nodes" / name, state_dict,
                         {**self.prepared.meta, "rounds": server_round, "node": info})
+        for record, tensors in (extras or {}).items():
+            checkpoint.save_tensors(self.output / "nodes" / name / f"{record}.safetensors",
+                                    tensors)
         if not self.saved_start:  # what the nodes started from: task-vector merges need it
             checkpoint.save(self.output / checkpoint.START, self.adapter.reference,
                             {**self.prepared.meta, "rounds": server_round - 1})

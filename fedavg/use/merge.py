@@ -433,13 +433,15 @@ def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill
     except UserError as exc:
         raise UserError(f"{dirs[0]}/{checkpoint.META}: {exc}") from None
     _check_fit(dirs, [sd for sd, _ in loaded], model.state_dict(), spec.name)
+    extras = [_saved_extras(strategy, d) for d in dirs]
+    buffers = frozenset(name for name, _ in model.named_buffers())
+    context = merge_context(spec, first["input"], config.data.seed, validation, distill_x,
+                            config.train.device)
     try:
-        merged = strategy.merge(
-            [sd for sd, _ in loaded], weights, [str(d) for d in dirs], reference=start_model,
-            buffers=frozenset(name for name, _ in model.named_buffers()),
-            context=merge_context(spec, first["input"], config.data.seed, validation,
-                                  distill_x, config.train.device),
-        )
+        strategy.begin(loaded[0][0] if start_model is None else start_model, buffers, context)
+        for (sd, _), w, d, arrays in zip(loaded, weights, dirs, extras):
+            strategy.add_reply(sd, w, str(d), arrays=arrays)
+        merged = strategy.result()
     except strategies.MergeError as exc:
         raise UserError(str(exc)) from None
     for i, state in enumerate([merged.state_dict, *(merged.members or [])]):
@@ -447,6 +449,25 @@ def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill
             raise UserError(f"the {strategy.name} merge holds NaN or infinite values "
                             f"{f'(member {i - 1}) ' if i else ''}in {bad}; nothing was written")
     return merged
+
+
+def _saved_extras(strategy, folder: Path) -> dict[str, dict]:
+    """Return the reply records ``strategy`` merges with, read from a model's folder.
+
+    Raises
+    ------
+    UserError
+        A record's ``<name>.safetensors`` is missing or damaged.
+    """
+    out = {}
+    for record in strategy.saved_extras:
+        path = folder / f"{record}.safetensors"
+        if not path.is_file():
+            raise UserError(f"{folder} has no {path.name}: {strategy.name} merges node models "
+                            f"saved by a run with --strategy {strategy.name} "
+                            "--save-node-models, which keeps it beside each")
+        out[record] = checkpoint.load_tensors(path)
+    return out
 
 
 def _weights(dirs: list[Path], metas: list[dict[str, Any]]) -> list[float]:

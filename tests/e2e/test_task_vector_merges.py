@@ -1,10 +1,10 @@
-"""Task arithmetic, TIES, DARE and DARE-TIES end to end on digits: in a run and offline."""
+"""Task arithmetic, TIES, DARE, DARE-TIES and Fisher merging end to end, in a run and offline."""
 
 import json
 
 import pytest
 import torch
-from helpers.cli import assert_one_error_line, run_cli
+from helpers.cli import SHARED_DATA, assert_one_error_line, run_cli
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.e2e
@@ -76,3 +76,36 @@ def test_a_start_is_needed_and_used_only_by_task_vector_merges(one_shot_run, tmp
                    "--output", tmp_path / "m", check=False)
     assert proc.returncode == 2 and "no such model folder" in assert_one_error_line(proc.stderr)
     assert not (tmp_path / "m").exists()
+
+
+def test_fisher_nodes_send_their_estimate_which_merges_again_offline(tmp_path):
+    run = tmp_path / "fisher"
+    run_cli("simulate", "--strategy", "fisher", "--fisher-samples", "64", "--rounds", "1",
+            "--local-epochs", "3", "--num-nodes", "3", "--partitioner", "dirichlet", "--alpha",
+            "0.5", "--seed", "1", "--save-node-models", "--output", run)
+    summary = json.loads((run / "summary.json").read_text())
+    # the estimate is one more model-sized message from each node: counted with the reply
+    assert summary["bytes_from_nodes"] > 1.9 * summary["bytes_to_nodes"]
+    fisher = load_file(run / "nodes" / "node-0" / "fisher.safetensors")
+    model = load_file(run / "nodes" / "node-0" / "model.safetensors")
+    assert set(fisher) <= set(model) and all((f >= 0).all() for f in fisher.values())
+    assert any(f.sum() > 0 for f in fisher.values())
+    again = tmp_path / "again"
+    run_cli("merge", run / "nodes", "--strategy", "fisher", "--output", again)
+    mine, theirs = load_file(again / "model.safetensors"), load_file(run / "model.safetensors")
+    assert all(torch.allclose(mine[k].float(), theirs[k].float(), atol=1e-6) for k in theirs)
+    (run / "nodes" / "node-1" / "fisher.safetensors").unlink()
+    proc = run_cli("merge", run / "nodes", "--strategy", "fisher", "--output", tmp_path / "m",
+                   check=False)
+    assert proc.returncode == 2
+    assert "has no fisher.safetensors" in assert_one_error_line(proc.stderr)
+
+
+def test_fisher_with_lora_adapters_is_refused_before_anything_trains(tmp_path):
+    proc = run_cli("simulate", "--strategy", "fisher", "--model", "minilm", "--lora-rank", "4",
+                   "--dataset", SHARED_DATA / "ag_news", "--rounds", "1", "--output",
+                   tmp_path / "run", check=False)
+    assert proc.returncode == 2
+    line = assert_one_error_line(proc.stderr)
+    assert "cannot estimate their Fisher: use ties, dare or task-arithmetic" in line
+    assert not (tmp_path / "run").exists()
