@@ -456,10 +456,11 @@ def all_options(merge: bool = False) -> dict[str, list[tuple[str, Option]]]:
 
     The mapping is ``name -> [(strategy, Option)]``. An option declared by several
     strategies has one type everywhere. With ``merge``, only the strategies that can merge
-    saved models (:meth:`Strategy.merges_saved_models`) count.
+    saved models (:meth:`Strategy.merges_saved_models`) count, less their node-side options.
     """
     out: dict[str, list[tuple[str, Option]]] = {}
     for sname, cls in available().items():
         for opt in () if merge and not cls.merges_saved_models() else cls.options:
-            out.setdefault(opt.name, []).append((sname, opt))
+            if not (merge and opt.node_side):
+                out.setdefault(opt.name, []).append((sname, opt))
     return dict(sorted(out.items()))

@@ -112,7 +112,8 @@ class Fisher(Strategy):
     paper = ("Matena and Raffel 2022, Merging Models with Fisher-Weighted Averaging, "
              "arXiv:2111.09832")
     options = (Option("fisher_samples", int, 256,
-                      "Inputs each node estimates its diagonal Fisher on (>= 1)"),)
+                      "Inputs each node estimates its diagonal Fisher on (>= 1)",
+                      node_side=True),)
     node_rule = FisherNode
     trains_nodes = False  # its node rule only measures: saved models merge with their estimates
     saved_extras = (FISHER,)

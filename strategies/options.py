@@ -26,6 +26,9 @@ class Option:
         One line for ``--help``.
     choices : tuple of str
         Allowed values of a ``str`` option (empty: any).
+    node_side : bool
+        Used by the nodes while they train (Fisher's ``fisher_samples``): no option of a
+        merge of saved models (``fedavg merge``).
     """
 
     name: str
@@ -33,6 +36,7 @@ class Option:
     default: Any
     help: str
     choices: tuple[str, ...] = ()
+    node_side: bool = False
 
     @property
     def flag(self) -> str:

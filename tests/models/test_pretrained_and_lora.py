@@ -232,7 +232,9 @@ def _parameter_merges():
             if not (strategies.strategy_class(n).trains_nodes
                     or strategies.strategy_class(n).needs_validation
                     or strategies.strategy_class(n).needs_unlabeled
-                    or getattr(strategies.strategy_class(n), "keeps_members", False))]
+                    or getattr(strategies.strategy_class(n), "keeps_members", False)
+                    # fisher merges with the nodes' estimates, and refuses LoRA runs
+                    or strategies.strategy_class(n).saved_extras)]
 
 
 @pytest.mark.parametrize("name", _parameter_merges())
