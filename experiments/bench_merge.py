@@ -18,11 +18,14 @@ on the skewed split.
 Settings (``--setting``):
 
 - ``digits``: the built-in 8x8 digits and its default model (seconds per run on a CPU);
-- ``minilm``: the AG News sample (5,000 train / 1,000 test), ``minilm`` full fine-tuning
-  (Adam, lr 5e-5, 64 tokens);
+- ``minilm``: ``--train-samples`` / ``--test-samples`` rows of the AG News sample (5,000 /
+  1,000 by default, drawn at random, seeded), ``minilm`` full fine-tuning (Adam, lr 5e-5, 64
+  tokens);
 - ``minilm-lora``: the same with LoRA r = 8, exact merging (lr 1e-3);
-- ``efficientnet``: 5,000 / 1,000 CIFAR-10 images, ``efficientnet-lite0`` from ImageNet
-  weights (SGD lr 0.01, momentum 0.9).
+- ``efficientnet``: as many CIFAR-10 images, ``efficientnet-lite0`` from ImageNet weights
+  (SGD lr 0.01, momentum 0.9).
+
+``--rounds 0`` leaves out the per-round legs; ``--distill-steps`` sets distillation's steps.
 
 Per method: test accuracy, and bytes nodes -> coordinator per round (from the run's
 ``summary.json``: every method here merges the same node messages). Target (the issue's): on
@@ -53,19 +56,34 @@ PARTITIONS = {"iid": {"partitioner": "iid"},
               "dirichlet-0.1": {"partitioner": "dirichlet", "alpha": 0.1}}
 
 
-def setting(name: str, work: Path) -> tuple[str, dict]:
+def subset(name: str, work: Path, train: int, test: int, seed: int = 0) -> str:
+    """Write ``train`` / ``test`` rows of dataset ``name`` drawn at random (seeded); its path."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    folder = work / f"{name}-{train}-{test}"
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for split, rows in (("train", train), ("test", test)):
+        if not (folder / f"{split}.parquet").exists():
+            table = pq.read_table(DATA / name / f"{split}.parquet")
+            pick = np.sort(rng.choice(len(table), size=min(rows, len(table)), replace=False))
+            pq.write_table(table.take(pick), folder / f"{split}.parquet")
+    return str(folder)
+
+
+def setting(name: str, work: Path, train: int, test: int) -> tuple[str, dict]:
     """Return the dataset and the run settings of setting ``name``."""
     if name == "digits":
         return "digits", {}
     text = {"model": "minilm", "optimizer": "adam", "lr": 5e-5, "max_tokens": 64}
     if name == "minilm":
-        return str(DATA / "ag_news"), text
+        return subset("ag_news", work, train, test), text
     if name == "minilm-lora":
-        return str(DATA / "ag_news"), {**text, "lr": 1e-3, "lora_rank": 8, "lora_alpha": 16.0}
+        return subset("ag_news", work, train, test), {
+            **text, "lr": 1e-3, "lora_rank": 8, "lora_alpha": 16.0}
     if name == "efficientnet":
-        from bench_pretrained import cifar_subset
-
-        return str(cifar_subset(work / "cifar10-subset", 5000, 1000)), {
+        return subset("cifar10", work, train, test), {
             "model": "efficientnet-lite0", "lr": 0.01, "momentum": 0.9}
     raise SystemExit(f"error: unknown --setting {name!r}: digits, minilm, minilm-lora, "
                      "efficientnet")
@@ -73,10 +91,10 @@ def setting(name: str, work: Path) -> tuple[str, dict]:
 
 def one_shot(dataset: str, settings: dict, partition: dict, args, out: Path) -> dict:
     """Train the nodes once; merge their models by every method; return accuracy by method."""
-    config = RunConfig().replace(
-        dataset=dataset, num_nodes=args.nodes, rounds=1, local_epochs=args.local_epochs,
-        strategy="distill", save_node_models=True, seed=args.seed, round_timeout=86400.0,
-        **partition, **settings)
+    common = dict(dataset=dataset, num_nodes=args.nodes, rounds=1, save_node_models=True,
+                  local_epochs=args.local_epochs, seed=args.seed, round_timeout=86400.0,
+                  **partition, **settings)
+    config = RunConfig().replace(strategy="distill", distill_steps=args.distill_steps, **common)
     run = fedavg.simulate(config, output=out / "run", overwrite=True)
     summary = json.loads(run.summary_path.read_text())
     rows = {"distill": run.accuracy}
@@ -90,8 +108,8 @@ def one_shot(dataset: str, settings: dict, partition: dict, args, out: Path) -> 
         print(f"  {name}: {res['accuracy']:.4f}", flush=True)
     # Fisher: the nodes also send their estimate; a run of its own (the distill run keeps
     # held-out slices from its nodes, this one does not), compared with its own nodes' average
-    fisher = fedavg.simulate(config.replace(strategy="fisher"), output=out / "fisher-run",
-                             overwrite=True)
+    fisher = fedavg.simulate(RunConfig().replace(strategy="fisher", **common),
+                             output=out / "fisher-run", overwrite=True)
     rows["fisher"] = fisher.accuracy
     res = fedavg.merge_models([out / "fisher-run" / "nodes"], out / "fisher-average",
                               RunConfig().replace(strategy="average"), dataset=dataset,
@@ -132,10 +150,11 @@ def markdown(results: dict, args, command: str) -> str:
     lines += ["", "Bytes nodes -> coordinator, the one round: " + ", ".join(
         f"{p} {results['one_shot'][p]['bytes_from_nodes']:,}" for p in PARTITIONS)
         + "; with Fisher estimates: " + ", ".join(
-        f"{p} {results['one_shot'][p]['fisher_bytes_from_nodes']:,}" for p in PARTITIONS), "",
-        f"Per round: {args.rounds} rounds of 1 local epoch, Dirichlet(0.1) (test accuracy).", "",
-        "| method | accuracy |", "|---|---:|"]
-    lines += [f"| {m} | {a:.4f} |" for m, a in results["per_round"].items()]
+        f"{p} {results['one_shot'][p]['fisher_bytes_from_nodes']:,}" for p in PARTITIONS)]
+    if results["per_round"]:
+        lines += ["", f"Per round: {args.rounds} rounds of 1 local epoch, Dirichlet(0.1) "
+                  "(test accuracy).", "", "| method | accuracy |", "|---|---:|"]
+        lines += [f"| {m} | {a:.4f} |" for m, a in results["per_round"].items()]
     skew = results["one_shot"]["dirichlet-0.1"]["accuracy"]
     gains = {m: skew[m] - skew["average"] for m in ("ties", "dare", "dare-ties")}
     gains["fisher"] = skew["fisher"] - skew["average (fisher run's nodes)"]
@@ -155,18 +174,24 @@ def main() -> None:
     parser.add_argument("--local-epochs", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--train-samples", type=int, default=5000,
+                        help="train rows drawn from ag_news / cifar10 (not digits)")
+    parser.add_argument("--test-samples", type=int, default=1000)
+    parser.add_argument("--distill-steps", type=int, default=1000)
     parser.add_argument("--out", default="runs/bench-merge")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
     out = Path(args.out) / args.setting
-    dataset, settings = setting(args.setting, Path(args.out))
+    dataset, settings = setting(args.setting, Path(args.out), args.train_samples,
+                                args.test_samples)
     results = {"one_shot": {}, "per_round": {}}
     for pname, partition in PARTITIONS.items():
         print(f"one shot, {pname}", flush=True)
         results["one_shot"][pname] = one_shot(dataset, settings, partition, args,
                                               out / f"one-shot-{pname}")
-    print("per round, dirichlet-0.1", flush=True)
-    results["per_round"] = per_round(dataset, settings, args, out / "per-round")
+    if args.rounds > 0:
+        print("per round, dirichlet-0.1", flush=True)
+        results["per_round"] = per_round(dataset, settings, args, out / "per-round")
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     command = "python experiments/bench_merge.py " + " ".join(sys.argv[1:])
     page = markdown(results, args, command.strip())
