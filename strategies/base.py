@@ -147,6 +147,9 @@ class Strategy:
     skew_note: str = ""
     """What the method does on label-skewed partitions, when that is not what it is for: the
     run notes it for any partitioner but ``iid`` (empty: nothing to say)."""
+    rounds_note: str = ""
+    """What the method does over several rounds, when it is made for one merge: the run notes
+    it when ``--rounds`` is above 1 (empty: nothing to say)."""
     node_defaults: Mapping[str, Any] = {}
     """Node training settings the method's paper or measurements call for, by setting name
     (``{"momentum": 0.0}``): a run applies them unless the user gives the setting

@@ -129,6 +129,8 @@ class DareTies(Dare):
     name = "dare-ties"
     description = "DARE's random drop and rescale, then TIES's sign election and disjoint mean"
     paper = Dare.paper + "; with Yadav et al. 2023, TIES-Merging, arXiv:2306.01708"
+    rounds_note = ("DARE-TIES is made for one merge of fine-tuned models; per round its drop "
+                   "and sign election train slower than fedavg")
 
     def combine_vectors(self, key, vectors, weights):
         """Elect signs and average the agreeing dropped entries."""

@@ -92,6 +92,8 @@ class Ties(TaskVectorMerge):
     description = "TIES: trim task vectors to their top entries, elect signs, disjoint mean"
     paper = ("Yadav et al. 2023, TIES-Merging: Resolving Interference When Merging Models, "
              "arXiv:2306.01708")
+    rounds_note = ("TIES is made for one merge of fine-tuned models; per round it keeps only "
+                   "--density of each update and trains slower than fedavg")
     options = TaskVectorMerge.options + (
         Option("density", float, 0.2, "Fraction of each task vector's entries TIES keeps, "
                                       "by magnitude, in (0, 1]"),)

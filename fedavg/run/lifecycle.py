@@ -295,6 +295,8 @@ def _strategy_notes(strategy, model, config: RunConfig) -> list[str]:
     note = strategy.nodes_note(config.nodes_per_round)
     skew = [strategy.skew_note] if strategy.skew_note and config.data.partitioner != "iid" \
         else []
+    if strategy.rounds_note and config.merge.rounds > 1:
+        skew.append(f"{strategy.name}: {strategy.rounds_note}")
     try:
         train = {**asdict(config.train), **asdict(config.local_training())}
         return skew + strategy.check_setup(model, train) + (

@@ -37,6 +37,9 @@ def test_the_strategys_defaults_train_skewed_digits(tmp_path, name, no_leaks):
     proc = run_cli("simulate", "--strategy", name, *SETTING, "--output", out)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accuracy"] >= LOWER_BAR.get(name, 0.80), (name, summary["accuracy"])
+    cls = strategies.strategy_class(name)
+    if cls.rounds_note:  # a merge made for one shot says so when it runs per round
+        assert f"{name}: {cls.rounds_note}" in " ".join(proc.stdout.split())
     meta = json.loads((out / "model.json").read_text())
     defaults = strategies.strategy_class(name).node_defaults
     for key, value in defaults.items():  # applied, recorded and shown
