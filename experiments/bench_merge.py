@@ -12,7 +12,7 @@ models and their start). The same node models are then merged by every one-shot 
 the sample-weighted average, the uniform and greedy soups, task arithmetic, TIES, DARE,
 DARE-TIES and the output ensemble. Fisher merging needs the nodes' estimates, sent with
 their models: a second run per partition (``--strategy fisher``) gives it, beside the average
-of that run's own node models. Then each parameter-merging method runs ``--rounds`` rounds
+of that run's own node models (not with LoRA, whose adapted weights are frozen). Then each parameter-merging method runs ``--rounds`` rounds
 on the skewed split.
 
 Settings (``--setting``):
@@ -106,6 +106,8 @@ def one_shot(dataset: str, settings: dict, partition: dict, args, out: Path) -> 
                                   overwrite=True)
         rows[name] = res["accuracy"]
         print(f"  {name}: {res['accuracy']:.4f}", flush=True)
+    if settings.get("lora_rank"):  # LoRA's adapted weights are frozen: no Fisher of them
+        return {"accuracy": rows, "bytes_from_nodes": summary["bytes_from_nodes"]}
     # Fisher: the nodes also send their estimate; a run of its own (the distill run keeps
     # held-out slices from its nodes, this one does not), compared with its own nodes' average
     fisher = fedavg.simulate(RunConfig().replace(strategy="fisher", **common),
@@ -145,19 +147,22 @@ def markdown(results: dict, args, command: str) -> str:
              "|---|" + "---:|" * len(PARTITIONS)]
     methods = ["distill"] + [m for m, _ in ONE_SHOT] + ["fisher", "average (fisher run's nodes)"]
     for m in methods:
-        lines.append(f"| {m} | " + " | ".join(
-            f"{results['one_shot'][p]['accuracy'][m]:.4f}" for p in PARTITIONS) + " |")
+        if m in results["one_shot"]["iid"]["accuracy"]:  # no Fisher rows for LoRA
+            lines.append(f"| {m} | " + " | ".join(
+                f"{results['one_shot'][p]['accuracy'][m]:.4f}" for p in PARTITIONS) + " |")
     lines += ["", "Bytes nodes -> coordinator, the one round: " + ", ".join(
         f"{p} {results['one_shot'][p]['bytes_from_nodes']:,}" for p in PARTITIONS)
-        + "; with Fisher estimates: " + ", ".join(
-        f"{p} {results['one_shot'][p]['fisher_bytes_from_nodes']:,}" for p in PARTITIONS)]
+        + ("; with Fisher estimates: " + ", ".join(
+            f"{p} {results['one_shot'][p]['fisher_bytes_from_nodes']:,}" for p in PARTITIONS)
+           if "fisher_bytes_from_nodes" in results["one_shot"]["iid"] else "")]
     if results["per_round"]:
         lines += ["", f"Per round: {args.rounds} rounds of 1 local epoch, Dirichlet(0.1) "
                   "(test accuracy).", "", "| method | accuracy |", "|---|---:|"]
         lines += [f"| {m} | {a:.4f} |" for m, a in results["per_round"].items()]
     skew = results["one_shot"]["dirichlet-0.1"]["accuracy"]
     gains = {m: skew[m] - skew["average"] for m in ("ties", "dare", "dare-ties")}
-    gains["fisher"] = skew["fisher"] - skew["average (fisher run's nodes)"]
+    if "fisher" in skew:
+        gains["fisher"] = skew["fisher"] - skew["average (fisher run's nodes)"]
     best = max(gains, key=gains.get)
     met = gains[best] >= 0.02
     lines += ["", f"Target: on the skewed one-shot split, TIES / DARE / Fisher beat the one-shot "
