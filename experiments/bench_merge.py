@@ -12,8 +12,8 @@ models and their start). The same node models are then merged by every one-shot 
 the sample-weighted average, the uniform and greedy soups, task arithmetic, TIES, DARE,
 DARE-TIES and the output ensemble. Fisher merging needs the nodes' estimates, sent with
 their models: a second run per partition (``--strategy fisher``) gives it, beside the average
-of that run's own node models (not with LoRA, whose adapted weights are frozen). Then each parameter-merging method runs ``--rounds`` rounds
-on the skewed split.
+of that run's own node models (not with LoRA, whose adapted weights are frozen). Then each
+parameter-merging method runs ``--rounds`` rounds on the skewed split.
 
 Settings (``--setting``):
 
