@@ -144,6 +144,7 @@ class Fisher(Strategy):
                         if v.is_floating_point() and k not in buffers}
         self._num: dict[str, torch.Tensor] = {}
         self._den: dict[str, torch.Tensor] = {}
+        self._keys: set[str] | None = None  # the parameters the first node's estimate covers
 
     def add(self, state_dict: StateDict, weight: float, node: str = "?") -> None:
         """Refuse a model without its Fisher estimate.
@@ -164,11 +165,13 @@ class Fisher(Strategy):
         Raises
         ------
         MergeError
-            No ``fisher`` record; one naming other parameters or shapes, or holding negative,
-            NaN or infinite values; a model FedAvg refuses. Nothing is folded in then.
+            No ``fisher`` record; an empty one, one covering other parameters than the first
+            node's or of other shapes, not floating point, or holding negative, NaN or
+            infinite values; a model FedAvg refuses. Nothing is folded in then.
         """
         fisher = self._checked((arrays or {}).get(FISHER), node)
         self._average.add(state_dict, weight, node)
+        self._keys = set(fisher)
         w = float(weight)
         for key, f in fisher.items():
             f = f.to(torch.float64) * w
@@ -183,11 +186,21 @@ class Fisher(Strategy):
         if fisher is None:
             raise MergeError(f"reply of node {node} has no {FISHER!r} record (is the node "
                              "running this version of fedavg?)")
+        if not fisher:
+            raise MergeError(f"node {node}'s Fisher estimate holds no parameter")
+        keys = self._keys if self._keys is not None else set(fisher)
+        if set(fisher) != keys:  # every node estimates the same (trainable) parameters
+            odd = sorted(set(fisher) ^ keys)[:3]
+            raise MergeError(f"node {node}'s Fisher estimate covers other parameters than the "
+                             f"first node's ({', '.join(odd)})")
         for key, f in fisher.items():
             if key not in self._shapes or f.shape != self._shapes[key]:
                 raise MergeError(f"node {node}'s Fisher estimate {key!r} does not fit the "
                                  "model's parameters")
-            if not f.is_floating_point() or not torch.isfinite(f).all() or (f < 0).any():
+            if not f.is_floating_point():
+                raise MergeError(f"node {node}'s Fisher estimate {key!r} is {f.dtype}, not "
+                                 "floating point")
+            if not torch.isfinite(f).all() or (f < 0).any():
                 raise MergeError(f"node {node}'s Fisher estimate {key!r} holds negative, NaN "
                                  "or infinite values")
         return fisher

@@ -17,14 +17,12 @@ import torch
 
 from fedavg.config.values import finite_number
 from fedavg.data.text import save_for
+from fedavg.run.output import START  # noqa: F401  (re-exported beside WEIGHTS and META)
 from fedavg.util.atomic import atomic_write
 from fedavg.util.errors import UserError
 
 WEIGHTS = "model.safetensors"
 META = "model.json"
-#: With ``--save-node-models``: the folder beside ``nodes/`` holding the model the last
-#: round's nodes started from.
-START = "start"
 FORMAT = "fedavg-model/1"
 
 

@@ -138,10 +138,16 @@ def remove_if_empty(out: Path) -> None:
             return
 
 
+#: With ``--save-node-models``: the folder beside ``nodes/`` holding the model the last
+#: round's nodes started from.
+START = "start"
+
+
 def clear_previous_run(out: Path) -> None:
     """Remove a previous run's files from ``out`` (``--overwrite``), all of them at once.
 
-    Its :data:`RUN_FILES` and its saved node models (``nodes/node-*``) go together, so that
+    Its :data:`RUN_FILES`, its saved node models (``nodes/node-*``) and their start
+    (:data:`START`) go together, so that
     a new run that then fails leaves no mix of the old run's files and its own. Other files
     in ``out`` stay.
 
@@ -158,7 +164,7 @@ def clear_previous_run(out: Path) -> None:
     try:
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
-        for folder in nodes.glob("node-*") if nodes.is_dir() else ():
+        for folder in [*(nodes.glob("node-*") if nodes.is_dir() else ()), out / START]:
             if folder.is_dir() and (folder / "model.safetensors").exists():
                 shutil.rmtree(folder)
     except OSError as exc:

@@ -320,11 +320,14 @@ class ServerRun:
             self.progress.on_note(f"nodes {other} and {info['node_id']} both trained partition "
                                   f"{pid}: its samples count twice in the merge")
             name = f"{name}-{info['node_id']}"
-        checkpoint.save(self.output / "nodes" / name, state_dict,
-                        {**self.prepared.meta, "rounds": server_round, "node": info})
-        for record, tensors in (extras or {}).items():
+        extras = extras or {}
+        for record, tensors in extras.items():  # first: the model's files then vouch for them
             checkpoint.save_tensors(self.output / "nodes" / name / f"{record}.safetensors",
                                     tensors)
+        checkpoint.save(self.output / "nodes" / name, state_dict,
+                        {**self.prepared.meta, "rounds": server_round, "node": info,
+                         **({"extras_sha256": {r: checkpoint.tensor_digest(t)
+                                               for r, t in extras.items()}} if extras else {})})
         if not self.saved_start:  # what the nodes started from: task-vector merges need it
             checkpoint.save(self.output / checkpoint.START, self.adapter.reference,
                             {**self.prepared.meta, "rounds": server_round - 1})

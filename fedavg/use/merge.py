@@ -140,12 +140,13 @@ def merge_models(
     """
     t0 = time.monotonic()
     dirs, config, strategy = _one_merge(config, models)
-    out = _check_output(output, dirs, overwrite)
     start_dir = _start_folder(strategy, dirs, start)
+    out = _check_output(output, dirs + ([start_dir] if start_dir is not None else []),
+                        overwrite)
     loaded = [checkpoint.load(d) for d in dirs]
     first = _check_alike(dirs, [meta for _, meta in loaded])
     name = saved_model_name(str(first["model"]["name"]), model, str(dirs[0]))
-    start_model = _start_model(start_dir, dirs[0], first, loaded)
+    start_model, start_notes = _start_model(start_dir, dirs[0], first, loaded)
     held = _test_data(first, dirs[0], dataset)  # a wrong --dataset: nothing merged or written
     validation, distill_x = _merge_data(config, strategy, first, dirs[0])
     merged = _merge(strategy, config, dirs, loaded, first, validation, distill_x, name,
@@ -156,7 +157,7 @@ def merge_models(
     with _output_folder(out, overwrite):  # made only now: a refused merge leaves none
         checkpoint.save_merged(out, merged, meta)
         result = _result(config.merge.strategy, len(dirs), merged.info,
-                         _skipped(models, dirs)
+                         _skipped(models, dirs) + start_notes
                          + _seed_notes([m for _, m in loaded], merged.is_ensemble, held))
         if held is not None:
             ev = score(load_model(out, model=model), held, device=config.train.device)
@@ -401,10 +402,17 @@ def _start_folder(strategy, dirs: list[Path], start: str | Path | None) -> Path 
 
 
 def _start_model(start_dir: Path | None, first_dir: Path, first: dict[str, Any],
-                 loaded: list) -> dict | None:
-    """Load the start model, refusing one unlike the models merged."""
+                 loaded: list) -> tuple[dict | None, list[str]]:
+    """Load the start model, refusing one unlike the models merged; and notes on it.
+
+    Raises
+    ------
+    UserError
+        An ensemble; another architecture, classes, input preparation, tensor shapes or
+        dtypes than the merged models.
+    """
     if start_dir is None:
-        return None
+        return None, []
     state, meta = checkpoint.load(start_dir)
     if meta.get("kind") == "ensemble":
         raise UserError(f"--start {start_dir} is an ensemble; pass the single model the "
@@ -413,10 +421,35 @@ def _start_model(start_dir: Path | None, first_dir: Path, first: dict[str, Any],
         if meta.get(key) != first[key]:
             raise UserError(f"--start {start_dir} differs from {first_dir} in {key!r}: the "
                             "start must be the model the merged models were trained from")
+    if problem := _input_difference(meta.get("input") or {}, first["input"]):
+        raise UserError(f"--start {start_dir} differs from {first_dir} in its inputs: {problem};"
+                        " the start must be the model the merged models were trained from")
     if problem := checkpoint.fit_problem(state, loaded[0][0]):
         raise UserError(f"--start {start_dir}/{checkpoint.WEIGHTS} does not fit the merged "
                         f"models: {problem}")
-    return state
+    for key, t in loaded[0][0].items():
+        if state[key].dtype != t.dtype:
+            raise UserError(f"--start {start_dir}: {key!r} is {state[key].dtype}, the merged "
+                            f"models' is {t.dtype}; pass the start in the models' precision")
+    return state, _start_notes(start_dir, meta, loaded)
+
+
+def _start_notes(start_dir: Path, meta: dict[str, Any], loaded: list) -> list[str]:
+    """Note a start that is not what the merged node models of one run started from."""
+    rounds = {m.get("rounds") for _, m in loaded if isinstance(m.get("node"), dict)}
+    seeds = {m.get("dataset", {}).get("seed") for _, m in loaded
+             if isinstance(m.get("dataset"), dict)}
+    notes = []
+    if len(rounds) == 1 and isinstance(meta.get("rounds"), int) and \
+            isinstance(r := next(iter(rounds)), int) and meta["rounds"] != r - 1:
+        notes.append(f"the start {start_dir} is a model after round {meta['rounds']}, while "
+                     f"the nodes trained in round {r} from the model after round {r - 1}: "
+                     "their task vectors are measured from another point")
+    own = meta.get("dataset", {}).get("seed") if isinstance(meta.get("dataset"), dict) else None
+    if len(seeds) == 1 and own is not None and own not in seeds:
+        notes.append(f"the start {start_dir} comes from a run of seed {own}, the models from seed "
+                     f"{next(iter(seeds))}: is it the model they started from?")
+    return notes
 
 
 def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill_x, name,
@@ -433,7 +466,7 @@ def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill
     except UserError as exc:
         raise UserError(f"{dirs[0]}/{checkpoint.META}: {exc}") from None
     _check_fit(dirs, [sd for sd, _ in loaded], model.state_dict(), spec.name)
-    extras = [_saved_extras(strategy, d) for d in dirs]
+    extras = [_saved_extras(strategy, d, meta) for d, (_, meta) in zip(dirs, loaded)]
     buffers = frozenset(name for name, _ in model.named_buffers())
     context = merge_context(spec, first["input"], config.data.seed, validation, distill_x,
                             config.train.device)
@@ -451,15 +484,17 @@ def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill
     return merged
 
 
-def _saved_extras(strategy, folder: Path) -> dict[str, dict]:
+def _saved_extras(strategy, folder: Path, meta: dict[str, Any]) -> dict[str, dict]:
     """Return the reply records ``strategy`` merges with, read from a model's folder.
 
     Raises
     ------
     UserError
-        A record's ``<name>.safetensors`` is missing or damaged.
+        A record's ``<name>.safetensors`` is missing, damaged, or not the one the model's
+        ``model.json`` records (its SHA-256).
     """
     out = {}
+    pinned = meta.get("extras_sha256") if isinstance(meta.get("extras_sha256"), dict) else {}
     for record in strategy.saved_extras:
         path = folder / f"{record}.safetensors"
         if not path.is_file():
@@ -467,6 +502,9 @@ def _saved_extras(strategy, folder: Path) -> dict[str, dict]:
                             f"saved by a run with --strategy {strategy.name} "
                             "--save-node-models, which keeps it beside each")
         out[record] = checkpoint.load_tensors(path)
+        if checkpoint.tensor_digest(out[record]) != pinned.get(record):
+            raise UserError(f"{path} is not the one saved with {folder}/{checkpoint.META} (its "
+                            "SHA-256 differs): keep each node's files together")
     return out
 
 

@@ -296,6 +296,7 @@ def test_overwrite_replaces_the_previous_run_as_a_whole(tmp_path, no_leaks):
             "--save-node-models", "--output", out)
     (out / "notes.txt").write_text("mine")
     assert (out / "nodes" / "node-1" / "model.safetensors").exists()
+    assert (out / "start" / "model.safetensors").exists()  # what the nodes started from
     bad_model = run_cli("simulate", "--model", "nope", "--output", out, "--overwrite",
                         check=False)
     assert bad_model.returncode == 2 and (out / "model.safetensors").exists()  # not started

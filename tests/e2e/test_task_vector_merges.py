@@ -76,6 +76,30 @@ def test_a_start_is_needed_and_used_only_by_task_vector_merges(one_shot_run, tmp
                    "--output", tmp_path / "m", check=False)
     assert proc.returncode == 2 and "no such model folder" in assert_one_error_line(proc.stderr)
     assert not (tmp_path / "m").exists()
+    # the merged model may not replace the start it is measured from
+    proc = run_cli("merge", *nodes, "--strategy", "ties", "--start", one_shot_run / "start",
+                   "--output", one_shot_run / "start", "--overwrite", check=False)
+    assert proc.returncode == 2
+    assert "holds the models being merged" in assert_one_error_line(proc.stderr)
+    assert json.loads((one_shot_run / "start" / "model.json").read_text())["rounds"] == 0
+
+
+def test_a_start_unlike_the_nodes_is_refused_and_a_trained_one_noted(one_shot_run, tmp_path):
+    other = tmp_path / "other-start"
+    other.mkdir()
+    for f in (one_shot_run / "start").iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    meta = json.loads((other / "model.json").read_text())
+    meta["input"]["mean"] = [0.9]  # another input preparation
+    (other / "model.json").write_text(json.dumps(meta))
+    proc = run_cli("merge", one_shot_run / "nodes", "--strategy", "ties", "--start", other,
+                   "--output", tmp_path / "m", check=False)
+    assert proc.returncode == 2 and "in its inputs" in assert_one_error_line(proc.stderr)
+    # the run's merged model is no start: measured after round 1, not before it
+    proc = run_cli("merge", one_shot_run / "nodes", "--strategy", "ties", "--start",
+                   one_shot_run, "--output", tmp_path / "m")
+    assert "is a model after round 1, while the nodes trained in round 1" in " ".join(
+        proc.stdout.split())
 
 
 def test_fisher_nodes_send_their_estimate_which_merges_again_offline(tmp_path):
@@ -94,6 +118,14 @@ def test_fisher_nodes_send_their_estimate_which_merges_again_offline(tmp_path):
     run_cli("merge", run / "nodes", "--strategy", "fisher", "--output", again)
     mine, theirs = load_file(again / "model.safetensors"), load_file(run / "model.safetensors")
     assert all(torch.allclose(mine[k].float(), theirs[k].float(), atol=1e-6) for k in theirs)
+    # another node's estimate in its place: refused, the model names its own
+    node1 = run / "nodes" / "node-1" / "fisher.safetensors"
+    mine = node1.read_bytes()
+    node1.write_bytes((run / "nodes" / "node-0" / "fisher.safetensors").read_bytes())
+    proc = run_cli("merge", run / "nodes", "--strategy", "fisher", "--output", tmp_path / "m",
+                   check=False)
+    assert proc.returncode == 2 and "SHA-256 differs" in assert_one_error_line(proc.stderr)
+    node1.write_bytes(mine)
     (run / "nodes" / "node-1" / "fisher.safetensors").unlink()
     proc = run_cli("merge", run / "nodes", "--strategy", "fisher", "--output", tmp_path / "m",
                    check=False)

@@ -62,17 +62,25 @@ def test_the_node_keeps_its_first_inputs_once_and_sends_the_estimate():
 
 @pytest.mark.parametrize("fisher,match", [
     (None, "no 'fisher' record"), ({"w": torch.tensor([1.0, 2.0])}, "does not fit"),
-    ({"w": torch.tensor([-1.0])}, "negative"), ({"w": torch.tensor([float("nan")])}, "NaN")])
+    ({"w": torch.tensor([-1.0])}, "negative"), ({"w": torch.tensor([float("nan")])}, "NaN"),
+    ({}, "holds no parameter"), ({"w": torch.tensor([1])}, "not floating point"),
+    ({"w": torch.tensor([1.0]), "v": torch.tensor([1.0])}, "other parameters"),
+    ({"v": torch.tensor([1.0])}, "other parameters")])
 def test_a_malformed_estimate_is_refused_and_leaves_the_merge_unchanged(fisher, match):
     s = strategies.get("fisher")
-    good = {"w": torch.tensor([1.0])}
+    good = {"w": torch.tensor([1.0]), "v": torch.tensor([2.0])}
     s.begin(good)
+    s.add_reply({"w": torch.tensor([3.0]), "v": torch.tensor([2.0])}, 1, "6",
+                arrays={FISHER: {"w": torch.tensor([1.0])}})  # the first node: w only
     with pytest.raises(MergeError, match=match):
         s.add_reply(good, 1, "7", arrays=None if fisher is None else {FISHER: fisher})
     with pytest.raises(MergeError, match="without its Fisher"):
         s.add(good, 1, "7")
-    s.add_reply({"w": torch.tensor([5.0])}, 1, "8", arrays={FISHER: {"w": torch.tensor([1.0])}})
-    assert torch.equal(s.result().state_dict["w"], torch.tensor([5.0]))
+    s.add_reply({"w": torch.tensor([5.0]), "v": torch.tensor([4.0])}, 1, "8",
+                arrays={FISHER: {"w": torch.tensor([1.0])}})
+    merged = s.result().state_dict  # (3 + 5) / 2 and (2 + 4) / 2: node 7 left no trace
+    assert torch.equal(merged["w"], torch.tensor([4.0]))
+    assert torch.equal(merged["v"], torch.tensor([3.0]))
 
 
 def test_fisher_samples_below_one_is_refused():
