@@ -103,8 +103,8 @@ def merge(
     distill_data: Annotated[Optional[str], typer.Option(
         help="Dataset for distill (its labels are dropped)")] = None,
     start: Annotated[Optional[Path], path_option(
-        "--start", help="Model folder the merged models started from, for task-arithmetic, "
-        "ties, dare, dare-ties (default: the run's start/ beside its nodes/)")] = None,
+        "--start", help="Model folder the merged models started from, for the task-vector "
+        "strategies (default: the run's start/ beside its nodes/)")] = None,
     seed: Annotated[int, typer.Option(help="Seed of any random choice")] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
     overwrite: Annotated[bool, typer.Option(

@@ -388,8 +388,9 @@ def _start_folder(strategy, dirs: list[Path], start: str | Path | None) -> Path 
     """
     if not strategy.needs_start:
         if start is not None:
+            users = ", ".join(n for n, c in strategies.available().items() if c.needs_start)
             raise UserError(f"{strategy.name} does not use --start (only the task-vector "
-                            "strategies do: task-arithmetic, ties, dare, dare-ties): leave it out")
+                            f"strategies do: {users}): leave it out")
         return None
     if start is not None:
         return Path(start).expanduser()
