@@ -56,20 +56,11 @@ PARTITIONS = {"iid": {"partitioner": "iid"},
               "dirichlet-0.1": {"partitioner": "dirichlet", "alpha": 0.1}}
 
 
-def subset(name: str, work: Path, train: int, test: int, seed: int = 0) -> str:
+def subset(name: str, work: Path, train: int, test: int) -> str:
     """Write ``train`` / ``test`` rows of dataset ``name`` drawn at random (seeded); its path."""
-    import numpy as np
-    import pyarrow.parquet as pq
+    from bench_pretrained import cifar_subset
 
-    folder = work / f"{name}-{train}-{test}"
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    for split, rows in (("train", train), ("test", test)):
-        if not (folder / f"{split}.parquet").exists():
-            table = pq.read_table(DATA / name / f"{split}.parquet")
-            pick = np.sort(rng.choice(len(table), size=min(rows, len(table)), replace=False))
-            pq.write_table(table.take(pick), folder / f"{split}.parquet")
-    return str(folder)
+    return str(cifar_subset(work / f"{name}-{train}-{test}", train, test, source=name))
 
 
 def setting(name: str, work: Path, train: int, test: int) -> tuple[str, dict]:

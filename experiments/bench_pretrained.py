@@ -89,8 +89,9 @@ def image_legs(rounds: int, nodes: int) -> dict[str, dict]:
             "efficientnet-random-dirichlet": {**common, "model_args": {"weights": "random"}}}
 
 
-def cifar_subset(folder: Path, train: int, test: int, seed: int = 0) -> Path:
-    """Write ``train`` / ``test`` rows of CIFAR-10, drawn at random (seeded), into ``folder``.
+def cifar_subset(folder: Path, train: int, test: int, seed: int = 0,
+                 source: str = "cifar10") -> Path:
+    """Write ``train`` / ``test`` rows of ``source`` (CIFAR-10), drawn at random, into ``folder``.
 
     Not the first rows: the files are sorted by label, so those hold two classes only.
     """
@@ -100,7 +101,7 @@ def cifar_subset(folder: Path, train: int, test: int, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
     for split, rows in (("train", train), ("test", test)):
         if not (folder / f"{split}.parquet").exists():
-            table = pq.read_table(DATA / "cifar10" / f"{split}.parquet")
+            table = pq.read_table(DATA / source / f"{split}.parquet")
             pick = np.sort(rng.choice(len(table), size=min(rows, len(table)), replace=False))
             pq.write_table(table.take(pick), folder / f"{split}.parquet")
     return folder

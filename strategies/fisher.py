@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from strategies.base import Merged, MergeError, Option, StateDict, Strategy, register
+from strategies.base import Merged, MergeError, Option, StateDict, Strategy, is_float, register
 from strategies.fedavg import FedAvg
 from strategies.local import NodeRule, NodeUpdate, parameters
 
@@ -141,7 +141,7 @@ class Fisher(Strategy):
         self._average = FedAvg()
         self._average.begin(reference, buffers, context)
         self._shapes = {k: v.shape for k, v in reference.items()
-                        if v.is_floating_point() and k not in buffers}
+                        if is_float(v.dtype) and k not in buffers}
         self._num: dict[str, torch.Tensor] = {}
         self._den: dict[str, torch.Tensor] = {}
         self._keys: set[str] | None = None  # the parameters the first node's estimate covers

@@ -409,22 +409,13 @@ def _start_model(start_dir: Path | None, first_dir: Path, first: dict[str, Any],
     Raises
     ------
     UserError
-        An ensemble; another architecture, classes, input preparation, tensor shapes or
-        dtypes than the merged models.
+        As :func:`_check_alike` (an ensemble; other architecture, classes or inputs), or
+        other tensor shapes or dtypes than the merged models.
     """
     if start_dir is None:
         return None, []
     state, meta = checkpoint.load(start_dir)
-    if meta.get("kind") == "ensemble":
-        raise UserError(f"--start {start_dir} is an ensemble; pass the single model the "
-                        "merged models started from")
-    for key in ("model", "classes"):
-        if meta.get(key) != first[key]:
-            raise UserError(f"--start {start_dir} differs from {first_dir} in {key!r}: the "
-                            "start must be the model the merged models were trained from")
-    if problem := _input_difference(meta.get("input") or {}, first["input"]):
-        raise UserError(f"--start {start_dir} differs from {first_dir} in its inputs: {problem};"
-                        " the start must be the model the merged models were trained from")
+    _check_alike([first_dir, start_dir], [first, meta])  # as the models match each other
     if problem := checkpoint.fit_problem(state, loaded[0][0]):
         raise UserError(f"--start {start_dir}/{checkpoint.WEIGHTS} does not fit the merged "
                         f"models: {problem}")
