@@ -7,8 +7,9 @@ model per round). The merge is ``w_0 + lambda * sum_k n_k tau_k / sum_k n_k`` wi
 counts ``n_k``; the paper's unweighted sum with scale ``lambda'`` is ``lambda = K lambda'``
 for ``K`` equal-sized nodes, and ``lambda = 1`` is FedAvg.
 
-:class:`TaskVectorMerge` is the shared frame of the task-vector methods (this one, TIES,
-DARE): every node model is kept until the merge (memory O(nodes x model)); each trained
+:class:`TaskVectorMerge` is the shared frame of the task-vector methods that need every
+node's vector at once (TIES, DARE): every node model is kept until the merge (memory
+O(nodes x model)); each trained
 floating parameter is merged from its task vectors; floating buffers (BatchNorm running
 statistics) take the sample-weighted average of the node models, integer buffers their
 maximum. With LoRA nodes merged exactly (:mod:`strategies.lora`), each node's model holds
@@ -21,7 +22,23 @@ from __future__ import annotations
 import torch
 
 from strategies.base import Merged, Option, StateDict, is_float, register
+from strategies.fedavg import FedAvg
 from strategies.robust import _Collect
+
+MERGE_SCALE = Option("merge_scale", float, 1.0, "Scale of the merged task vector added to the "
+                     "start (> 0; 1: its weighted mean)")
+
+
+def check_scale(scale: float) -> None:
+    """Refuse a ``merge_scale`` that is not > 0 (``ValueError`` naming the option)."""
+    if not scale > 0:
+        raise ValueError(f"--merge-scale must be > 0 (got {scale})")
+
+
+def trained_floats(reference: StateDict, buffers=frozenset()) -> dict:
+    """Return the start's trained floating parameters (no buffers): task vectors start there."""
+    return {k: v.detach() for k, v in reference.items()
+            if is_float(v.dtype) and k not in buffers}
 
 
 class TaskVectorMerge(_Collect):
@@ -31,20 +48,16 @@ class TaskVectorMerge(_Collect):
     """
 
     needs_start = True
-    options = (Option("merge_scale", float, 1.0,
-                      "Scale of the merged task vector added to the start (> 0; 1: its "
-                      "weighted mean)"),)
+    options = (MERGE_SCALE,)
 
     def check(self) -> None:
         """``merge_scale`` must be > 0."""
-        if not self.merge_scale > 0:
-            raise ValueError(f"--merge-scale must be > 0 (got {self.merge_scale})")
+        check_scale(self.merge_scale)
 
     def begin(self, reference: StateDict, buffers=frozenset(), context=None) -> None:
         """Start a merge of task vectors from ``reference``, the model every node started from."""
         super().begin(reference, buffers, context)
-        self._start = {k: v.detach() for k, v in reference.items()
-                       if is_float(v.dtype) and k not in buffers}
+        self._start = trained_floats(reference, buffers)
 
     def combine(self) -> Merged:
         """Return ``start + merge_scale * combine_vectors(...)`` for every trained parameter."""
@@ -89,8 +102,11 @@ def _weighted_mean(stack: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 @register
-class TaskArithmetic(TaskVectorMerge):
+class TaskArithmetic(FedAvg):
     """The start plus ``merge_scale`` times the sample-weighted mean task vector.
+
+    That is ``w_0 + lambda * (FedAvg - w_0)``: folded in one model at a time like FedAvg, so
+    its memory is one state dict whatever the number of nodes.
 
     Parameters
     ----------
@@ -101,7 +117,23 @@ class TaskArithmetic(TaskVectorMerge):
     name = "task-arithmetic"
     description = "start + merge_scale x weighted mean of the task vectors (w_k - w_0)"
     paper = "Ilharco et al. 2023, Editing Models with Task Arithmetic, arXiv:2212.04089"
+    needs_start = True
+    options = (MERGE_SCALE,)
 
-    def combine_vectors(self, key, vectors, weights):
-        """Return the sample-weighted mean of the task vectors."""
-        return _weighted_mean(vectors, weights)
+    def check(self) -> None:
+        """``merge_scale`` must be > 0."""
+        check_scale(self.merge_scale)
+
+    def begin(self, reference: StateDict, buffers=frozenset(), context=None) -> None:
+        """Start a merge from ``reference``, the model every node started from."""
+        super().begin(reference, buffers, context)
+        self._start = trained_floats(reference, buffers)
+
+    def result(self) -> Merged:
+        """Return ``start + merge_scale * (weighted mean - start)``; buffers keep the mean."""
+        merged = super().result()
+        for key, start in self._start.items():
+            mean, w0 = merged.state_dict[key], start.to(torch.float64)
+            merged.state_dict[key] = (w0 + self.merge_scale * (mean.to(torch.float64) - w0)
+                                      ).to(mean.dtype)
+        return merged
