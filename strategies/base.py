@@ -334,8 +334,12 @@ class Strategy:
         self, state_dicts: Iterable[StateDict], weights: Iterable[float],
         nodes: Iterable[str] | None = None, *, reference: StateDict | None = None,
         buffers: frozenset[str] = frozenset(), context: "MergeContext | None" = None,
+        arrays: Iterable[Mapping[str, StateDict]] | None = None,
     ) -> Merged:
         """Merge a sequence of models in one call (``begin`` + ``add`` each + ``result``).
+
+        ``arrays``: each model's extra reply records (Fisher's ``fisher``), in the same
+        order; given, the models go in through ``add_reply``.
 
         Raises
         ------
@@ -349,8 +353,12 @@ class Strategy:
         if len(ws) != len(sds):
             raise MergeError(f"{len(sds)} models but {len(ws)} weights")
         self.begin(sds[0] if reference is None else reference, buffers, context)
-        for sd, w, n in zip(sds, ws, names):
-            self.add(sd, w, n)
+        if arrays is None:  # models alone (methods with node records refuse them in add)
+            for sd, w, n in zip(sds, ws, names):
+                self.add(sd, w, n)
+        else:
+            for sd, w, n, extra in zip(sds, ws, names, arrays):
+                self.add_reply(sd, w, n, arrays=extra)
         return self.result()
 
 

@@ -463,10 +463,9 @@ def _merge(strategy, config: RunConfig, dirs, loaded, first, validation, distill
     context = merge_context(spec, first["input"], config.data.seed, validation, distill_x,
                             config.train.device)
     try:
-        strategy.begin(loaded[0][0] if start_model is None else start_model, buffers, context)
-        for (sd, _), w, d, arrays in zip(loaded, weights, dirs, extras):
-            strategy.add_reply(sd, w, str(d), arrays=arrays)
-        merged = strategy.result()
+        merged = strategy.merge([sd for sd, _ in loaded], weights, [str(d) for d in dirs],
+                                reference=start_model, buffers=buffers, context=context,
+                                arrays=extras if strategy.saved_extras else None)
     except strategies.MergeError as exc:
         raise UserError(str(exc)) from None
     for i, state in enumerate([merged.state_dict, *(merged.members or [])]):
