@@ -1,7 +1,8 @@
 """The shape of the code: a new strategy, or a new node option, is one declaration plus its use.
 
 The throwaway strategy below lives in this file only. Registering it is all it takes for its
-option to appear in ``fedavg simulate --help`` and to reach its merge in a real run.
+option to appear in ``fedavg simulate --help`` and in the docs site's references, and to reach
+its merge in a real run.
 """
 
 import os
@@ -66,6 +67,18 @@ def test_a_new_strategy_option_is_declared_once(scaled_strategy):
     assert strategies.get("test-scaled", scale=3.0).scale == 3.0
     assert "test-scaled" in runner.invoke(_app(), ["strategies"],
                                           env={"COLUMNS": "300"}).output
+
+
+def test_a_new_strategy_and_its_option_appear_in_the_built_docs(scaled_strategy, tmp_path):
+    from helpers.docs_site import build_site, page
+
+    site = build_site(tmp_path / "site")
+    strategies_page = page(site, "reference/strategies")
+    assert 'id="test-scaled"' in strategies_page
+    assert "FedAvg, then scaled (test only)" in strategies_page
+    assert "Factor applied after averaging" in strategies_page
+    # an option of simulate, coordinator and merge
+    assert "<code>--scale</code>" in page(site, "reference/cli")
 
 
 def test_an_option_the_strategy_does_not_take_is_one_line(scaled_strategy):
