@@ -33,7 +33,7 @@ PAGES = {  # path: (the page's heading, a line of text of its own)
 
 
 def chromium() -> str:
-    """The path of Debian's chromium, installed first when missing (as root)."""
+    """Return the path of Debian's chromium, installed first when missing (as root)."""
     path = shutil.which("chromium")
     if path:
         return path
@@ -50,7 +50,7 @@ def chromium() -> str:
 
 @pytest.fixture(scope="module")
 def served_site(tmp_path_factory):
-    """The site built into a temporary folder and served on 127.0.0.1 by a thread."""
+    """Build the site into a temporary folder and serve it on 127.0.0.1 from a thread."""
     site = build_site(tmp_path_factory.mktemp("site"))
     handler = functools.partial(_QuietHandler, directory=str(site))
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)

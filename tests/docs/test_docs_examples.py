@@ -26,7 +26,7 @@ SKIPPED = ("python3 -m venv", "pip install", "docker ")
 
 
 def shell_lines(markdown: str) -> list[str]:
-    """The commands of a page's ```bash blocks, in order, without the install lines."""
+    """Return the commands of a page's ```bash blocks, in order, without the install lines."""
     blocks = re.findall(r"^```bash\n(.*?)^```", markdown, re.M | re.S)
     lines = [line for block in blocks for line in block.splitlines() if line.strip()]
     return [line for line in lines if not line.startswith(SKIPPED)]

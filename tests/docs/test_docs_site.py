@@ -88,3 +88,42 @@ def test_the_readme_is_short_and_its_links_resolve():
     assert len(local) > 15
     for link in local:
         assert (ROOT / link).is_file(), link
+
+
+# Flags of other tools that the hand-written pages show (and of the benchmark scripts)
+OTHER_TOOLS = {
+    "pip": {"--index-url"}, "pytest": {"--dist"}, "hadolint": {"--failure-threshold"},
+    "mkdocs": {"--strict"}, "mlflow": {"--backend-store-uri"}, "tensorboard": {"--logdir"},
+    "ray start": {"--head", "--port", "--node-ip-address", "--disable-usage-stats"},
+    "docker": {"--build-arg", "--rm", "--shm-size", "--user"},
+    "flower-superlink / flower-supernode": {"--isolation", "--node-config", "--simulation"},
+    "experiments/*.py": {"--against", "--recipe", "--repeats", "--runs", "--shares"},
+    "development.md's example strategy": {"--scale"},
+}
+
+
+def hand_written_pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_every_option_and_command_the_docs_name_exists():
+    group = typer.main.get_command(app)
+    root = click.Context(group, info_name="fedavg")
+    commands = set(group.list_commands(root))
+    options = {"--help", "--version"}
+    for name in commands:
+        for param in group.get_command(root, name).params:
+            options.update(getattr(param, "opts", []) + getattr(param, "secondary_opts", []))
+    options.update(*OTHER_TOOLS.values())
+    import strategies
+
+    names = set(strategies.available())
+    for path in hand_written_pages():
+        text = path.read_text()
+        unknown = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)) - options
+        assert not unknown, f"{path.relative_to(ROOT)} names options no command has: {unknown}"
+        used = set(re.findall(r"`fedavg ([a-z]+)\b", text)) | \
+            set(re.findall(r"^fedavg ([a-z]+)\b", text, re.M))
+        assert used <= commands, f"{path.relative_to(ROOT)}: no command {used - commands}"
+        strategy_names = set(re.findall(r"--strategy ([a-z][a-z-]*)", text))
+        assert strategy_names <= names, f"{path.relative_to(ROOT)}: {strategy_names - names}"
