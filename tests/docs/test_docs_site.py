@@ -59,6 +59,8 @@ def test_the_built_references_show_the_registries(site):
     python = page(site, "reference/python")
     for name in ("simulate", "load_model", "predict", "merge_models", "RunConfig"):
         assert re.search(rf'id="fedavg\.[\w.]*\.{name}"', python), name
+    for built in (python, page(site, "explanation/wire")):  # Sphinx roles shown as code
+        assert not re.search(r":(func|class|meth|mod|data):`", built)
 
 
 def test_the_results_pages_come_from_experiments(site):
