@@ -342,6 +342,52 @@ def certs(
                           "in .gitignore) and readable only by you", highlight=False)
 
 
+def kubernetes(
+    folder: Annotated[Path, path_argument(
+        help="Folder to write the run into, for `kubectl apply -k FOLDER`")],
+    nodes: Annotated[int, typer.Option(help="Node Jobs; node i trains partition i")] = 2,
+    overlay: Annotated[str, typer.Option(
+        help="cpu (one thread per node) or gpu (one GPU per node)")] = "cpu",
+    image: Annotated[str, typer.Option(
+        help="The fedavg image the cluster pulls, e.g. registry.example/fedavg:0.1")] = "fedavg",
+    name: Annotated[str, typer.Option(
+        help="The run's app.kubernetes.io/instance label, on every object")] = "fedavg",
+    host: Annotated[Optional[list[str]], typer.Option(
+        help="More names for the coordinator's certificate (nodes outside the cluster); "
+             "repeatable")] = None,
+    data_claim: Annotated[Optional[str], typer.Option(
+        help="PersistentVolumeClaim of your data, mounted read-only at /data")] = None,
+    manifests: Annotated[Optional[Path], path_option(
+        help="containers/kubernetes of a fedavg checkout (default: this one's)")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace a run already in FOLDER, its keys included")] = False,
+) -> None:
+    """Write a run on Kubernetes: certificates, key Secrets, N node Jobs, a kustomization."""
+    # lazy: loads with its command: `fedavg --help` stays fast
+    from fedavg.engines.deployment.certs import unignored_git_work_tree
+    from fedavg.engines.deployment.kubernetes import LABEL, write_deployment
+
+    with guard(failed="error"):
+        written = write_deployment(folder, nodes, overlay=overlay, hosts=host or [],
+                                   image=image, name=name, data_claim=data_claim,
+                                   manifests=manifests, overwrite=overwrite)
+    console.print(f"wrote {len(written)} files into {folder} ({nodes} node Jobs, {overlay}; "
+                  f"private keys in {folder}/secrets)", highlight=False)
+    console.print(f"run:      kubectl apply -k {folder}\n"
+                  "wait:     kubectl wait --for=condition=complete job/fedavg-coordinator "
+                  "--timeout=2h\n"
+                  f"model:    kubectl apply -f {folder}/fetch.yaml && kubectl wait "
+                  "--for=condition=ready pod/fedavg-fetch && kubectl cp "
+                  "fedavg-fetch:/output runs/kubernetes\n"
+                  f"clean up: kubectl delete -f {folder}/fetch.yaml; kubectl delete -k {folder} "
+                  f"(every object carries {LABEL}={name})", highlight=False)
+    repo = unignored_git_work_tree(folder / "secrets")
+    if repo is not None:
+        err_console.print(f"[yellow]note:[/] {folder}/secrets is inside the git work tree "
+                          f"{repo}: keep its private keys (*.key) out of version control",
+                          highlight=False)
+
+
 def _show_version(value: bool) -> None:
     if value:
         import importlib.metadata
@@ -385,6 +431,7 @@ def build_app() -> typer.Typer:
         with_options(coordinator, CoordinatorOptions), skip=("num_nodes",), tracking=True))
     app.command(name="node")(with_options(node, NodeOptions))
     app.command(name="certs")(certs)
+    app.command(name="kubernetes")(kubernetes)
     app.command(name="sweep")(sweep)
     app.command(name="report")(report)
     return app

@@ -95,7 +95,8 @@ def test_the_readme_is_short_and_its_links_resolve():
 # Flags of other tools that the hand-written pages show (and of the benchmark scripts)
 OTHER_TOOLS = {
     "pip": {"--index-url"}, "pytest": {"--dist"}, "hadolint": {"--failure-threshold"},
-    "mkdocs": {"--strict"}, "mlflow": {"--backend-store-uri"}, "tensorboard": {"--logdir"},
+    "mkdocs": {"--strict"}, "kubectl": {"--for", "--timeout"},
+    "mlflow": {"--backend-store-uri"}, "tensorboard": {"--logdir"},
     "ray start": {"--head", "--port", "--node-ip-address", "--disable-usage-stats"},
     "docker": {"--build-arg", "--rm", "--shm-size", "--user"},
     "flower-superlink / flower-supernode": {"--isolation", "--node-config", "--simulation"},
