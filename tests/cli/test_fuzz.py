@@ -32,7 +32,7 @@ from fedavg.util.errors import UserError
 
 EXAMPLES = int(os.environ.get("FEDAVG_FUZZ_EXAMPLES", "40"))
 COMMANDS = ["simulate", "merge", "evaluate", "predict", "export", "strategies", "models",
-            "coordinator", "node", "certs", "sweep", "report"]
+            "coordinator", "node", "certs", "kubernetes", "sweep", "report"]
 REACHED = "options checked"  # what the stand-ins raise once every check passed
 META = {"model": {"name": "mlp", "input_shape": [1, 8, 8], "num_classes": 10, "args": {}},
         "classes": [str(i) for i in range(10)],

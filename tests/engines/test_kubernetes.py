@@ -238,6 +238,7 @@ def test_the_data_claim_is_mounted_read_only_everywhere(tmp_path):
     (["--nodes", "0"], "--nodes must be >= 1 (got 0)"),
     (["--name", "Exp_1"], "--name must be lower-case letters"),
     (["--manifests", "/nonexistent"], "no Kubernetes manifests in /nonexistent"),
+    (["--image", "my image"], "--image must be an image reference"),
 ])
 def test_bad_options_are_one_line(tmp_path, args, message):
     res = run_cli("kubernetes", tmp_path / "run", *args, check=False)

@@ -34,7 +34,7 @@ def default_manifests() -> Path:
     return Path(__file__).resolve().parents[3] / "containers" / "kubernetes"
 
 
-def _check(nodes: int, overlay: str, name: str, data_claim: str | None,
+def _check(nodes: int, overlay: str, name: str, data_claim: str | None, image: str,
            manifests: Path) -> None:
     if overlay not in OVERLAYS:
         raise UserError(f"--overlay must be one of {', '.join(OVERLAYS)} (got {overlay!r})")
@@ -44,6 +44,9 @@ def _check(nodes: int, overlay: str, name: str, data_claim: str | None,
         if value is not None and not _DNS_LABEL.fullmatch(value):
             raise UserError(f"{option} must be lower-case letters, digits and '-', at most 63, "
                             f"starting and ending with a letter or digit (got {value!r})")
+    if not re.fullmatch(r"[\w./:@-]+", image):
+        raise UserError(f"--image must be an image reference such as registry.example/fedavg:0.1 "
+                        f"(got {image!r})")
     if not (manifests / "base" / "kustomization.yaml").is_file():
         raise UserError(f"no Kubernetes manifests in {manifests} (base/kustomization.yaml): "
                         "run from a checkout of fedavg or pass --manifests "
@@ -182,7 +185,7 @@ def write_deployment(folder: Path, nodes: int, overlay: str = "cpu",
     from fedavg.engines.deployment.certs import make_certs
 
     manifests = (manifests or default_manifests()).resolve()
-    _check(nodes, overlay, name, data_claim, manifests)
+    _check(nodes, overlay, name, data_claim, image, manifests)
     folder = folder.resolve()
     target = folder / "kustomization.yaml"
     if target.exists() and not overwrite:
