@@ -349,7 +349,8 @@ def kubernetes(
     overlay: Annotated[str, typer.Option(
         help="cpu (one thread per node) or gpu (one GPU per node)")] = "cpu",
     image: Annotated[str, typer.Option(
-        help="The fedavg image the cluster pulls, e.g. registry.example/fedavg:0.1")] = "fedavg",
+        help="The fedavg image the cluster pulls, e.g. registry.example/fedavg:0.1 "
+             "(containers/Dockerfile, pushed where the cluster pulls from)")] = ...,
     name: Annotated[str, typer.Option(
         help="The run's app.kubernetes.io/instance label, on every object")] = "fedavg",
     host: Annotated[Optional[list[str]], typer.Option(

@@ -190,11 +190,12 @@ def test_image_and_arguments_match_the_compose_stack(run):
         theirs = [_resolve(a, env).replace("{index}", index or "")
                   for a in compose["services"][service]["command"]]
         # the differences, each for a reason: the Service's name; one key file per pod; the
-        # device and thread count of the overlay
+        # device and thread count of the overlay; waits for pods that start all at once
         theirs = [a.replace("coordinator:9092", "fedavg-coordinator:9092")
                   .replace("/certs/node-0.key", "/certs/node.key") for a in theirs]
         theirs = [a for a in theirs if not a.startswith("--device=")]
-        ours = [a for a in ours if not a.startswith(("--device=", "--threads="))]
+        ours = [a for a in ours if not a.startswith(("--device=", "--threads=", "--wait-timeout=",
+                                                    "--max-wait-time="))]
         assert ours == theirs, service
 
 
@@ -241,7 +242,8 @@ def test_the_data_claim_is_mounted_read_only_everywhere(tmp_path):
     (["--image", "my image"], "--image must be an image reference"),
 ])
 def test_bad_options_are_one_line(tmp_path, args, message):
-    res = run_cli("kubernetes", tmp_path / "run", *args, check=False)
+    res = run_cli("kubernetes", tmp_path / "run", "--image", "reg.example/fedavg:1", *args,
+                  check=False)
     assert res.returncode == 2 and message in res.stderr, res.stderr
     assert_one_error_line(res.stderr)
     assert not (tmp_path / "run").exists()
@@ -249,12 +251,12 @@ def test_bad_options_are_one_line(tmp_path, args, message):
 
 def test_a_folder_with_a_run_is_not_written_over(tmp_path):
     folder = tmp_path / "run"
-    res = run_cli("kubernetes", folder, "--nodes", "2")
+    res = run_cli("kubernetes", folder, "--nodes", "2", "--image", "fedavg:1")
     assert "kubectl apply -k" in res.stdout
     before = (folder / "secrets" / "node-0.key").read_bytes()
-    res = run_cli("kubernetes", folder, "--nodes", "3", check=False)
+    res = run_cli("kubernetes", folder, "--nodes", "3", "--image", "fedavg:1", check=False)
     assert res.returncode == 2 and "--overwrite" in res.stderr
     assert (folder / "secrets" / "node-0.key").read_bytes() == before
-    run_cli("kubernetes", folder, "--nodes", "3", "--overwrite")
+    run_cli("kubernetes", folder, "--nodes", "3", "--image", "fedavg:1", "--overwrite")
     assert (folder / "secrets" / "node-2.key").is_file()
     assert (folder / "secrets" / "node-0.key").read_bytes() != before

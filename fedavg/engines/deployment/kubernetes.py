@@ -129,7 +129,8 @@ def fetch_pod(name: str, image: str) -> dict:
             "restartPolicy": "Never", "automountServiceAccountToken": False,
             "securityContext": user,
             "containers": [{
-                "name": "fetch", "image": image, "command": ["sleep", "3600"],
+                "name": "fetch", "image": image, "imagePullPolicy": "IfNotPresent",
+                "command": ["sleep", "3600"],
                 "securityContext": {"allowPrivilegeEscalation": False,
                                     "capabilities": {"drop": ["ALL"]}},
                 "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
