@@ -21,8 +21,11 @@ import typer
 
 
 def _option(name: str, kind: Any, default: Any, help: str) -> inspect.Parameter:
-    # a bool is a plain flag (--save-node-models), without a --no-... twin; a path refuses ""
-    names = ("--" + name.replace("_", "-"),) if kind is bool else ()
+    # a bool is a plain flag (--save-node-models), with a --no-... twin only when it is on by
+    # default (--error-feedback / --no-error-feedback); a path refuses ""
+    flag = name.replace("_", "-")
+    names = ((f"--{flag}/--no-{flag}",) if default is True else (f"--{flag}",)) \
+        if kind is bool else ()
     option = path_option(*names, help=help) if kind in (Path, Optional[Path]) else \
         typer.Option(*names, help=help)
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,

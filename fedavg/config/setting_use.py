@@ -51,6 +51,8 @@ NEEDS = {
     "lora_targets": (lambda t: t.lora_rank > 0, "--lora-rank R (LoRA adapters)"),
     "lora_merge": (lambda t: t.lora_rank > 0, "--lora-rank R (LoRA adapters)"),
     "momentum": (lambda t: t.optimizer == "sgd", "--optimizer sgd"),
+    "topk_fraction": (lambda t: t.compress == "topk", "--compress topk"),
+    "error_feedback": (lambda t: t.compress != "none", "--compress int8, int4 or topk"),
 }
 
 

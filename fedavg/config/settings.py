@@ -45,6 +45,8 @@ from fedavg.util.errors import UserError
 OPTIMIZERS = ("sgd", "adam")
 #: Learning-rate schedules over a node's local epochs (:func:`fedavg.node.recipe.make_scheduler`).
 LR_SCHEDULES = ("constant", "cosine", "step")
+#: How a node encodes its update (:mod:`fedavg.node.compression`).
+CODECS = ("none", "int8", "int4", "topk")
 #: ``--lora-merge``: ``exact`` merges the nodes' products ``B_k A_k`` (:mod:`strategies.lora`),
 #: ``average`` averages ``A`` and ``B`` separately (:class:`fedavg.models.lora.LoraModel`).
 LORA_MERGES = ("exact", "average")
@@ -195,6 +197,12 @@ class LocalTraining:
     clip_grad_norm : float
         Largest L2 norm of a step's gradient over all parameters, >= 0: a larger one is
         scaled down to it (Pascanu et al. 2013, arXiv:1211.5063; 0: off).
+    compress : str
+        How a node sends its update (:data:`CODECS`, :mod:`fedavg.node.compression`).
+    topk_fraction : float
+        Share of an update's entries ``topk`` sends, in ``(0, 1]``.
+    error_feedback : bool
+        Keep what compression left out on the node and add it to its next update.
     """
 
     local_epochs: int = setting(1, "Local epochs per round", rule=at_least(1))
@@ -221,6 +229,13 @@ class LocalTraining:
                                   rule=non_negative())
     clip_grad_norm: float = setting(0.0, "Clip each node step's gradient to this L2 norm over "
                                     "all parameters, e.g. 1.0; 0: off", rule=non_negative())
+    compress: str = setting("none", "Node updates as sent: none, int8 or int4 (per block of "
+                            "1024 with its scale) or topk (the largest --topk-fraction, with "
+                            "their indices)", rule=one_of(CODECS))
+    topk_fraction: float = setting(0.01, "Share of an update's entries --compress topk sends",
+                                   rule=fraction(closed_low=False, closed_high=True))
+    error_feedback: bool = setting(True, "Keep what --compress left out on the node and add "
+                                   "it to its next update (--no-error-feedback: drop it)")
 
     @classmethod
     def of(cls, train: LocalTraining, defaults: Mapping[str, Any] | None = None

@@ -24,7 +24,7 @@ from flwr.clientapp import ClientApp
 import strategies
 from fedavg.models.evaluation import resolve_device
 from fedavg.models.registry import ModelSpec
-from fedavg.node import keys, lora_base
+from fedavg.node import compression, keys, lora_base
 from fedavg.node.train import train
 from fedavg.node.wire import TrainSettings
 
@@ -125,6 +125,7 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
         model = _model_for(json.dumps(cfg.model, sort_keys=True))
         state, lora_round = lora_base.round_weights(model, message, context)
         model.load_state_dict(state, strict=True)
+        received = state if cfg.local.compress != "none" else None  # the update's base
         del state
         rule, state_round = _begin_rule(cfg, model, message, context)
         started = time.perf_counter()
@@ -145,12 +146,34 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
     if lora_round is not None:  # W unchanged by training: kept for the next round's update
         lora_base.keep(context, model.state_dict(), model, lora_round)
         metrics[keys.LORA_BASE_ROUND] = lora_round
-    reply = RecordDict({keys.ARRAYS: ArrayRecord(reply_state(model)), keys.METRICS: metrics})
+    arrays = encoded_reply(reply_state(model), received, cfg, context)
+    reply = RecordDict({keys.ARRAYS: ArrayRecord(arrays), keys.METRICS: metrics})
     for key, arrays in update.arrays.items():
         reply[key] = ArrayRecord(arrays)
     if update.state is not None and context is not None:
         keep_node_state(context, cfg.method, update.state, cfg.server_round)
     return Message(reply, reply_to=message)
+
+
+def encoded_reply(state: dict[str, torch.Tensor], received: dict[str, torch.Tensor] | None,
+                  cfg: TrainSettings, context: Context | None) -> dict[str, torch.Tensor]:
+    """Return the arrays a node sends: its weights, or with ``--compress`` its update encoded.
+
+    With error feedback the node's ``Context.state`` keeps what the codec left out
+    (:data:`~fedavg.node.keys.COMPRESS_RESIDUAL`) and adds it to the next round's update.
+    """
+    if received is None:
+        return state
+    local = cfg.local
+    feedback = local.error_feedback and context is not None
+    residual = None
+    if feedback and keys.COMPRESS_RESIDUAL in context.state.array_records:
+        residual = context.state.array_records[keys.COMPRESS_RESIDUAL].to_torch_state_dict()
+    sent, left = compression.compress_update(state, received, local.compress,
+                                             local.topk_fraction, residual)
+    if feedback:
+        context.state[keys.COMPRESS_RESIDUAL] = ArrayRecord(left)
+    return sent
 
 
 def _begin_rule(cfg: TrainSettings, model: torch.nn.Module, message: Message,
@@ -206,6 +229,36 @@ def node_state_records(method: str, state: dict[str, torch.Tensor],
     """Return the ``Context.state`` records that keep a node rule's ``state``."""
     return {keys.NODE_STATE: ArrayRecord(state),
             keys.NODE_STATE_INFO: ConfigRecord({"strategy": method, "round": int(server_round)})}
+
+
+#: In a saved node state (a checkpoint's ``node.<partition>.*``), the prefix of what
+#: ``--compress`` left out (error feedback); the rest is the method's node state.
+RESIDUAL = "residual/"
+
+
+def saved_node_state(records: RecordDict | None, method: str) -> dict[str, torch.Tensor] | None:
+    """Return what a node keeps between its rounds as one state dict (``None``: nothing).
+
+    Its method's node state (``method``: empty for none) and, under :data:`RESIDUAL`, its
+    error-feedback leftover: what a checkpoint saves per node, so that ``--resume`` goes on
+    with both (:func:`node_records` is the inverse).
+    """
+    out = dict(node_state(records, method) or {}) if method else {}
+    if records is not None and keys.COMPRESS_RESIDUAL in records.array_records:
+        left = records.array_records[keys.COMPRESS_RESIDUAL].to_torch_state_dict()
+        out.update({RESIDUAL + k: v for k, v in left.items()})
+    return out or None
+
+
+def node_records(method: str, saved: dict[str, torch.Tensor], server_round: int
+                 ) -> dict[str, ArrayRecord | ConfigRecord]:
+    """Return the ``Context.state`` records of a state :func:`saved_node_state` returned."""
+    rule = {k: v for k, v in saved.items() if not k.startswith(RESIDUAL)}
+    left = {k[len(RESIDUAL):]: v for k, v in saved.items() if k.startswith(RESIDUAL)}
+    records = node_state_records(method, rule, server_round) if rule else {}
+    if left:
+        records[keys.COMPRESS_RESIDUAL] = ArrayRecord(left)
+    return records
 
 
 def keep_node_state(context: Context, method: str, state: dict[str, torch.Tensor],

@@ -63,6 +63,10 @@ and ``...:Q`` (``W_round = W_(round-1) + P @ Q``), for the rounds after ``from``
 LORA_BASE_ROUND = "lora-base-round"
 """Reply metric: the round whose adapted weights the node now holds in its state."""
 
+COMPRESS_RESIDUAL = "fedavg-compress-residual"
+"""Key of the ArrayRecord in a node's ``Context.state`` holding what ``--compress`` left out of
+its last update, per tensor (error feedback, :mod:`fedavg.node.compression`)."""
+
 LORA_STATE = "fedavg-lora-base"
 """Key of the ArrayRecord in a node's ``Context.state`` holding its adapted weights, and of
 the ConfigRecord beside it (``<key>-info``: their ``round``)."""

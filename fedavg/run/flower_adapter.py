@@ -23,7 +23,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 import strategies
 from fedavg.flower_compat import error_summary
-from fedavg.node import keys
+from fedavg.node import compression, keys
 from fedavg.util.errors import RunError
 from strategies import lora as lora_math
 
@@ -348,6 +348,8 @@ class FlowerAdapter(FlowerFedAvg):
         try:
             state, weight, metrics = parse_reply(msg)
             partition = int(metrics.get(keys.PARTITION_ID, -1))
+            # a compressed update (--compress): the round's weights plus it, decoded
+            state = compression.decode_reply(state, self.reference)
             if self.exact_lora:  # node k's model is W + s B_k A_k: merges see the products
                 state = lora_math.fold_reply(state, self.reference, self.exact_lora)
             self._check_norm(state, node)

@@ -28,7 +28,7 @@ from fedavg.config.settings import RunConfig
 from fedavg.models.evaluation import evaluate, evaluation_device
 from fedavg.models.sources import first_line
 from fedavg.node import keys
-from fedavg.node.clientapp import node_state
+from fedavg.node.clientapp import saved_node_state
 from fedavg.node.wire import TrainSettings
 from fedavg.run import checkpoint, resume
 from fedavg.run.display import Progress
@@ -457,12 +457,15 @@ class ServerRun:
             self.progress.on_note(merged.info["note"])
 
     def _node_states(self) -> dict[int, dict[str, torch.Tensor]]:
-        """By partition, the node states the run's method keeps (simulation only)."""
-        strategy = self.prepared.strategy
-        if self.node_contexts is None or strategy.node_rule is None:
-            return {}
+        """By partition, what the nodes keep between rounds (simulation only).
 
-        return self.node_contexts.states(lambda records: node_state(records, strategy.name))
+        The method's node state and ``--compress``'s error-feedback leftover.
+        """
+        strategy = self.prepared.strategy
+        if self.node_contexts is None:
+            return {}
+        method = strategy.name if strategy.node_rule is not None else ""
+        return self.node_contexts.states(lambda records: saved_node_state(records, method))
 
     def _record(self, server_round: int, res: dict) -> RoundRecord:
         info = self.adapter.last_train

@@ -1454,3 +1454,21 @@ def test_text_across_machines_and_a_node_with_images(cluster, tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("fedavg/num_nodes")] == [(1, 2), (2, 2)]
     for n in nodes:
         assert cluster.wait(n, 60) == 0, cluster.log(n.name)
+
+
+@pytest.mark.e2e
+def test_compressed_updates_across_machines(cluster, certs, tmp_path):
+    """--compress int8 across machines: the coordinator receives a quarter of the bytes."""
+    out = tmp_path / "run"
+    coord = cluster.coordinator("--rounds", "2", "--min-nodes", "2", "--certs", certs,
+                                "--compress", "int8", "--output", out)
+    nodes = [cluster.node(f"node{i}", "--certs", certs, "--partition-id", i,
+                          "--num-partitions", 2, "--once") for i in range(2)]
+    assert cluster.wait(coord) == 0, cluster.log("coordinator")
+    for n in nodes:
+        assert cluster.wait(n, 60) == 0, cluster.log(n.name)
+    rounds = rounds_of(out)
+    assert [r["num_nodes"] for r in rounds] == [2, 2]
+    for r in rounds:  # down: the model whole; up: int8 updates (the biases as they are)
+        assert 0.2 < r["bytes_from_nodes"] / r["bytes_to_nodes"] < 0.3, r
+    assert rounds[-1]["accuracy"] >= 0.8

@@ -402,10 +402,10 @@ def _engine(config: RunConfig, prepared: run.Prepared, state: run.RunState, back
 def _node_contexts(method: str, resume_from=None):
     """Return the engine's node contexts, seeded with a resumed run's node states."""
     # lazy: loads cryptography, flwr, which only this path needs
-    from fedavg.node.clientapp import node_state_records
+    from fedavg.node.clientapp import node_records
 
     saved = {} if resume_from is None else resume_from.node_states
-    return NodeContexts({pid: node_state_records(method, sd, resume_from.round)
+    return NodeContexts({pid: node_records(method, sd, resume_from.round)
                          for pid, sd in saved.items()})
 
 
