@@ -9,6 +9,7 @@ Other installed packages add strategies through the ``fedavg.strategies`` entry-
 """
 
 from strategies import dare as _dare  # noqa: F401  (importing a module registers it)
+from strategies import diloco as _diloco  # noqa: F401
 from strategies import ensemble as _ensemble  # noqa: F401
 from strategies import fedavg as _fedavg  # noqa: F401
 from strategies import feddyn as _feddyn  # noqa: F401

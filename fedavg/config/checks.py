@@ -7,6 +7,7 @@ messages name the command-line flags.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -113,10 +114,25 @@ def check_strategy(c: RunConfig) -> str | None:
     if cls.one_shot and m.swa_start is not None:
         return (f"--swa-start averages the models of several rounds; {m.strategy} is a "
                 "one-shot merge of one round: leave --swa-start out")
-    if cls.node_rule is not None and c.train.optimizer not in cls.node_rule.optimizers:
+    if cls.node_rule is not None and \
+            node_value(c.train, "optimizer", cls.node_defaults) not in cls.node_rule.optimizers:
         return (f"{m.strategy}'s update rule assumes {' or '.join(cls.node_rule.optimizers)} "
                 f"local steps; use --optimizer {cls.node_rule.optimizers[0]}")
     return None
+
+
+def node_value(train, name: str, node_defaults) -> object:
+    """Return node setting ``name`` of ``train`` as the nodes train with it.
+
+    Given, its value; else the strategy's node default, else the setting's declared fallback
+    (:func:`fedavg.config.settings.node_setting`).
+    """
+    value = getattr(train, name)
+    if value is not None:
+        return value
+    if name in node_defaults:
+        return node_defaults[name]
+    return next(f.metadata["fallback"] for f in dataclasses.fields(train) if f.name == name)
 
 
 #: The checks in the order :meth:`RunConfig.validate` runs them; :func:`check_strategy` runs

@@ -8,6 +8,9 @@ points that would train exactly as another one (:func:`fedavg.sweeps.grid.repeat
 
 from __future__ import annotations
 
+import dataclasses
+
+from fedavg.config.checks import node_value
 from fedavg.data.partition import get_partitioner, partitioner_names
 
 #: Config settings that feed a partitioner parameter (``partition_by`` gives ``groups``).
@@ -51,25 +54,30 @@ NEEDS = {
     "lora_targets": (lambda t: t.lora_rank > 0, "--lora-rank R (LoRA adapters)"),
     "lora_merge": (lambda t: t.lora_rank > 0, "--lora-rank R (LoRA adapters)"),
     "momentum": (lambda t: t.optimizer == "sgd", "--optimizer sgd"),
+    "local_epochs": (lambda t: not t.local_steps, "--local-steps 0 (its default)"),
     "topk_fraction": (lambda t: t.compress == "topk", "--compress topk"),
     "error_feedback": (lambda t: t.compress != "none", "--compress int8, int4 or topk"),
 }
 
 
-def unused_train_notes(train_config) -> list[str]:
+def unused_train_notes(train_config, node_defaults=None) -> list[str]:
     """Say which model and node settings, given, do nothing with the run's other settings.
 
     ``train_config`` is a :class:`fedavg.config.settings.TrainConfig`; a setting counts as
     given when it differs from its default (``None``: not given, for those a strategy may
-    default). One rule (:data:`NEEDS`), noted once per run, not refused: a sweep may vary
-    it over points where it acts and points where it does not.
+    default, with ``node_defaults``, the strategy's). One rule (:data:`NEEDS`), noted once
+    per run, not refused: a sweep may vary it over points where it acts and points where it
+    does not.
     """
     default = type(train_config)()
+    acting = dataclasses.replace(train_config, **{  # as the nodes train
+        f.name: node_value(train_config, f.name, node_defaults or {})
+        for f in dataclasses.fields(train_config) if "fallback" in f.metadata})
     notes = []
     for setting, (applies, needs) in NEEDS.items():
         value = getattr(train_config, setting)
         if value is not None and value != getattr(default, setting) and \
-                not applies(train_config):
+                not applies(acting):
             notes.append(f"--{setting.replace('_', '-')} {value} does nothing without "
                          f"{needs}")
     return notes

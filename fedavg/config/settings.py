@@ -42,7 +42,7 @@ from fedavg.config.values import (
 from fedavg.util.errors import UserError
 
 #: Node optimizers (:func:`fedavg.node.train.train`).
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 #: Learning-rate schedules over a node's local epochs (:func:`fedavg.node.recipe.make_scheduler`).
 LR_SCHEDULES = ("constant", "cosine", "step")
 #: How a node encodes its update (:mod:`fedavg.node.compression`).
@@ -177,8 +177,11 @@ class LocalTraining:
         or 0.9 (:func:`node_setting`).
     weight_decay : float
         L2 penalty.
+    local_steps : int
+        Optimizer steps per round (0: ``local_epochs`` passes instead); a strategy may
+        default it (DiLoCo's inner steps).
     optimizer : str
-        ``sgd`` or ``adam`` (:data:`OPTIMIZERS`), fresh each round on each node.
+        ``sgd``, ``adam`` or ``adamw`` (:data:`OPTIMIZERS`), fresh each round on each node.
     lr_schedule : str
         ``constant``, ``cosine`` or ``step`` over a node's local epochs of a round
         (:mod:`fedavg.node.recipe`).
@@ -206,13 +209,17 @@ class LocalTraining:
     """
 
     local_epochs: int = setting(1, "Local epochs per round", rule=at_least(1))
+    local_steps: int | None = node_setting(0, "Optimizer steps per round instead of "
+                                           "--local-epochs, cycling over the node's data; 0: "
+                                           "--local-epochs passes", rule=at_least(0))
     batch_size: int = setting(32, "Samples per SGD step", rule=at_least(1))
     lr: float | None = node_setting(0.05, "Learning rate (of --optimizer)", rule=positive())
     momentum: float | None = node_setting(0.9, "SGD momentum",
                                           rule=fraction(closed_low=True, closed_high=False))
     weight_decay: float = setting(0.0, "L2 penalty", rule=non_negative())
-    optimizer: str = setting("sgd", "Node optimizer: sgd (with --momentum) or adam",
-                             rule=one_of(OPTIMIZERS))
+    optimizer: str | None = node_setting("sgd", "Node optimizer: sgd (with --momentum), adam "
+                                         "or adamw (decoupled --weight-decay)",
+                                         rule=one_of(OPTIMIZERS))
     lr_schedule: str = setting("constant", "Learning rate over a node's local epochs: "
                                "constant, cosine (to 0) or step (x0.1 at 1/2 and 3/4)",
                                rule=one_of(LR_SCHEDULES))

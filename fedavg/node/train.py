@@ -31,9 +31,27 @@ def _batches(n: int, batch_size: int, generator: torch.Generator | None, smalles
             yield order[start : start + batch_size]
 
 
+def _round_batches(n: int, local: LocalTraining, g: torch.Generator, smallest: int):
+    """Yield a round's batches: ``local_steps`` of them, else ``local_epochs`` passes."""
+    if not local.local_steps:
+        for _ in range(local.local_epochs):
+            yield from _batches(n, local.batch_size, g, smallest)
+        return
+    left = local.local_steps
+    while left:
+        before = left
+        for idx in _batches(n, local.batch_size, g, smallest):
+            yield idx
+            left -= 1
+            if not left:
+                return
+        if left == before:  # a pass without a batch (one sample, BatchNorm): nothing to do
+            return
+
+
 def make_optimizer(model: nn.Module, name: str, *, lr: float, momentum: float,
                    weight_decay: float) -> torch.optim.Optimizer:
-    """Return a fresh ``sgd`` (with ``momentum``) or ``adam`` optimizer over ``model``.
+    """Return a fresh ``sgd`` (with ``momentum``), ``adam`` or ``adamw`` optimizer over ``model``.
 
     Raises
     ------
@@ -43,9 +61,11 @@ def make_optimizer(model: nn.Module, name: str, *, lr: float, momentum: float,
     params = trainable(model)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    if name == "adamw":  # decoupled weight decay: Loshchilov and Hutter 2019, arXiv:1711.05101
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {name!r}; use sgd or adam")
+    raise ValueError(f"unknown optimizer {name!r}; use sgd, adam or adamw")
 
 
 def train(
@@ -74,8 +94,9 @@ def train(
         Normalisation, :meth:`fedavg.data.load.LoadedData.input_spec`.
     local : LocalTraining
         How to train (each option's meaning is declared there): ``local_epochs`` passes
-        over the data at ``batch_size`` samples a step; a fresh ``optimizer`` each call
-        (``sgd`` with ``momentum``, or ``adam``: Kingma and Ba 2015, arXiv:1412.6980), so a
+        over the data at ``batch_size`` samples a step, or ``local_steps`` steps; a fresh
+        ``optimizer`` each call (``sgd`` with ``momentum``, ``adam``: Kingma and Ba 2015,
+        arXiv:1412.6980, or ``adamw``), so a
         node's optimizer state does not outlive its round; ``lr`` decayed by
         ``lr_decay ** (server_round - 1)``, then ``lr_schedule`` over this call's steps;
         ``augment`` each batch with the default of its kind of input (both
@@ -107,7 +128,7 @@ def train(
     opt = make_optimizer(model, local.optimizer,
                          lr=round_lr(local.lr, local.lr_decay, server_round),
                          momentum=local.momentum, weight_decay=local.weight_decay)
-    sched = make_scheduler(opt, local.lr_schedule,
+    sched = make_scheduler(opt, local.lr_schedule, local.local_steps or
                            local.local_epochs * math.ceil(len(yt) / local.batch_size))
     aug = augmenter(input_spec) if local.augment else None
     g = torch.Generator().manual_seed(seed)
@@ -116,14 +137,12 @@ def train(
     total = count = steps = 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # the augmentations' draws, without touching the caller's
-        for _ in range(local.local_epochs):
-            for idx in _batches(len(yt), local.batch_size, g, smallest):
-                xb = normalize((xt[idx] if aug is None else aug(xt[idx])).to(device), input_spec)
-                loss = _step(model, opt, xb, yt[idx].to(device), *extras,
-                             clip=local.clip_grad_norm)
-                if sched is not None:
-                    sched.step()
-                total, count, steps = total + loss * len(idx), count + len(idx), steps + 1
+        for idx in _round_batches(len(yt), local, g, smallest):
+            xb = normalize((xt[idx] if aug is None else aug(xt[idx])).to(device), input_spec)
+            loss = _step(model, opt, xb, yt[idx].to(device), *extras, clip=local.clip_grad_norm)
+            if sched is not None:
+                sched.step()
+            total, count, steps = total + loss * len(idx), count + len(idx), steps + 1
     if count and not math.isfinite(total):
         raise FloatingPointError(_diverged(total / count, *extras[1:]))
     return {"train_loss": total / max(count, 1), "num_examples": int(len(yt)), "steps": steps}

@@ -79,7 +79,8 @@ class TrainSettings:
         """Return the ``flwr.app.ConfigRecord`` sent with each round's model."""
         from flwr.app import ConfigRecord
 
-        out = {_kebab(f.name): getattr(self.local, f.name) for f in fields(LocalTraining)}
+        local = self.local.resolved()  # a node setting not given: its declared fallback
+        out = {_kebab(f.name): getattr(local, f.name) for f in fields(LocalTraining)}
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in self._JSON:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from fedavg.config.checks import node_value
 from fedavg.config.values import format_value
 from fedavg.data.partition import label_counts, values_per_node
 from fedavg.util.units import size
@@ -128,7 +129,7 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
         f"{node_defaults_text(config)}, "
         f"{_plural(config.merge.rounds, 'round')}, "
         f"{config.nodes_per_round}/{config.merge.num_nodes} "
-        f"nodes per round, {config.train.local_epochs} local epoch(s)"
+        f"nodes per round, {_local_work(config, prepared.strategy)}"
         + recipe_text(config, prepared)
     )
 
@@ -196,6 +197,12 @@ def _recipe(config: RunConfig, input_spec: dict[str, Any]) -> str:
     if config.merge.swa_start is not None:
         parts.append(f"weight average of rounds >= {config.merge.swa_start} (SWA)")
     return "".join(f", {p}" for p in parts)
+
+
+def _local_work(config, strategy) -> str:
+    """``1 local epoch(s)``, or ``50 local steps`` with ``--local-steps``."""
+    steps = node_value(config.train, "local_steps", strategy.node_defaults)
+    return f"{steps} local steps" if steps else f"{config.train.local_epochs} local epoch(s)"
 
 
 def _plural(n: int, word: str) -> str:

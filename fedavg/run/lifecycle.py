@@ -218,7 +218,8 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
     if d.tokenizer != "hashed" and data.kind != "text":
         data.notes.append(f"--tokenizer {d.tokenizer} does nothing for {data.kind} inputs "
                           "(it tokenizes text only)")
-    data.notes.extend(unused_setting_notes(d) + unused_train_notes(config.train))
+    data.notes.extend(unused_setting_notes(d) + unused_train_notes(
+        config.train, strategy.node_defaults))
     if features := data.columns.get("features"):  # chosen, not named: say which
         data.notes.append(f"tabular: label column {data.columns['label']!r}, {len(features)} "
                           f"feature column(s): {', '.join(features[:8])}"

@@ -50,7 +50,8 @@ def test_unknown_and_mistyped_settings():
     with pytest.raises(UserError, match=r"^unknown setting 'round' \(did you mean 'rounds'\?\); "
                                         r"known: alpha, "):
         RunConfig.from_flat({"round": 3})
-    with pytest.raises(UserError, match=r"'lokal_epochs' \(did you mean 'local-epochs'\?\)"):
+    with pytest.raises(UserError,
+                       match=r"'lokal_epochs' \(did you mean 'local-epochs' or 'local-steps'\?\)"):
         RunConfig.from_flat({"lokal_epochs": 3})
     with pytest.raises(UserError, match=r"^unknown setting 'zzz'; known: "):  # nothing close
         RunConfig.from_flat({"zzz": 3})

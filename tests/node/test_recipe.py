@@ -69,6 +69,24 @@ def test_train_steps_the_schedule_over_the_local_epochs(stepped_lrs):
     assert stepped_lrs == pytest.approx([0.1, 0.0853553, 0.05, 0.0146447], abs=1e-7)
 
 
+def test_local_steps_take_that_many_steps_over_the_epochs(stepped_lrs):
+    x = np.random.default_rng(0).normal(size=(8, 2)).astype(np.float32)
+    y = np.array([0, 1] * 4)
+    # 8 samples, batch 4: 2 steps a pass; 5 steps are two passes and one batch of a third,
+    # and the cosine runs over the 5 steps (--local-epochs does not count)
+    stats = train(nn.Linear(2, 2), x, y, TABULAR, LocalTraining(
+        local_epochs=9, local_steps=5, batch_size=4, lr=0.1, lr_schedule="cosine"))
+    assert stats["steps"] == 5
+    cosine = [0.05 * (1 + math.cos(math.pi * k / 5)) for k in range(5)]
+    assert stepped_lrs == pytest.approx(cosine, abs=1e-7)
+
+
+def test_adamw_decouples_weight_decay():
+    model = nn.Linear(2, 2)
+    opt = train_mod.make_optimizer(model, "adamw", lr=0.1, momentum=0.0, weight_decay=0.01)
+    assert isinstance(opt, torch.optim.AdamW) and opt.param_groups[0]["weight_decay"] == 0.01
+
+
 def test_round_lr_decays_by_hand():
     assert round_lr(0.1, 0.5, 1) == 0.1
     assert round_lr(0.1, 0.5, 3) == pytest.approx(0.025)  # 0.1 * 0.5^2

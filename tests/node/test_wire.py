@@ -17,6 +17,7 @@ def _settings(**change):
                   local=LocalTraining(local_epochs=3, batch_size=16, lr=0.1, momentum=0.5,
                                       weight_decay=1e-4))
     values.update(change)
+    values["local"] = values["local"].resolved()  # as a run sends it: every setting filled
     return TrainSettings(**values)
 
 
