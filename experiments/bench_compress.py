@@ -139,6 +139,7 @@ def write(rows: list[dict], cost: dict[str, float], args, out: Path) -> None:
 
 
 def main() -> None:
+    """Run the legs, then write the table, the plot and the codecs' cost."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "mnist")
     parser.add_argument("--rounds", type=int, default=10)
