@@ -9,6 +9,7 @@ import pytest
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 sys.path[:0] = [str(EXPERIMENTS), str(EXPERIMENTS / "plain_flower")]
 
+import bench_compress  # noqa: E402
 import bench_overhead  # noqa: E402
 import bench_scale  # noqa: E402
 
@@ -107,3 +108,20 @@ def test_cold_start_medians_and_table_cover_every_phase():
     header, row = text.splitlines()
     assert header.split()[1:] == ["wall", *bench_cold.PHASES, "round"]
     assert row.split()[:2] == ["this", "12.00"] and "nan" in row  # a phase not measured
+
+
+def test_compression_legs_name_their_options():
+    assert bench_compress.leg_args("fedavg/none") == []
+    assert bench_compress.leg_args("fedavg/topk1-noef") == [
+        "--compress", "topk", "--topk-fraction", "0.01", "--no-error-feedback"]
+    assert bench_compress.leg_args("diloco/int8") == [
+        "--strategy", "diloco", "--local-steps", "190", "--compress", "int8"]
+
+
+def test_compression_summary_counts_the_uplink_to_the_target():
+    rounds = [{"round": i + 1, "accuracy": a, "bytes_from_nodes": 100, "bytes_to_nodes": 400,
+               "wall_s": w} for i, (a, w) in enumerate([(0.5, 9.0), (0.97, 2.0), (0.981, 3.0),
+                                                       (0.99, 4.0)])]
+    row = bench_compress.summarise("fedavg/int8", rounds, 0.98, baseline_up=400)
+    assert row["reached"] == {"round": 3, "uplink_bytes": 300}
+    assert row["up_share"] == 0.25 and row["round_s"] == 3.0 and row["best"] == 0.99

@@ -11,6 +11,7 @@ import pytest
 from helpers.cli import run_cli
 
 import strategies
+from fedavg.config.values import format_value
 
 pytestmark = pytest.mark.e2e
 
@@ -44,7 +45,7 @@ def test_the_strategys_defaults_train_skewed_digits(tmp_path, name, no_leaks):
     defaults = strategies.strategy_class(name).node_defaults
     for key, value in defaults.items():  # applied, recorded and shown
         assert meta["local_training"][key] == value
-        assert f"--{key.replace('_', '-')} {value!r}" in proc.stdout
+        assert f"--{key.replace('_', '-')} {format_value(value)}" in proc.stdout
 
 
 def test_krum_on_skewed_partitions_says_it_keeps_one_nodes_model(tmp_path, no_leaks):
