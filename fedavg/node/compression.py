@@ -13,10 +13,10 @@ Codecs (each encoded tensor ``k`` becomes entries ``k#<part>`` of the record):
 ``int8``
     Symmetric 8-bit quantisation per block of :data:`BLOCK` entries: ``q = round(x / s)`` in
     ``[-127, 127]`` with ``s = max|x| / 127`` per block (``k#q8``: int8, ``k#s``: float32
-    scales). Error at most ``s / 2`` per entry. About 25.4 % of float32's bytes.
+    scales). Error at most ``s / 2`` per entry. About 25.1 % of float32's bytes.
 ``int4``
     The same with ``[-7, 7]`` and ``s = max|x| / 7``, two values per byte (``k#q4``: uint8).
-    Error at most ``s / 2``. About 12.9 % of float32's bytes.
+    Error at most ``s / 2``. About 12.6 % of float32's bytes.
 ``topk``
     The ``ceil(f n)`` entries of largest magnitude, ``f`` = ``--topk-fraction`` (``k#i``:
     int32 flat indices, ``k#v``: float32 values); the rest is 0 (Aji and Heafield 2017,
@@ -37,7 +37,7 @@ from fedavg.config.settings import CODECS
 
 __all__ = ["BLOCK", "CODECS", "MIN_NUMEL", "compress_update", "compressible", "decode",
            "decode_reply", "encode"]
-#: Entries per quantisation block (one float32 scale each: 0.4 % more bytes at int8).
+#: Entries per quantisation block (one float32 scale each: 0.1 % of float32's bytes more).
 BLOCK = 1024
 #: Floating tensors with fewer entries travel as they are (biases, norms, small heads).
 MIN_NUMEL = 1024
