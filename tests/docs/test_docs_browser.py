@@ -27,7 +27,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 PAGES = {  # path: (the page's heading, a line of text of its own)
     "": ("fedavg", "Train many, then merge."),
     "reference/cli/": ("Command line", "fedavg simulate [OPTIONS]"),
-    "how-to/data/": ("Datasets", "scikit-learn's 1,797 8x8 digits"),
+    "how-to/data/": ("Your own data", "scikit-learn's 1,797 8x8 digits"),
     "getting-started/": ("Getting started", "fedavg simulate --output runs/first"),
 }
 
