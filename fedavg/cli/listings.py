@@ -39,7 +39,7 @@ def list_models() -> None:
     from rich.table import Table
 
     # lazy: loads with its command: `fedavg --help` stays fast
-    from fedavg.models.registry import available_models
+    from fedavg.models.registry import AUTO_CHOICE, available_models
     from fedavg.models.sources import FORMS
 
     table = Table()
@@ -47,8 +47,7 @@ def list_models() -> None:
         table.add_column(column, overflow="fold")
     for name, desc in available_models().items():
         table.add_row(name, desc)
-    table.add_row("auto", "fasttext for text, mlp for tabular or < 16x16 inputs, cnn for grey, "
-                  "cnn-cifar for colour")
+    table.add_row("auto", AUTO_CHOICE)
     console.print(table)
     console.print("Or bring your own with --model (and --model-arg KEY=VALUE, repeatable, for "
                   "any model's builder, e.g. --model mlp --model-arg hidden=64; kept in "

@@ -154,7 +154,7 @@ def models_markdown() -> str:
         Markdown: every registered model name with its description, then the forms that
         bring a model of your own (``torchvision:NAME``, ``hf:PATH``, your builder).
     """
-    from fedavg.models.registry import available_models
+    from fedavg.models.registry import AUTO_CHOICE, available_models
     from fedavg.models.sources import FORMS
 
     lines = ["# Models", "",
@@ -162,8 +162,7 @@ def models_markdown() -> str:
              "lists). Pick one with `--model NAME`; `--model-arg KEY=VALUE` passes arguments "
              "to its builder.", "", "| `--model` | what it is |", "|---|---|"]
     lines += [f"| `{name}` | {_cell(desc)} |" for name, desc in available_models().items()]
-    lines += ["| `auto` (default) | fasttext for text, mlp for tabular or < 16x16 inputs, cnn "
-              "for grey images, cnn-cifar for colour |", "",
+    lines += [f"| `auto` (default) | {AUTO_CHOICE} |", "",
               "## Models of your own", "", "| form | what it is |", "|---|---|"]
     lines += [f"| `{form}` | {_cell(desc)} |" for form, desc in FORMS]
     return "\n".join(lines) + "\n"

@@ -35,6 +35,10 @@ from fedavg.models.sources import (
 )
 from fedavg.util.errors import UserError, first_line
 
+#: What ``--model auto`` (the default) picks, as ``fedavg models`` and the docs say it.
+AUTO_CHOICE = ("fasttext for text, mlp for tabular or < 16x16 inputs, cnn for grey images, "
+               "cnn-cifar for colour")
+
 
 def available_models() -> dict[str, str]:
     """Return the registered model names and their one-line descriptions."""
