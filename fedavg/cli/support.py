@@ -146,6 +146,11 @@ def on_signal(message, cleanup=None):
         if stopping:  # a second signal while stopping: the first one finishes the job
             return
         stopping.append(signum)
+        if signum == signal.SIGHUP:  # the terminal is gone: writes to it would fail
+            # lazy: loads with its command: `fedavg --help` stays fast
+            from fedavg.util.interrupts import detach_lost_terminal
+
+            detach_lost_terminal()
         console.quiet = True  # no round line printed by another thread after the message
         # The signal may land inside an import (rich loads its emoji table at the first
         # print): the same import here then fails on the half-made module. Each step falls
@@ -221,6 +226,11 @@ def interrupted(output: Path | None) -> str:
 
 
 def _terminated(signum, frame) -> None:
+    if signum == signal.SIGHUP:
+        # lazy: loads with its command: `fedavg --help` stays fast
+        from fedavg.util.interrupts import detach_lost_terminal
+
+        detach_lost_terminal()
     raise KeyboardInterrupt
 
 

@@ -37,7 +37,7 @@ from fedavg.sweeps.plan import (
     read_json,
 )
 from fedavg.util.errors import UserError
-from fedavg.util.interrupts import stoppers
+from fedavg.util.interrupts import detach_lost_terminal, stoppers
 
 
 def point_process(cmd: list[str], **kwargs) -> subprocess.Popen:
@@ -218,6 +218,8 @@ class Runner:
         return 130 if self.stop_signal is not None else (1 if failed else 0)
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGHUP:  # the terminal is gone: writes to it would fail
+            detach_lost_terminal()
         if self.stop_signal is None:
             self.stop_signal = signum
 

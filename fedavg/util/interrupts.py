@@ -8,7 +8,9 @@ import of it in the same Python process fails ("partially initialized module 'to
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import stat
 import threading
 
 
@@ -22,6 +24,25 @@ def stoppers() -> tuple[int, ...]:
     """
     return tuple(sig for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
                  if signal.getsignal(sig) is not signal.SIG_IGN)
+
+
+def detach_lost_terminal() -> None:
+    """After a hangup, send standard output and error that went to the terminal to /dev/null.
+
+    A terminal that hung up (an ssh session or a tmux pane closed) fails every later write
+    with ``EIO``; what a clean stop prints after SIGHUP (its "interrupted" line, a progress
+    bar's last refresh) would then end the stop with a traceback and exit code 1. Streams
+    that are not a terminal (a log file, a pipe) are left as they are.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            if stat.S_ISCHR(os.fstat(fd).st_mode):  # a terminal (isatty fails once hung up)
+                os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 @contextlib.contextmanager
