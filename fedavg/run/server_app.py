@@ -462,8 +462,9 @@ class ServerRun:
         The method's node state and ``--compress``'s error-feedback leftover.
         """
         strategy = self.prepared.strategy
-        if self.node_contexts is None:
-            return {}
+        feedback = self.config.train.compress != "none" and self.config.train.error_feedback
+        if self.node_contexts is None or (strategy.node_rule is None and not feedback):
+            return {}  # nothing kept: no pass over every node's context (10,000 nodes)
         method = strategy.name if strategy.node_rule is not None else ""
         return self.node_contexts.states(lambda records: saved_node_state(records, method))
 
