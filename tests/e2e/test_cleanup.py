@@ -371,36 +371,3 @@ def test_simulate_leading_its_terminal_leaves_nothing(tmpdir_env, tmp_path, how)
         assert re.search(r"(^|\n)interrupted", text.replace("\r\x1b[2K", "\n")), text
     assert not wait_gone(tag), "processes left behind"
     assert leftovers(tmpdir_env) == []
-
-
-def test_a_hangup_reaching_rays_processes_first_leaves_the_run_going(tmpdir_env, tmp_path):
-    """A terminal's hangup reaches every process of its foreground group, Ray's too.
-
-    Ray's processes keep SIGHUP blocked (as Ray keeps SIGINT), so that one reaching them
-    before the driver cannot kill the raylet under it (the driver then ended with exit code 1,
-    not its own clean stop): here SIGHUP goes to Ray's processes alone, and the run trains on
-    to its end.
-    """
-    tag = uuid.uuid4().hex
-    out = tmp_path / "run"
-    env = {**os.environ, "TMPDIR": str(tmpdir_env), "FEDAVG_TEST_TAG": tag}
-    proc = subprocess.Popen([sys.executable, "-m", "fedavg.cli", "simulate", "--num-nodes", "2",
-                             "--rounds", "4", "--output", str(out)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for_round(out, proc)
-        ray = [int(p.split(":")[0]) for p in cluster_processes(tag)
-               if int(p.split(":")[0]) != proc.pid]
-        assert any("raylet" in p for p in cluster_processes(tag))
-        for pid in ray:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGHUP)
-        output, _ = proc.communicate(timeout=within(180))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, output[-3000:]
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
-    assert not wait_gone(tag), "processes left behind"
-    assert leftovers(tmpdir_env) == []

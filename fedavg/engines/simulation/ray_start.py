@@ -13,7 +13,6 @@ waits for Ray.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 from typing import Any
@@ -110,12 +109,6 @@ class RayStart:
         return self
 
     def _start(self) -> None:
-        # Ray's processes inherit the signal mask of the thread that starts them. Ray blocks
-        # SIGINT in them (Ctrl-C at a terminal reaches its whole foreground group, and the
-        # driver stops Ray in order); SIGHUP too, here: a terminal that hangs up then ends the
-        # run through the driver's own handler (exit 130), not by killing the raylet under a
-        # driver that Ray then ends with exit code 1.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
         try:
             init_ray(self.backend, self.temp_dir)
             # lazy: loads cryptography, flwr, torch, which only this path needs
