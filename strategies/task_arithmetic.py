@@ -41,11 +41,8 @@ def trained_floats(reference: StateDict, buffers=frozenset()) -> dict:
             if is_float(v.dtype) and k not in buffers}
 
 
-class TaskVectorMerge(_Collect):
-    """Merge node models through their task vectors from the start ``begin`` is given.
-
-    Subclasses implement :meth:`combine_vectors`.
-    """
+class _FromStart:
+    """A merge scaled by ``--merge-scale`` from the start every node trained from."""
 
     needs_start = True
     options = (MERGE_SCALE,)
@@ -55,9 +52,16 @@ class TaskVectorMerge(_Collect):
         check_scale(self.merge_scale)
 
     def begin(self, reference: StateDict, buffers=frozenset(), context=None) -> None:
-        """Start a merge of task vectors from ``reference``, the model every node started from."""
+        """Start a merge from ``reference``, the model every node started from."""
         super().begin(reference, buffers, context)
         self._start = trained_floats(reference, buffers)
+
+
+class TaskVectorMerge(_FromStart, _Collect):
+    """Merge node models through their task vectors from the start ``begin`` is given.
+
+    Subclasses implement :meth:`combine_vectors`.
+    """
 
     def combine(self) -> Merged:
         """Return ``start + merge_scale * combine_vectors(...)`` for every trained parameter."""
@@ -102,7 +106,7 @@ def _weighted_mean(stack: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 @register
-class TaskArithmetic(FedAvg):
+class TaskArithmetic(_FromStart, FedAvg):
     """The start plus ``merge_scale`` times the sample-weighted mean task vector.
 
     That is ``w_0 + lambda * (FedAvg - w_0)``: folded in one model at a time like FedAvg, so
@@ -117,17 +121,6 @@ class TaskArithmetic(FedAvg):
     name = "task-arithmetic"
     description = "start + merge_scale x weighted mean of the task vectors (w_k - w_0)"
     paper = "Ilharco et al. 2023, Editing Models with Task Arithmetic, arXiv:2212.04089"
-    needs_start = True
-    options = (MERGE_SCALE,)
-
-    def check(self) -> None:
-        """``merge_scale`` must be > 0."""
-        check_scale(self.merge_scale)
-
-    def begin(self, reference: StateDict, buffers=frozenset(), context=None) -> None:
-        """Start a merge from ``reference``, the model every node started from."""
-        super().begin(reference, buffers, context)
-        self._start = trained_floats(reference, buffers)
 
     def result(self) -> Merged:
         """Return ``start + merge_scale * (weighted mean - start)``; buffers keep the mean."""

@@ -35,14 +35,13 @@ def _default(param: click.Parameter) -> str:
     return _code(format_value(default) if isinstance(default, float) else default)
 
 
-def _kind(param: click.Parameter, ctx: click.Context) -> str:
+def _kind(param: click.Parameter) -> str:
     if getattr(param, "is_flag", False):
         return "flag"
     if isinstance(param.type, click.Choice):
         return " \\| ".join(_code(c) for c in param.type.choices)
     name = param.type.name.upper()
-    return "PATH" if name in ("PATH", "PATH_OR_EMPTY", "NON_EMPTY_PATH") or \
-        "PATH" in name else {"TEXT": "TEXT", "STRING": "TEXT"}.get(name, name)
+    return "PATH" if "PATH" in name else "TEXT" if name == "STRING" else name
 
 
 def _param_rows(command: click.Command, ctx: click.Context) -> list[str]:
@@ -55,7 +54,7 @@ def _param_rows(command: click.Command, ctx: click.Context) -> list[str]:
         else:
             names = ", ".join(_code(o) for o in param.opts + param.secondary_opts)
         help_text = getattr(param, "help", None) or ""
-        rows.append(f"| {names} | {_kind(param, ctx)} | {_default(param)} | {_cell(help_text)} |")
+        rows.append(f"| {names} | {_kind(param)} | {_default(param)} | {_cell(help_text)} |")
     return rows
 
 

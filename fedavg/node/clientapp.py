@@ -146,8 +146,8 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
     if lora_round is not None:  # W unchanged by training: kept for the next round's update
         lora_base.keep(context, model.state_dict(), model, lora_round)
         metrics[keys.LORA_BASE_ROUND] = lora_round
-    arrays = encoded_reply(reply_state(model), received, cfg, context)
-    reply = RecordDict({keys.ARRAYS: ArrayRecord(arrays), keys.METRICS: metrics})
+    sent = encoded_reply(reply_state(model), received, cfg, context)
+    reply = RecordDict({keys.ARRAYS: ArrayRecord(sent), keys.METRICS: metrics})
     for key, arrays in update.arrays.items():
         reply[key] = ArrayRecord(arrays)
     if update.state is not None and context is not None:

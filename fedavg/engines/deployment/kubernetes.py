@@ -20,6 +20,8 @@ import os
 import re
 from pathlib import Path
 
+import yaml
+
 from fedavg.util.errors import UserError
 
 #: The Service the nodes dial, a name the coordinator's certificate holds.
@@ -72,8 +74,6 @@ def _data_patch(claim: str) -> dict:
                                                                 "readOnly": True}}},
            {"op": "add", "path": "/spec/template/spec/containers/0/volumeMounts/-",
             "value": {"name": "data", "mountPath": "/data", "readOnly": True}}]
-    import yaml
-
     return {"target": {"kind": "Job", "labelSelector": "app.kubernetes.io/name=fedavg"},
             "patch": yaml.safe_dump(ops, sort_keys=False)}
 
@@ -181,8 +181,6 @@ def write_deployment(folder: Path, nodes: int, overlay: str = "cpu",
         A bad option value, no manifests, or ``folder`` holding a run (without
         ``overwrite``).
     """
-    import yaml
-
     from fedavg.engines.deployment.certs import make_certs
 
     manifests = (manifests or default_manifests()).resolve()
