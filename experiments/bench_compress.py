@@ -35,6 +35,17 @@ CODECS = {"none": [], "int8": ["--compress", "int8"], "int4": ["--compress", "in
 STRATEGIES = {"fedavg": [], "diloco": ["--strategy", "diloco", "--local-steps", "190"]}
 DEFAULT_LEGS = ["fedavg/none", "fedavg/int8", "fedavg/int4", "fedavg/topk1", "fedavg/topk1-noef",
                 "diloco/none", "diloco/int8"]
+#: The settings a leg runs in: MNIST (the default) and the CIFAR-10 quick setting of
+#: ``configs/methods_quick.toml`` (NIID-Bench's Dirichlet(0.5), 10 rounds x 5 local epochs).
+SETTINGS = {
+    "mnist": {"data": "mnist", "model": "cnn", "args": [], "target": 0.98, "ylim": (0.9, 1.0),
+              "title": "MNIST, Dirichlet(0.5), 10 nodes, `cnn`"},
+    "cifar10": {"data": "cifar10", "model": "cnn-cifar", "target": 0.5, "ylim": (0.2, 0.65),
+                "args": ["--local-epochs", "5", "--batch-size", "64", "--optimizer", "sgd",
+                         "--lr", "0.01", "--momentum", "0.9"],
+                "title": "CIFAR-10 quick setting: Dirichlet(0.5), 10 nodes, `cnn-cifar`, "
+                         "5 local epochs, batch 64, SGD lr 0.01 momentum 0.9"},
+}
 
 
 def leg_args(leg: str) -> list[str]:
@@ -44,14 +55,15 @@ def leg_args(leg: str) -> list[str]:
     return args + (["--no-error-feedback"] if codec.endswith("-noef") else [])
 
 
-def run_leg(leg: str, data: Path, rounds: int, out: Path) -> list[dict]:
-    """Run one leg (or read it back if it finished before); return its rounds."""
+def run_leg(leg: str, data: Path, rounds: int, out: Path, setting: str = "mnist") -> list[dict]:
+    """Run one leg in ``setting`` (or read it back if it finished before); return its rounds."""
     folder = out / leg.replace("/", "_")
     if not (folder / "summary.json").exists():
         cmd = [sys.executable, "-m", "fedavg.cli", "simulate", "--dataset", str(data),
                "--num-nodes", "10", "--partitioner", "dirichlet", "--alpha", "0.5",
-               "--model", "cnn", "--rounds", str(rounds), "--output", str(folder),
-               "--overwrite", *leg_args(leg)]
+               "--model", SETTINGS[setting]["model"], "--rounds", str(rounds),
+               "--output", str(folder), "--overwrite", *SETTINGS[setting]["args"],
+               *leg_args(leg)]
         print("$", " ".join(cmd[2:]), flush=True)
         subprocess.run(cmd, check=True, env={**os.environ, "FEDAVG_BENCH": "1"})
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -131,15 +143,15 @@ def write(rows: list[dict], cost: dict[str, float], args, out: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("cumulative uplink (MB, all nodes)")
     ax.set_ylabel("test accuracy")
-    ax.set_ylim(0.9, 1.0)
+    ax.set_ylim(*SETTINGS[args.setting]["ylim"])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(out / "accuracy_vs_uplink.png", dpi=120)
     median_round = statistics.median(r["round_s"] for r in rows)
-    lines = [f"Command: `python experiments/bench_compress.py --rounds {args.rounds} "
-             f"--legs {' '.join(args.legs)}`", "",
-             f"MNIST, Dirichlet(0.5), 10 nodes, `cnn`, {args.rounds} rounds; uplink = the "
+    lines = [f"Command: `python experiments/bench_compress.py --setting {args.setting} "
+             f"--rounds {args.rounds} --legs {' '.join(args.legs)}`", "",
+             f"{SETTINGS[args.setting]['title']}, {args.rounds} rounds; uplink = the "
              "node updates as they travelled (all nodes, one round).", "",
              f"| leg | options | final | best | uplink / round | vs fedavg/none | uplink to "
              f"{args.target:.0%} | median round |", "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -149,8 +161,18 @@ def write(rows: list[dict], cost: dict[str, float], args, out: Path) -> None:
         lines.append(f"| {r['leg']} | `{r['args'] or '(defaults)'}` | {r['final']:.4f} | "
                      f"{r['best']:.4f} | {r['up_per_round'] / 1e6:.2f} MB | "
                      f"{r['up_share']:.1%} | {reach} | {r['round_s']:.1f} s |")
+    if cost:
+        lines += codec_lines(cost, median_round, out)
+    lines += ["", "![accuracy against cumulative uplink bytes](accuracy_vs_uplink.png)", ""]
+    (out / "results.md").write_text("\n".join(lines))
+    (out / "results.json").write_text(json.dumps({"rows": rows, "codec_s": cost}, indent=1))
+    print("\n".join(lines))
+
+
+def codec_lines(cost: dict[str, float], median_round: float, out: Path) -> list[str]:
+    """Return the codecs' cost as a share of an MNIST round and of the digits round."""
     digits_s = digits_round(out)
-    lines += ["", f"Encode + decode of one update per node and round: the `cnn` "
+    lines = ["", f"Encode + decode of one update per node and round: the `cnn` "
               f"({parameters('cnn', (1, 28, 28)):,} parameters) against the median MNIST round "
               f"above, and digits' `mlp` ({parameters('mlp', (1, 8, 8)):,}) against the default "
               f"run's median round ({digits_s:.3f} s, uncompressed):", "",
@@ -159,27 +181,32 @@ def write(rows: list[dict], cost: dict[str, float], args, out: Path) -> None:
     small = codec_cost("mlp", (1, 8, 8))
     lines += [f"| {c} | {s:.4f} | {s / median_round:.2%} | {small[c]:.4f} | "
               f"{small[c] / digits_s:.1%} |" for c, s in cost.items()]
-    lines += ["", "![accuracy against cumulative uplink bytes](accuracy_vs_uplink.png)", ""]
-    (out / "results.md").write_text("\n".join(lines))
-    (out / "results.json").write_text(json.dumps({"rows": rows, "codec_s": cost}, indent=1))
-    print("\n".join(lines))
+    return lines
 
 
 def main() -> None:
     """Run the legs, then write the table, the plot and the codecs' cost."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "mnist")
+    parser.add_argument("--setting", choices=sorted(SETTINGS), default="mnist")
+    parser.add_argument("--data", type=Path, help="the dataset folder (default: the setting's, "
+                        "in FEDAVG_SHARED_DATA or ../shared/data)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--legs", nargs="+", default=DEFAULT_LEGS)
-    parser.add_argument("--target", type=float, default=0.98)
+    parser.add_argument("--target", type=float, help="accuracy to count bytes to (default: the "
+                        "setting's, 0.98 MNIST, 0.5 CIFAR-10)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-compress"))
     args = parser.parse_args()
+    setting = SETTINGS[args.setting]
+    shared = Path(os.environ.get("FEDAVG_SHARED_DATA", ROOT.parent / "shared" / "data"))
+    args.data = args.data or shared / setting["data"]
+    args.target = setting["target"] if args.target is None else args.target
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {leg: run_leg(leg, args.data, args.rounds, args.out) for leg in args.legs}
+    results = {leg: run_leg(leg, args.data, args.rounds, args.out, args.setting)
+               for leg in args.legs}
     baseline = results.get("fedavg/none") or next(iter(results.values()))
     base_up = statistics.mean(r["bytes_from_nodes"] for r in baseline)
     rows = [summarise(leg, rounds, args.target, base_up) for leg, rounds in results.items()]
-    write(rows, codec_cost(), args, args.out)
+    write(rows, codec_cost() if args.setting == "mnist" else {}, args, args.out)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@
 - ``wall_time_vs_nodes.png``: a run's wall time against ``num-nodes`` (when it varies);
 - ``accuracy_vs_bytes.png``: test accuracy after each round against the bytes sent both ways
   so far (cumulative, log scale), one line per group (means over seeds), when the runs
-  counted them.
+  counted them;
+- ``accuracy_vs_uplink.png``: the same against the bytes the nodes sent alone (the uplink,
+  what ``--compress`` shrinks), when the runs counted them.
 
 A plot whose setting does not vary is not written (and an older one is removed), with a note.
 """
@@ -24,7 +26,7 @@ from fedavg.sweeps.runs import group_runs
 from fedavg.util.errors import UserError
 
 PLOTS = ("accuracy_per_round.png", "accuracy_vs_alpha.png", "wall_time_vs_nodes.png",
-         "accuracy_vs_bytes.png")
+         "accuracy_vs_bytes.png", "accuracy_vs_uplink.png")
 
 
 def write_plots(runs: list, keys: list[str], folder: Path) -> tuple[list[Path], list[str]]:
@@ -63,14 +65,17 @@ def write_plots(runs: list, keys: list[str], folder: Path) -> tuple[list[Path], 
                 continue
             where = " among the runs whose partitioner takes it" if key == "alpha" else ""
             notes.append(f"{key} does not vary{where}: no {folder.name}/{name}")
-    path = folder / PLOTS[3]
-    if any(r.bytes_curve for r in runs):
-        _vs_bytes([r for r in runs if r.bytes_curve], keys, path)
-        written.append(path)
-    else:
-        path.unlink(missing_ok=True)
-        notes.append(f"no run counted its bytes (runs of an older fedavg): no "
-                     f"{folder.name}/{PLOTS[3]}")
+    counted = [r for r in runs if r.bytes_curve]
+    for name, curve, title in ((PLOTS[3], "bytes_curve", "bytes sent + received"),
+                               (PLOTS[4], "uplink_curve", "bytes the nodes sent")):
+        path = folder / name
+        if counted:
+            _vs_bytes(counted, keys, path, curve, title)
+            written.append(path)
+        else:
+            path.unlink(missing_ok=True)
+            notes.append(f"no run counted its bytes (runs of an older fedavg): no "
+                         f"{folder.name}/{name}")
     return written, notes
 
 
@@ -101,8 +106,8 @@ def _figure(title: str, xlabel: str, ylabel: str):
 def _save(fig, ax, path: Path, count: int) -> None:
     import matplotlib.pyplot as plt
 
-    if count > 8:  # many lines: the legend goes below the axes, not over the curves
-        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.2))
+    if count > 8:  # many lines: the legend goes beside the axes, over no curve nor label
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
     elif count > 1:
         ax.legend(fontsize="small", loc="best")
     import warnings
@@ -133,14 +138,16 @@ def _per_round(runs: list, keys: list[str], path: Path) -> None:
     _save(fig, ax, path, len(lines))
 
 
-def _vs_bytes(runs: list, keys: list[str], path: Path) -> None:
+def _vs_bytes(runs: list, keys: list[str], path: Path, curve: str, title: str) -> None:
+    """Accuracy against a run's cumulative bytes (``curve``: a :class:`Run` field)."""
     lines = _lines(runs, keys, ("seed",))
-    fig, ax = _figure("Test accuracy against bytes sent both ways (mean over seeds)",
-                      "bytes sent + received, cumulative", "test accuracy")
+    fig, ax = _figure(f"Test accuracy against the {title} (mean over seeds)",
+                      f"{title}, cumulative", "test accuracy")
     for label, group in lines:
-        rounds = min(len(run.bytes_curve) for run in group)
-        xs = [statistics.fmean(run.bytes_curve[i][0] for run in group) for i in range(rounds)]
-        ys = [statistics.fmean(run.bytes_curve[i][1] for run in group) for i in range(rounds)]
+        points = [getattr(run, curve) for run in group]
+        rounds = min(len(p) for p in points)
+        xs = [statistics.fmean(p[i][0] for p in points) for i in range(rounds)]
+        ys = [statistics.fmean(p[i][1] for p in points) for i in range(rounds)]
         ax.plot(xs, ys, marker="o" if rounds < 30 else None, markersize=3, label=label)
     ax.set_xscale("log")
     _save(fig, ax, path, len(lines))

@@ -49,6 +49,9 @@ class Run:
     bytes_curve : list of (int, float)
         ``(cumulative bytes both ways, test accuracy)`` after each round, from
         ``metrics.jsonl`` (empty without byte counts).
+    uplink_curve : list of (int, float)
+        ``(cumulative bytes the nodes sent, test accuracy)`` after each round: the uplink
+        alone, what ``--compress`` shrinks (empty without byte counts).
     """
 
     path: Path
@@ -61,6 +64,7 @@ class Run:
     round_walls: list[float]
     bytes_total: int | None = None
     bytes_curve: list[tuple[int, float]] = field(default_factory=list)
+    uplink_curve: list[tuple[int, float]] = field(default_factory=list)
 
     def target_round(self, target: float) -> int | None:
         """Return the first round whose test accuracy is >= ``target``, or ``None``."""
@@ -185,7 +189,8 @@ def read_run(folder: Path, notes: list[str] | None = None) -> Run:
                curve=[(int(r["round"]), float(r["accuracy"])) for r in rows],
                round_walls=[float(r["wall_s"]) for r in rows[1:]  # not a start-up's round
                             if finite_number(r.get("wall_s")) and not r.get("resumed")],
-               bytes_total=_bytes_total(summary), bytes_curve=_bytes_curve(rows))
+               bytes_total=_bytes_total(summary), bytes_curve=_bytes_curve(rows),
+               uplink_curve=_bytes_curve(rows, ("bytes_from_nodes",)))
 
 
 def _bytes_total(summary: dict[str, Any]) -> int | None:
@@ -194,14 +199,16 @@ def _bytes_total(summary: dict[str, Any]) -> int | None:
     return int(sum(both)) if all(finite_number(v) and v >= 0 for v in both) else None
 
 
-def _bytes_curve(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
-    """``(cumulative bytes both ways, accuracy)`` per round; empty if a round lacks its count."""
+def _bytes_curve(rows: list[dict[str, Any]],
+                 ways: tuple[str, ...] = ("bytes_to_nodes", "bytes_from_nodes"),
+                 ) -> list[tuple[int, float]]:
+    """``(cumulative bytes of ways, accuracy)`` per round; empty if a round lacks a count."""
     curve, total = [], 0
     for row in rows:
-        both = [row.get("bytes_to_nodes"), row.get("bytes_from_nodes")]
-        if not all(finite_number(v) and v >= 0 for v in both):
+        counts = [row.get(way) for way in ways]
+        if not all(finite_number(v) and v >= 0 for v in counts):
             return []
-        total += int(sum(both))
+        total += int(sum(counts))
         curve.append((total, float(row["accuracy"])))
     return curve
 

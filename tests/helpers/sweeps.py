@@ -20,16 +20,17 @@ def toml(tmp_path: Path, text: str, name: str = "sweep.toml") -> Path:
 
 
 def fake_run(folder: Path, accuracies: list[float], wall_s: float, model: str = "mlp",
-             round_bytes: int | None = 1000, **settings) -> Path:
+             round_bytes: int | None = 1000, uplink_bytes: int | None = None,
+             **settings) -> Path:
     """Write a finished run folder as ``fedavg simulate`` does.
 
-    Each round sends ``round_bytes`` to the nodes and gets as many back (``None``: a run of
-    a fedavg that did not count them).
+    Each round sends ``round_bytes`` to the nodes and gets as many back, or ``uplink_bytes``
+    when given (``round_bytes=None``: a run of a fedavg that did not count them).
     """
     config = RunConfig().replace(dataset="digits", rounds=len(accuracies), **settings)
     folder.mkdir(parents=True)
     counted = {} if round_bytes is None else {"bytes_to_nodes": round_bytes,
-                                               "bytes_from_nodes": round_bytes}
+                                               "bytes_from_nodes": uplink_bytes or round_bytes}
     rows = [{"round": i, "accuracy": a, "loss": 1.0 - a, "train_loss": 1.1 - a,
              "num_nodes": config.merge.num_nodes, "num_failed": 0, "wall_s": 0.5 * i,
              "train_s": 0.1, **counted} for i, a in enumerate(accuracies, start=1)]

@@ -239,7 +239,7 @@ def _valid_png(path: Path) -> None:
 def test_every_plot_is_a_valid_png_and_skipped_ones_say_so(tmp_path, runs):
     write_report(runs)
     assert sorted(p.name for p in (runs / "plots").iterdir()) == [
-        "accuracy_per_round.png", "accuracy_vs_bytes.png"]
+        "accuracy_per_round.png", "accuracy_vs_bytes.png", "accuracy_vs_uplink.png"]
     _valid_png(runs / "plots" / "accuracy_per_round.png")
     grid = tmp_path / "grid"
     for alpha in (0.1, 1.0):
@@ -250,8 +250,8 @@ def test_every_plot_is_a_valid_png_and_skipped_ones_say_so(tmp_path, runs):
                          num_nodes=nodes, seed=seed)
     res = write_report(grid, output=tmp_path / "report")
     names = sorted(p.name for p in (tmp_path / "report" / "plots").iterdir())
-    assert names == ["accuracy_per_round.png", "accuracy_vs_alpha.png",
-                     "accuracy_vs_bytes.png", "wall_time_vs_nodes.png"]
+    assert names == ["accuracy_per_round.png", "accuracy_vs_alpha.png", "accuracy_vs_bytes.png",
+                     "accuracy_vs_uplink.png", "wall_time_vs_nodes.png"]
     for name in names:
         _valid_png(tmp_path / "report" / "plots" / name)
     assert res["notes"] == [] and not (grid / "results.csv").exists()
@@ -270,12 +270,15 @@ def test_every_plot_is_a_valid_png_and_skipped_ones_say_so(tmp_path, runs):
         "plots/accuracy_vs_alpha.png" in res["notes"]
     fake_run(tmp_path / "uncounted" / "a", [0.5, 0.6], 10.0, round_bytes=None)
     res = write_report(tmp_path / "uncounted")
-    assert not (tmp_path / "uncounted" / "plots" / "accuracy_vs_bytes.png").exists()
-    assert any("no run counted its bytes" in n for n in res["notes"])
+    for name in ("accuracy_vs_bytes.png", "accuracy_vs_uplink.png"):
+        assert not (tmp_path / "uncounted" / "plots" / name).exists()
+        assert f"no run counted its bytes (runs of an older fedavg): no plots/{name}" \
+            in res["notes"]
 
 
 def test_bytes_are_a_column_and_a_curve_of_cumulative_bytes(tmp_path):
-    fake_run(tmp_path / "runs" / "small", [0.5, 0.7, 0.8], 10.0, round_bytes=250_000)
+    fake_run(tmp_path / "runs" / "small", [0.5, 0.7, 0.8], 10.0, round_bytes=250_000,
+             uplink_bytes=250_000)
     fake_run(tmp_path / "runs" / "big", [0.6, 0.8, 0.9], 10.0, round_bytes=5_000_000,
              strategy="fedprox", mu=0.01)
     write_report(tmp_path / "runs")
@@ -287,7 +290,17 @@ def test_bytes_are_a_column_and_a_curve_of_cumulative_bytes(tmp_path):
     assert rows["small"]["bytes"] == "1500000" and rows["big"]["bytes"] == "30000000"
     run = read_run(tmp_path / "runs" / "small")
     assert run.bytes_curve == [(500_000, 0.5), (1_000_000, 0.7), (1_500_000, 0.8)]
+    assert run.uplink_curve == [(250_000, 0.5), (500_000, 0.7), (750_000, 0.8)]
     _valid_png(tmp_path / "runs" / "plots" / "accuracy_vs_bytes.png")
+    _valid_png(tmp_path / "runs" / "plots" / "accuracy_vs_uplink.png")
+
+
+def test_the_uplink_curve_counts_what_the_nodes_sent_alone(tmp_path):
+    # a compressed run: 1 MB down and 250 kB up a round
+    fake_run(tmp_path / "int8", [0.5, 0.7], 10.0, round_bytes=1_000_000, uplink_bytes=250_000)
+    run = read_run(tmp_path / "int8")
+    assert run.bytes_curve == [(1_250_000, 0.5), (2_500_000, 0.7)]
+    assert run.uplink_curve == [(250_000, 0.5), (500_000, 0.7)]
 
 
 PUBLISHED = """
