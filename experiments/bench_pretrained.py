@@ -17,7 +17,8 @@ Text, the AG News sample (5,000 train / 1,000 test), 5 nodes, ``minilm``
 - FedAvg full fine-tuning, IID and Dirichlet(0.5), lr 5e-5;
 - LoRA r = 8 (alpha 16, query and value of every layer), ``--lora-merge average`` and
   ``exact``, IID and Dirichlet(0.5), lr 1e-3;
-- the default ``fasttext`` model (SGD, its defaults) for reference.
+- the default ``fasttext`` model (SGD, its defaults) for reference;
+- LoRA exact IID with the adapters' updates sent as int8 (``--compress int8``).
 
 Images, CIFAR-10, ``--cifar-train`` training images and ``--cifar-test`` test images drawn
 at random (seeded; 5,000 and 1,000 by default: EfficientNet-Lite0 trains at about 30
@@ -78,6 +79,8 @@ def text_legs(rounds: int, nodes: int) -> dict[str, dict]:
         "minilm-full-centralised": {**FULL, "num_nodes": 1, "rounds": rounds, "cpus": 2.0},
         "minilm-full-fedavg-dirichlet": {**FULL, **fed, **DIRICHLET},
         "minilm-lora8-average-iid": {**LORA, **fed, "lora_merge": "average"},
+        # the adapters' updates sent as int8 (--compress, with error feedback)
+        "minilm-lora8-exact-iid-int8": {**LORA, **fed, "lora_merge": "exact", "compress": "int8"},
     }
 
 

@@ -146,26 +146,11 @@ def on_signal(message, cleanup=None):
         if stopping:  # a second signal while stopping: the first one finishes the job
             return
         stopping.append(signum)
-        if signum == signal.SIGHUP:  # the terminal is gone: writes to it would fail
-            # lazy: loads with its command: `fedavg --help` stays fast
-            from fedavg.util.interrupts import detach_lost_terminal
-
-            detach_lost_terminal()
-        console.quiet = True  # no round line printed by another thread after the message
-        # The signal may land inside an import (rich loads its emoji table at the first
-        # print): the same import here then fails on the half-made module. Each step falls
-        # back or goes on, so the engine is stopped and the exit code is 130 whatever it hit.
-        text = message() if callable(message) else message
+        # Whatever a step hits (a message that cannot be made or written, a cleanup that
+        # fails), the process ends here with 130: an exception out of a signal handler would
+        # surface in whatever the main thread was doing, as a traceback and exit code 1.
         try:
-            if err_console.is_terminal:  # the message on its own line, not after the bar's
-                err_console.file.write("\r\x1b[2K")
-            err_console.print(escape(text), soft_wrap=True)
-        except Exception:
-            sys.stderr.write(f"{text}\n")
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        try:
+            _say_stopping(signum, message)
             if cleanup is not None:
                 cleanup()
             else:
@@ -174,7 +159,7 @@ def on_signal(message, cleanup=None):
 
                 stop_all()
         finally:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(BaseException):
                 # lazy: loads with its command: `fedavg --help` stays fast
                 from fedavg.run.output import RUN_OUTPUT, remove_if_empty
 
@@ -187,6 +172,35 @@ def on_signal(message, cleanup=None):
 
     for sig in stoppers():
         signal.signal(sig, _stop)
+
+
+def _say_stopping(signum: int, message) -> None:
+    """Print ``message`` (a string, or a function making one) as a signal stops the command.
+
+    After a hangup the lost terminal is detached first (writes to it fail). The signal may
+    land inside an import (rich loads its emoji table at the first print), or inside a write
+    to the same stream: each step falls back, and what cannot be said is dropped.
+    """
+    if signum == signal.SIGHUP:  # the terminal is gone: writes to it would fail
+        # lazy: loads with its command: `fedavg --help` stays fast
+        from fedavg.util.interrupts import detach_lost_terminal
+
+        detach_lost_terminal()
+    console.quiet = True  # no round line printed by another thread after the message
+    try:
+        text = message() if callable(message) else message
+    except Exception:  # noqa: BLE001 - a message that cannot be made: the plain word
+        text = "interrupted"
+    try:
+        if err_console.is_terminal:  # the message on its own line, not after the bar's
+            err_console.file.write("\r\x1b[2K")
+        err_console.print(escape(text), soft_wrap=True)
+    except Exception:  # noqa: BLE001
+        with contextlib.suppress(Exception):
+            os.write(2, f"{text}\n".encode(errors="replace"))
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def resume_hint(output: Path | None, without: tuple[str, ...] = ()) -> str | None:

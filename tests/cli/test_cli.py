@@ -308,6 +308,46 @@ def test_a_signal_inside_an_import_still_stops_with_130(monkeypatch, capfd):
     assert capfd.readouterr().err == "interrupted: finished rounds are kept\n"
 
 
+def test_a_stop_whose_message_fails_still_cleans_up_and_exits_130(monkeypatch):
+    """A message or a stderr that fails still stops the engine and exits 130.
+
+    A message that cannot be made, and a stderr that cannot be written (a lost terminal, a
+    write already in progress on it) both used to raise out of the handler, into whatever
+    the main thread ran: exit code 1 and no cleanup.
+    """
+    import signal
+
+    from fedavg.cli import support as cli_support
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+
+    def no_message():
+        raise FileNotFoundError("checkpoint.safetensors")
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    cleaned, said = [], []
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(cli_support.err_console, "print", broken)
+    monkeypatch.setattr(cli_support.sys, "stderr", type("W", (), {"write": broken,
+                                                                  "flush": broken})())
+    monkeypatch.setattr(cli_support.os, "write", lambda fd, data: said.append((fd, data)))
+    monkeypatch.setattr(cli_support.console, "quiet", False)
+    monkeypatch.setattr(cli_support.os, "_exit", exit_)
+    try:
+        cli_support.on_signal(no_message, cleanup=lambda: cleaned.append(True))
+        with pytest.raises(SystemExit) as stopped:
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert stopped.value.code == 130
+    assert cleaned == [True]
+    assert said == [(2, b"interrupted\n")]  # the plain word, straight to file descriptor 2
+
+
 def _catches(pid: int, sig: int) -> bool:
     """Whether process ``pid`` has a handler for ``sig`` (its ``SigCgt`` mask in /proc)."""
     with open(f"/proc/{pid}/status") as status:
