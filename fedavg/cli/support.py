@@ -50,6 +50,26 @@ class _Console(Console):
         except (OSError, ValueError):  # a stream without a file descriptor
             pass
 
+    def _check_buffer(self) -> None:
+        """Write what is buffered; into a terminal that hung up, nothing, and go on.
+
+        A terminal that hung up (an ssh session or a tmux pane closed) fails every write
+        with ``EIO``, possibly before its SIGHUP reaches the main thread: a round line
+        printed by the engine's thread then ended the run with exit code 1 instead of the
+        hangup's clean stop (130). What follows goes to ``os.devnull``.
+        """
+        try:
+            super()._check_buffer()
+        except OSError as exc:
+            if exc.errno != errno.EIO:
+                raise
+            del self._buffer[:]
+            self.quiet = True
+            # lazy: loads with its command: `fedavg --help` stays fast
+            from fedavg.util.interrupts import detach_lost_terminal
+
+            detach_lost_terminal()
+
 
 console = _Console(soft_wrap=True, emoji=False)  # a path like m.py:ok:x stays as written
 err_console = _Console(stderr=True, soft_wrap=True, emoji=False)

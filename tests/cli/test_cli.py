@@ -348,6 +348,41 @@ def test_a_stop_whose_message_fails_still_cleans_up_and_exits_130(monkeypatch):
     assert said == [(2, b"interrupted\n")]  # the plain word, straight to file descriptor 2
 
 
+def test_a_terminal_that_hung_up_mid_run_costs_no_round(monkeypatch):
+    """A round line printed into a terminal that hung up (EIO) is dropped; the run goes on.
+
+    Under load the engine's thread printed its round line before the hangup's SIGHUP
+    reached the main thread: the write's EIO ended the run with exit code 1, not 130.
+    """
+    import errno as errno_
+
+    from fedavg.cli import support as cli_support
+
+    class HungUp:
+
+        def write(self, text):
+            raise OSError(errno_.EIO, "Input/output error")
+
+        def flush(self):
+            pass
+
+        def isatty(self):
+            return True
+
+    detached = []
+    monkeypatch.setattr("fedavg.util.interrupts.detach_lost_terminal",
+                        lambda: detached.append(True))
+    console = cli_support._Console(file=HungUp(), force_terminal=True)
+    console.print("round   2/50: accuracy 0.9")  # raised OSError before
+    console.print("round   3/50: accuracy 0.9")
+    assert console.quiet and detached == [True]
+    other = cli_support._Console(file=HungUp())
+    monkeypatch.setattr(HungUp, "write", lambda self, text: (_ for _ in ()).throw(
+        OSError(errno_.ENOSPC, "No space left on device")))
+    with pytest.raises(OSError, match="No space"):  # any other failure is still said
+        other.print("x")
+
+
 def _catches(pid: int, sig: int) -> bool:
     """Whether process ``pid`` has a handler for ``sig`` (its ``SigCgt`` mask in /proc)."""
     with open(f"/proc/{pid}/status") as status:

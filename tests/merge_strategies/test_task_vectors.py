@@ -120,7 +120,9 @@ def test_float_buffers_are_averaged_and_integer_buffers_keep_their_maximum():
 
 @pytest.mark.parametrize("name,options", [
     ("ties", {"density": 0.0}), ("ties", {"density": 1.5}), ("dare", {"drop_rate": 1.0}),
-    ("dare-ties", {"drop_rate": -0.1}), ("task-arithmetic", {"merge_scale": 0.0})])
+    ("dare-ties", {"drop_rate": -0.1}), ("task-arithmetic", {"merge_scale": 0.0}),
+    ("task-arithmetic", {"merge_scale": 1e39}), ("ties", {"merge_scale": float("nan")}),
+    ("dare", {"merge_scale": 100.5})])
 def test_option_values_outside_their_range_are_refused_naming_the_option(name, options):
     flag = "--" + next(iter(options)).replace("_", "-")
     with pytest.raises(ValueError, match=flag):
