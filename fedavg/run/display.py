@@ -101,10 +101,11 @@ def _partition_row(node: int, counts: np.ndarray, classes: list[str]) -> list[st
     total = int(counts.sum())
     present = np.flatnonzero(counts)
     top = int(counts.argmax())
-    low = int(present[counts[present].argmin()]) if len(present) else 0
+    others = present[present != top]  # the smallest is another label than the top one
+    low = int(others[counts[others].argmin()]) if len(others) else None
     return [str(node), str(total), f"{len(present)}/{len(classes)}",
             f"{classes[top][:12]} ({counts[top] / max(total, 1):.0%})",
-            f"{classes[low][:12]} ({counts[low] / max(total, 1):.0%})"]
+            "-" if low is None else f"{classes[low][:12]} ({counts[low] / max(total, 1):.0%})"]
 
 
 def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True) -> None:

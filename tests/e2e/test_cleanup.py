@@ -333,6 +333,10 @@ def test_simulate_leading_its_terminal_leaves_nothing(tmpdir_env, tmp_path, how)
     env = {**os.environ, "TMPDIR": str(tmpdir_env), "FEDAVG_TEST_TAG": tag}
     pid, terminal = pty.fork()  # the child leads a new session on a new terminal
     if pid == 0:
+        # as sshd or tmux starts it: pytest itself may run under nohup (SIGHUP ignored, which
+        # the command keeps, as nohup asks) or as a background job (SIGINT ignored)
+        for sig in (signal.SIGHUP, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
         os.execve(sys.executable, [sys.executable, "-m", "fedavg.cli", "simulate",
                                    "--num-nodes", "4", "--rounds", "50", "--output", str(out)],
                   env)
