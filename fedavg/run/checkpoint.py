@@ -108,7 +108,8 @@ def save(directory: str | Path, state_dict: Mapping[str, torch.Tensor],
     directory = Path(directory)
     tensors = storable(state_dict)
     # pinned in model.json (safetensors writes metadata keys in no fixed order: one key only)
-    meta = {"format": FORMAT, **meta, "weights_sha256": tensor_digest(tensors)}
+    meta = {"format": FORMAT, **meta,
+            "weights_sha256": tensor_digest(tensors, _pinned_settings(meta))}
 
     save_for(meta.get("input", {}), directory)  # a text model's tokenizer.json, first
     atomic_write(directory / WEIGHTS,
@@ -373,16 +374,31 @@ def load(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
             "damaged: re-run or use another checkpoint"
         ) from None
     pinned = meta.get("weights_sha256")  # none in models saved before it was
-    if pinned is not None and pinned != tensor_digest(state_dict):
+    # (a LoRA model saved before its settings were pinned has the digest of its weights alone)
+    if pinned is not None and pinned != tensor_digest(state_dict, _pinned_settings(meta)) \
+            and not (_pinned_settings(meta) and pinned == tensor_digest(state_dict)):
+        edited = (", or its LoRA settings (model.lora) were edited" if _pinned_settings(meta)
+                  else "")
         raise UserError(f"{weights} does not match the SHA-256 that {meta_path} records: it "
-                        "is damaged, or another run's model file: put back this run's, or "
-                        "re-run")
+                        f"is damaged, or another run's model file{edited}: put back this "
+                        "run's, or re-run")
     bad = _nonfinite(state_dict)
     if bad is not None:
         raise UserError(f"{weights}: tensor {bad!r} holds NaN or infinite values (training "
                         "diverged or the file is damaged); re-train, e.g. with a lower --lr, "
                         "or use another checkpoint")
     return state_dict, meta
+
+
+def _pinned_settings(meta: Mapping[str, Any]) -> str:
+    """Return the settings a model's weights digest also covers (``""``: none).
+
+    A LoRA model's adapter settings (rank, alpha, targets, merge, base) change what its
+    weights compute: an edited alpha must not evaluate silently.
+    """
+    model = meta.get("model")
+    lora = model.get("lora") if isinstance(model, Mapping) else None
+    return "" if not lora else "lora:" + json.dumps(lora, sort_keys=True, default=str)
 
 
 def _format_problem(meta) -> str | None:

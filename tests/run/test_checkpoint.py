@@ -78,6 +78,26 @@ def test_flipped_weight_bytes_are_refused_and_old_models_still_load(tmp_path):
     assert all(torch.equal(loaded[k], v) for k, v in sd.items())
 
 
+def test_the_checksum_covers_a_lora_models_adapter_settings(tmp_path):
+    """An edited LoRA alpha (or rank, targets) changes what the weights compute: refused."""
+    sd = build_model("mlp", (1, 8, 8), 10).state_dict()
+    lora = {"rank": 8, "alpha": 16.0, "dropout": 0.0, "targets": ["fc1"], "merge": "exact",
+            "head": "fc2", "base_sha256": "ab" * 32}
+    meta = {**META, "model": {**META["model"], "lora": lora}}
+    checkpoint.save(tmp_path, sd, meta)
+    checkpoint.load(tmp_path)  # as saved: loads
+    saved = json.loads((tmp_path / "model.json").read_text())
+    edited = json.loads(json.dumps(saved))
+    edited["model"]["lora"]["alpha"] = 32.0
+    (tmp_path / "model.json").write_text(json.dumps(edited))
+    with pytest.raises(UserError, match=r"or its LoRA settings \(model.lora\) were edited"):
+        checkpoint.load(tmp_path)
+    # a LoRA model of an earlier fedavg pinned its weights alone: it still loads
+    saved["weights_sha256"] = checkpoint.tensor_digest(checkpoint.storable(sd))
+    (tmp_path / "model.json").write_text(json.dumps(saved))
+    checkpoint.load(tmp_path)
+
+
 def test_truncated_weights(tmp_path):
     checkpoint.save(tmp_path, build_model("cnn-cifar", (3, 32, 32), 4).state_dict(), META)
     data = (tmp_path / "model.safetensors").read_bytes()
