@@ -8,7 +8,8 @@ Usage::
 Each leg is one ``fedavg simulate`` (its own process, as a user runs it) on MNIST,
 Dirichlet(0.5), 10 nodes, every node every round, the ``cnn``, 1 local epoch; a leg is
 ``STRATEGY/CODEC`` with ``CODEC`` one of ``none``, ``int8``, ``int4``, ``topk1``, ``topk10``
-(top-k of 1 % or 10 % of the entries) and ``-noef`` for no error feedback. DiLoCo's nodes take
+(top-k of 1 % or 10 % of the entries), ``-noef`` for no error feedback and ``+down`` for the
+round's weights sent as int8 too (``--compress-down int8``). DiLoCo's nodes take
 ``--local-steps 190`` AdamW steps, one pass over a node's ~6,000 samples at batch 32: the same
 budget as FedAvg's epoch. Reports per leg the final and best accuracy, the uplink bytes per
 round (node updates, as they travelled through Flower) and against uncompressed FedAvg, the
@@ -49,10 +50,12 @@ SETTINGS = {
 
 
 def leg_args(leg: str) -> list[str]:
-    """Return the ``fedavg simulate`` options of a leg such as ``fedavg/topk1-noef``."""
+    """Return the ``fedavg simulate`` options of a leg such as ``fedavg/topk1-noef+down``."""
     strategy, codec = leg.split("/")
+    codec, plus, down = codec.partition("+")
     args = STRATEGIES[strategy] + CODECS[codec.removesuffix("-noef")]
-    return args + (["--no-error-feedback"] if codec.endswith("-noef") else [])
+    args += ["--no-error-feedback"] if codec.endswith("-noef") else []
+    return args + (["--compress-down", "int8"] if plus and down == "down" else [])
 
 
 def run_leg(leg: str, data: Path, rounds: int, out: Path, setting: str = "mnist") -> list[dict]:
@@ -154,13 +157,15 @@ def write(rows: list[dict], cost: dict[str, float], args, out: Path) -> None:
              f"{SETTINGS[args.setting]['title']}, {args.rounds} rounds; uplink = the "
              "node updates as they travelled (all nodes, one round).", "",
              f"| leg | options | final | best | uplink / round | vs fedavg/none | uplink to "
-             f"{args.target:.0%} | median round |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             f"{args.target:.0%} | downlink / round | median round |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         reach = (f"{r['reached']['uplink_bytes'] / 1e6:.1f} MB (round {r['reached']['round']})"
                  if r["reached"] else "not reached")
         lines.append(f"| {r['leg']} | `{r['args'] or '(defaults)'}` | {r['final']:.4f} | "
                      f"{r['best']:.4f} | {r['up_per_round'] / 1e6:.2f} MB | "
-                     f"{r['up_share']:.1%} | {reach} | {r['round_s']:.1f} s |")
+                     f"{r['up_share']:.1%} | {reach} | {r['down_per_round'] / 1e6:.2f} MB | "
+                     f"{r['round_s']:.1f} s |")
     if cost:
         lines += codec_lines(cost, median_round, out)
     lines += ["", "![accuracy against cumulative uplink bytes](accuracy_vs_uplink.png)", ""]

@@ -116,6 +116,8 @@ def test_compression_legs_name_their_options():
         "--compress", "topk", "--topk-fraction", "0.01", "--no-error-feedback"]
     assert bench_compress.leg_args("diloco/int8") == [
         "--strategy", "diloco", "--local-steps", "190", "--compress", "int8"]
+    assert bench_compress.leg_args("fedavg/int8+down") == [
+        "--compress", "int8", "--compress-down", "int8"]
 
 
 def test_compression_summary_counts_the_uplink_to_the_target():

@@ -77,6 +77,11 @@ def check_train(c: RunConfig) -> str | None:
 def check_merge(c: RunConfig) -> str | None:
     """Check the round settings: rounds, nodes, fraction, timeout, SWA, held-out shares."""
     m = c.merge
+    if problem := first_problem(m):  # the rules declared with the fields (--compress-down)
+        return problem
+    if m.compress_down != "none" and c.train.lora_rank:
+        return ("--compress-down: a LoRA run already sends the adapted weights down as "
+                "low-rank factors and the adapters whole; leave --compress-down out")
     if m.rounds < 1:
         return f"--rounds must be >= 1 (got {m.rounds})"
     if m.num_nodes < 1:

@@ -47,6 +47,8 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "cosine", "step")
 #: How a node encodes its update (:mod:`fedavg.node.compression`).
 CODECS = ("none", "int8", "int4", "topk")
+#: How the coordinator encodes the round's weights for the nodes (``--compress-down``).
+DOWN_CODECS = ("none", "int8")
 #: ``--lora-merge``: ``exact`` merges the nodes' products ``B_k A_k`` (:mod:`strategies.lora`),
 #: ``average`` averages ``A`` and ``B`` separately (:class:`fedavg.models.lora.LoraModel`).
 LORA_MERGES = ("exact", "average")
@@ -391,6 +393,12 @@ class MergeConfig:
     max_update_norm : float or None
         Reject a node's model whose L2 distance from the round's starting model is larger
         (:func:`strategies.tensors.update_norm`); ``None`` accepts any finite update.
+    compress_down : str
+        How the round's weights travel to the nodes (:data:`DOWN_CODECS`): ``int8`` sends
+        every floating tensor of at least 1,024 entries quantised per block of 1,024 with its
+        scale (:mod:`fedavg.node.compression`); the coordinator keeps the exact weights and
+        rebuilds each node's model as its training from the quantised weights, moved onto
+        the exact ones (nothing accumulates over rounds).
     swa_start : int or None
         Server-side stochastic weight averaging (:mod:`strategies.swa`): from this round on,
         the run evaluates and saves the mean of the rounds' merged models (rounds
@@ -420,6 +428,9 @@ class MergeConfig:
     max_update_norm: float | None = setting(None, "Reject node updates whose L2 distance "
                                             "from the round's model exceeds this (default: "
                                             "off)", resumable=True)
+    compress_down: str = setting("none", "Round weights as sent to the nodes: none or int8 (per "
+                                 "block of 1024 with its scale; the coordinator keeps them "
+                                 "exact)", rule=one_of(DOWN_CODECS))
     swa_start: int | None = setting(None, "Average the merged models from this round on "
                                     "(server-side SWA); the average is evaluated and saved "
                                     "(default: off)")

@@ -124,6 +124,8 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
     try:
         model = _model_for(json.dumps(cfg.model, sort_keys=True))
         state, lora_round = lora_base.round_weights(model, message, context)
+        # the round's weights quantised (--compress-down): decoded to the model's shapes
+        state = compression.decode_weights(state, model.state_dict())
         model.load_state_dict(state, strict=True)
         received = state if cfg.local.compress != "none" else None  # the update's base
         del state

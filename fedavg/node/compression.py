@@ -25,6 +25,13 @@ Codecs (each encoded tensor ``k`` becomes entries ``k#<part>`` of the record):
 **Error feedback** (Seide et al. 2014; Karimireddy et al. 2019, arXiv:1901.09847): what the
 codec left out, ``e = u - decode(encode(u))``, stays on the node (its ``Context.state``) and is
 added to its next update, so nothing is lost, only delayed.
+
+**The downlink** (``--compress-down int8``): the coordinator sends the round's weights
+themselves encoded (:func:`compress_weights`; the node reads them with
+:func:`decode_weights`) and keeps the exact ones. Each node trains from the quantised
+weights ``q``; its model is then taken as what it trained moved onto the exact start ``w``,
+``trained + (w - q)`` (:func:`rebase`; a compressed update is decoded onto ``w`` directly),
+so the merge stays exact and the quantisation error does not build up over rounds.
 """
 
 from __future__ import annotations
@@ -35,8 +42,8 @@ import torch
 
 from fedavg.config.settings import CODECS
 
-__all__ = ["BLOCK", "CODECS", "MIN_NUMEL", "compress_update", "compressible", "decode",
-           "decode_reply", "encode"]
+__all__ = ["BLOCK", "CODECS", "MIN_NUMEL", "compress_update", "compress_weights",
+           "compressible", "decode", "decode_reply", "decode_weights", "encode", "rebase"]
 #: Entries per quantisation block (one float32 scale each: 0.1 % of float32's bytes more).
 BLOCK = 1024
 #: Floating tensors with fewer entries travel as they are (biases, norms, small heads).
@@ -212,3 +219,68 @@ def decode_reply(arrays: dict[str, torch.Tensor],
         state[key] = (base.to(torch.float32) + decode(parts, base).to(torch.float32)
                       ).to(base.dtype)
     return state
+
+
+def compress_weights(state: dict[str, torch.Tensor], codec: str
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Return the round's weights as sent to the nodes, and what each encoded one lost.
+
+    Parameters
+    ----------
+    state : dict of str to torch.Tensor
+        The round's exact weights.
+    codec : {"int8", "int4"}
+        A quantising codec (top-k of weights would drop most of the model).
+
+    Returns
+    -------
+    (dict, dict)
+        The message's arrays (``k#<part>`` for the encoded tensors, the others as they are)
+        and ``w - decode(encode(w))`` per encoded key (float32): what :func:`rebase` adds
+        back to a node's reply.
+    """
+    sent: dict[str, torch.Tensor] = {}
+    lost: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if not compressible(value):
+            sent[key] = value
+            continue
+        parts = encode(value, codec)
+        sent.update({f"{key}{SEP}{name}": part for name, part in parts.items()})
+        lost[key] = value.detach().to(torch.float32) - decode(parts, value).to(torch.float32)
+    return sent, lost
+
+
+def decode_weights(arrays: dict[str, torch.Tensor],
+                   like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Read the round's weights a node received: encoded ones decoded, shaped as ``like``.
+
+    ``like`` is the node's own model state (shapes and dtypes). Arrays without encoded
+    entries are returned as they are.
+
+    Raises
+    ------
+    ValueError
+        An encoded entry of a key the model lacks, or a malformed one (:func:`decode`).
+    """
+    if not any(SEP in key for key in arrays):
+        return arrays
+    return decode_reply(arrays, {k: torch.zeros_like(v) for k, v in like.items()})
+
+
+def rebase(arrays: dict[str, torch.Tensor],
+           lost: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Move a node's weights sent whole from the quantised start onto the exact one.
+
+    Each tensor ``k`` of ``arrays`` that :func:`compress_weights` encoded for the round
+    becomes ``arrays[k] + lost[k]``; encoded entries (a compressed update, decoded onto the
+    exact weights) and the other tensors are left as they are.
+    """
+    if not lost:
+        return arrays
+    out = dict(arrays)
+    for key, value in arrays.items():
+        gap = lost.get(key)
+        if gap is not None and value.is_floating_point() and value.shape == gap.shape:
+            out[key] = (value.to(torch.float32) + gap).to(value.dtype)
+    return out

@@ -277,6 +277,7 @@ class FlowerAdapter(FlowerFedAvg):
                  round_offset: int = 0,
                  exact_lora: dict[str, float] | None = None,
                  lora_transport=None,
+                 compress_down: str = "none",
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.merge, self.reference, self.buffers, self.context = merge, reference, buffers, context
@@ -284,6 +285,8 @@ class FlowerAdapter(FlowerFedAvg):
         self.before_round, self.min_replies = before_round, min_replies
         self.max_update_norm, self.round_offset = max_update_norm, round_offset
         self.exact_lora, self.lora_transport = exact_lora, lora_transport
+        self.compress_down = compress_down
+        self.down_lost: dict[str, torch.Tensor] = {}  # what the round's downlink lost
         self.current_round = 0
         self.last_train: dict[str, Any] = {}
         self.last_merged: strategies.Merged | None = None
@@ -309,6 +312,12 @@ class FlowerAdapter(FlowerFedAvg):
                 msg.content[key] = record
         if self.lora_transport is not None:
             self.lora_transport.outgoing(messages, arrays)
+        elif self.compress_down != "none":  # the round's weights quantised, one shared record
+            sent, self.down_lost = compression.compress_weights(self.reference,
+                                                                self.compress_down)
+            record = ArrayRecord(sent)
+            for msg in messages:
+                msg.content[keys.ARRAYS] = record
         self.bytes_to_nodes = sum(message_bytes(msg) for msg in messages)
         return messages
 
@@ -348,6 +357,8 @@ class FlowerAdapter(FlowerFedAvg):
         try:
             state, weight, metrics = parse_reply(msg)
             partition = int(metrics.get(keys.PARTITION_ID, -1))
+            # trained from the quantised weights (--compress-down): onto the exact ones
+            state = compression.rebase(state, self.down_lost)
             # a compressed update (--compress): the round's weights plus it, decoded
             state = compression.decode_reply(state, self.reference)
             if self.exact_lora:  # node k's model is W + s B_k A_k: merges see the products

@@ -289,6 +289,7 @@ class ServerRun:
             max_update_norm=m.max_update_norm,
             round_offset=done,
             exact_lora=folded,
+            compress_down=m.compress_down,
             lora_transport=None if folded is None else LoraTransport(
                 sorted(self.model.downlink_only()), self.model.spec.rank, version=done),
         )

@@ -14,11 +14,20 @@ def rounds(out):
 
 def test_every_codec_trains_digits_and_sends_fewer_bytes(tmp_path):
     got = {}
-    for codec in ("none", "int8", "int4", "topk"):
+    for codec in ("none", "int8", "int4", "topk", "down"):
         out = tmp_path / codec
-        run_cli("simulate", "--num-nodes", "3", "--rounds", "4", "--compress", codec,
+        how = ["--compress-down", "int8"] if codec == "down" else ["--compress", codec]
+        run_cli("simulate", "--num-nodes", "3", "--rounds", "4", *how,
                 "--topk-fraction", "0.1", "--output", out)
         got[codec] = rounds(out)
+    # --compress-down int8: the round's weights travel quantised, the replies whole
+    downlink = got.pop("down")
+    assert 0.24 < sum(r["bytes_to_nodes"] for r in downlink) / sum(
+        r["bytes_to_nodes"] for r in got["none"]) < 0.29
+    assert [r["bytes_from_nodes"] for r in downlink] == [
+        r["bytes_from_nodes"] for r in got["none"]]
+    # the merge stays exact (each node moved onto the exact start): no drift over rounds
+    assert downlink[-1]["accuracy"] >= got["none"][-1]["accuracy"] - 0.01
     up = {c: sum(r["bytes_from_nodes"] for r in rs) for c, rs in got.items()}
     down = {c: sum(r["bytes_to_nodes"] for r in rs) for c, rs in got.items()}
     assert len(set(down.values())) == 1  # the coordinator sends the model whole either way

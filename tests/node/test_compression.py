@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import strategies
 from fedavg.config.settings import RunConfig
 from fedavg.models.registry import build_model
-from fedavg.node import keys
+from fedavg.node import compression, keys
 from fedavg.node.clientapp import node_records, run_train, saved_node_state
 from fedavg.node.compression import (
     BLOCK,
@@ -165,3 +165,39 @@ def test_without_error_feedback_the_node_keeps_nothing(task_identity):
     run_train(_message(model, 1, compress="topk", error_feedback=False), x, y, "cpu", 0,
               context=context)
     assert keys.COMPRESS_RESIDUAL not in context.state.array_records
+
+
+def test_the_downlink_sends_quantised_weights_and_the_merge_moves_them_back_by_hand():
+    """``--compress-down int8``: w = (1.27, 0.004, 0 ...) in one block: scale 0.01.
+
+    The node gets q = (1.27, 0.0, 0 ...): 0.004 rounds to 0. It trains entry 1 to 0.1 (an
+    update of +0.1 from what it got); its model is taken as 0.1 + (0.004 - 0) = 0.104. A
+    10-entry bias travels as it is and is left alone.
+    """
+    w = torch.zeros(1024)
+    w[0], w[1] = 1.27, 0.004
+    bias = torch.arange(10, dtype=torch.float32)
+    sent, lost = compression.compress_weights({"w": w, "b": bias}, "int8")
+    assert sorted(sent) == ["b", "w#q8", "w#s"] and sent["b"] is bias
+    assert sent["w#s"].tolist() == pytest.approx([0.01])
+    assert sent["w#q8"][:2].tolist() == [127, 0]
+    got = compression.decode_weights(sent, {"w": torch.empty(1024), "b": torch.empty(10)})
+    assert got["w"][:2].tolist() == pytest.approx([1.27, 0.0])
+    assert torch.equal(got["b"], bias)
+    assert lost["w"][1].item() == pytest.approx(0.004) and set(lost) == {"w"}
+    trained = {"w": got["w"].clone(), "b": bias + 1}
+    trained["w"][1] = 0.1
+    merged_in = compression.rebase(trained, lost)
+    assert merged_in["w"][1].item() == pytest.approx(0.104)
+    assert merged_in["w"][0].item() == pytest.approx(1.27)
+    assert torch.equal(merged_in["b"], bias + 1)
+    # a compressed update (--compress with --compress-down) is decoded onto the exact w
+    update, _ = compression.compress_update(trained, got, "int8")
+    rebuilt = compression.decode_reply(compression.rebase(update, lost), {"w": w, "b": bias})
+    assert rebuilt["w"][1].item() == pytest.approx(0.104, abs=0.01 / 2 + 1e-6)
+
+
+def test_weights_without_encoded_entries_are_read_as_they_are():
+    state = {"w": torch.ones(2048)}
+    assert compression.decode_weights(state, state) is state
+    assert compression.rebase(state, {}) is state
