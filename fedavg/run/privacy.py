@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from fedavg import flower_compat
+
 #: delta when ``--dp-delta`` is not given: 1e-5, or 1 / N^1.1 for N nodes when that is
 #: smaller (delta must stay well below 1 / N: a mechanism may expose one node with
 #: probability delta).
@@ -120,25 +122,12 @@ class NodeLevelDP:
         self._accountant = self._new_accountant()
 
     def _new_accountant(self):
-        from flwr.supercore.privacy_accounting import (
-            NeighboringRelation,
-            PrivacyConfig,
-            SamplingMethod,
-        )
-        from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
-
-        if self.sampled:
-            how = (NeighboringRelation.REPLACE_ONE, SamplingMethod.WITHOUT_REPLACEMENT)
-        else:
-            how = (NeighboringRelation.ADD_OR_REMOVE_ONE, SamplingMethod.NO_AMPLIFICATION)
-        return RdpAccountant(PrivacyConfig(self.delta, self.num_nodes, *how))
+        return flower_compat.rdp_accountant(self.delta, self.num_nodes, self.sampled)
 
     def _event(self, sample: int):
-        from flwr.supercore.privacy_accounting import GaussianPrivacyEvent
-
         # replacing one node moves the sum of clipped updates by up to 2 C
         multiplier = self.noise / 2 if self.sampled else self.noise
-        return GaussianPrivacyEvent(multiplier, sample, self.num_nodes)
+        return flower_compat.gaussian_release(multiplier, sample, self.num_nodes)
 
     def begin_round(self, sampled: int) -> None:
         """Start a round that sent work to ``sampled`` nodes: its noise, fresh, is still due."""

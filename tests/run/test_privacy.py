@@ -149,3 +149,10 @@ def test_the_default_delta_is_1e_5_or_n_to_the_minus_1_1_when_smaller():
     assert privacy.default_delta(1_000_000) == pytest.approx(1e6 ** -1.1)
     assert privacy.for_run(RunConfig().replace(dp_noise=1.0, dp_clip=1.0)).delta == 1e-5
     assert privacy.for_run(RunConfig()) is None
+
+
+def test_the_strategies_dp_accepts_are_those_whose_merge_is_a_mean():
+    """A new strategy is refused with --dp-noise until it says DP-FedAvg's analysis holds."""
+    assert sorted(n for n, k in strategies.available().items() if k.dp_mean) == [
+        "average", "diloco", "fedadagrad", "fedadam", "fedavg", "fedavgm", "fedprox",
+        "fedyogi", "moon", "task-arithmetic", "uniform-soup"]
