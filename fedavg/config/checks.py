@@ -108,8 +108,10 @@ def check_privacy(m) -> str | None:
     finite = lambda v: v is not None and 0 < v < math.inf  # noqa: E731
     if m.dp_clip is not None and not finite(m.dp_clip):
         return f"--dp-clip must be > 0 and finite (got {m.dp_clip})"
-    if not m.dp_noise < math.inf:
-        return f"--dp-noise must be finite (got {m.dp_noise})"
+    if not m.dp_noise <= 1000:  # the accountant overflows far beyond; nan too
+        return f"--dp-noise must be at most 1000 (got {m.dp_noise})"
+    if m.dp_clip is not None and m.dp_clip > 1e6:  # noise of z x C must stay finite
+        return f"--dp-clip must be at most 1e6 (got {m.dp_clip})"
     if m.dp_noise > 0 and m.dp_clip is None:
         return ("--dp-noise needs --dp-clip C: the L2 norm each node's update is clipped to "
                 "(the noise's scale is z x C), e.g. --dp-clip 1")

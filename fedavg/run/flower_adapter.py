@@ -374,6 +374,7 @@ class FlowerAdapter(FlowerFedAvg):
             if self.dp is not None:  # clipped, weight 1, the round's noise on the first
                 self.merge.add_reply(self.dp.private(state, self.reference), 1.0,
                                      node=str(node), arrays=extras, metrics=dict(metrics))
+                self.dp.folded()
             else:
                 self.merge.add_reply(state, weight, node=str(node), arrays=extras,
                                      metrics=dict(metrics))

@@ -11,7 +11,7 @@ sensitivity stays ``C / m``). The strategy then works on that noisy mean; a serv
 (FedAvgM, FedAdam, DiLoCo ...) is post-processing of it. Integer buffers keep the round's
 values.
 
-The noise is added once per round, to the first usable reply as it is folded in, which makes
+The noise is added once per round, to the first reply the merge takes, which makes
 the merged mean exactly ``w + (sum_k clip(u_k) + N(0, z^2 C^2)) / m``. It is drawn from the
 operating system's randomness, not from ``--seed``: a noise anyone can replay protects
 nothing (so a resumed DP run is not bit-for-bit an unbroken one).
@@ -147,8 +147,15 @@ class NodeLevelDP:
         clipped, _ = clip_update(state, reference, self.clip)
         if self._noised:
             return clipped
-        self._noised = True
         return add_noise(clipped, self.noise * self.clip, self._generator)
+
+    def folded(self) -> None:
+        """Note that the merge took a reply :meth:`private` made: the round's noise is in.
+
+        Until then every reply gets noise, so that a noised reply the merge refuses (a
+        malformed one) does not leave the round without it.
+        """
+        self._noised = True
 
     def fill(self, merge, reference: dict[str, torch.Tensor], used: int) -> None:
         """Count the sampled nodes that sent nothing usable as zero updates (the reference)."""

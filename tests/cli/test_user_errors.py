@@ -560,7 +560,9 @@ def test_cpus_per_node_out_of_range_is_one_line(invoke, value):
 @pytest.mark.parametrize("args, expected", [
     (["--dp-noise", "1"], "--dp-noise needs --dp-clip C"),
     (["--dp-noise", "1", "--dp-clip", "0"], "--dp-clip must be > 0 and finite"),
-    (["--dp-noise", "nan", "--dp-clip", "1"], "--dp-noise must be"),
+    (["--dp-noise", "nan", "--dp-clip", "1"], "--dp-noise must be >= 0 and finite"),
+    (["--dp-noise", "1e300", "--dp-clip", "1"], "--dp-noise must be at most 1000"),
+    (["--dp-noise", "1", "--dp-clip", "1e300"], "--dp-clip must be at most 1e6"),
     (["--dp-noise", "1", "--dp-clip", "1", "--dp-delta", "1"], "--dp-delta must be in (0, 1)"),
     (["--dp-epsilon", "3"], "--dp-epsilon needs node-level DP"),
     (["--dp-noise", "1", "--dp-clip", "1", "--dp-epsilon", "-2"], "--dp-epsilon must be > 0"),

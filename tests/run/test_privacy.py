@@ -57,6 +57,7 @@ def test_the_merge_is_the_fixed_weight_mean_of_clipped_updates_plus_the_noise_on
     merge.begin(reference)
     dp.begin_round(3)
     merge.add_reply(dp.private({"w": torch.tensor([3.0, 4.0])}, reference), 1.0)
+    dp.folded()
     merge.add_reply(dp.private({"w": torch.tensor([0.3, 0.4])}, reference), 1.0)
     dp.fill(merge, reference, used=2)
     assert merge.result().state_dict["w"].tolist() == pytest.approx([0.3, 0.4], abs=1e-6)
@@ -69,6 +70,9 @@ def test_only_the_first_reply_of_a_round_carries_the_noise_and_each_round_draws_
     dp.begin_round(3)
     first = dp.private(state, reference)["w"]
     assert first.std().item() == pytest.approx(1.0, rel=0.02)
+    # the merge refused that reply (malformed): the next one still carries the noise
+    assert dp.private(state, reference)["w"].std().item() == pytest.approx(1.0, rel=0.02)
+    dp.folded()  # the merge took one: no more noise this round
     assert torch.equal(dp.private(state, reference)["w"], torch.zeros(100_000))
     dp.begin_round(3)
     again = dp.private(state, reference)["w"]
