@@ -173,6 +173,14 @@ class Strategy:
     """True when the merge steps away from the round's starting model (server optimisers):
     saved models have no such model, so it has no meaning for ``fedavg merge`` either."""
 
+    dp_mean: bool = False
+    """True when the merge is a function of the nodes' mean model alone (a weighted mean,
+    then perhaps a server step): node-level DP (``--dp-noise``) clips each update, weighs
+    every node 1 and adds noise to their sum, and DP-FedAvg's analysis holds for what the
+    method does with that mean (post-processing). Methods that weigh nodes by what they
+    report (FedNova's local steps), send other node data (SCAFFOLD's control variates) or
+    pick among models (median, Krum, TIES) keep False."""
+
     saved_extras: tuple[str, ...] = ()
     """The reply records the merge needs beside each model (Fisher's ``fisher``):
     ``--save-node-models`` keeps each as ``<name>.safetensors`` in the node's model folder,

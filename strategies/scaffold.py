@@ -91,6 +91,7 @@ class Scaffold(FedAvg):
     """
 
     name = "scaffold"
+    dp_mean = False  # see Strategy.dp_mean
     description = "control variates correct node drift; server step size 1"
     paper = ("Karimireddy et al. 2020, SCAFFOLD: Stochastic Controlled Averaging for "
              "Federated Learning, arXiv:1910.06378")

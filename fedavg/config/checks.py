@@ -84,6 +84,8 @@ def check_merge(c: RunConfig) -> str | None:
                 "low-rank factors and the adapters whole; leave --compress-down out")
     if m.rounds < 1:
         return f"--rounds must be >= 1 (got {m.rounds})"
+    if problem := check_privacy(m):
+        return problem
     if m.num_nodes < 1:
         return f"--num-nodes must be >= 1 (got {m.num_nodes})"
     if not 0 < m.fraction <= 1:
@@ -98,6 +100,29 @@ def check_merge(c: RunConfig) -> str | None:
     for name in ("validation_fraction", "distill_fraction"):
         if not 0 < getattr(m, name) < 0.5:
             return f"--{name.replace('_', '-')} must be in (0, 0.5)"
+    return None
+
+
+def check_privacy(m) -> str | None:
+    """Check the node-level DP settings: a clip with noise, a delta below 1, a budget > 0."""
+    finite = lambda v: v is not None and 0 < v < math.inf  # noqa: E731
+    if m.dp_clip is not None and not finite(m.dp_clip):
+        return f"--dp-clip must be > 0 and finite (got {m.dp_clip})"
+    if not m.dp_noise <= 1000:  # the accountant overflows far beyond; nan too
+        return f"--dp-noise must be at most 1000 (got {m.dp_noise})"
+    if m.dp_clip is not None and m.dp_clip > 1e6:  # noise of z x C must stay finite
+        return f"--dp-clip must be at most 1e6 (got {m.dp_clip})"
+    if m.dp_noise > 0 and m.dp_clip is None:
+        return ("--dp-noise needs --dp-clip C: the L2 norm each node's update is clipped to "
+                "(the noise's scale is z x C), e.g. --dp-clip 1")
+    if m.dp_delta is not None and not 0 < m.dp_delta < 1:
+        return f"--dp-delta must be in (0, 1), e.g. 1e-5 (got {m.dp_delta})"
+    if m.dp_epsilon is not None and not finite(m.dp_epsilon):
+        return f"--dp-epsilon must be > 0 and finite (got {m.dp_epsilon})"
+    if (m.dp_delta is not None or m.dp_epsilon is not None) and not m.dp_noise > 0:
+        given = "--dp-epsilon" if m.dp_epsilon is not None else "--dp-delta"
+        return (f"{given} needs node-level DP: give --dp-noise z (e.g. 1) and --dp-clip C; "
+                "without noise there is no epsilon to account")
     return None
 
 
@@ -119,6 +144,10 @@ def check_strategy(c: RunConfig) -> str | None:
     if cls.one_shot and m.swa_start is not None:
         return (f"--swa-start averages the models of several rounds; {m.strategy} is a "
                 "one-shot merge of one round: leave --swa-start out")
+    if m.dp_noise > 0 and not cls.dp_mean:
+        usable = ", ".join(n for n, k in strategies.available().items() if k.dp_mean)
+        return (f"--dp-noise: {m.strategy}'s merge is not a mean of the node updates, which "
+                f"DP-FedAvg's analysis needs; use one of {usable}")
     if cls.node_rule is not None and \
             node_value(c.train, "optimizer", cls.node_defaults) not in cls.node_rule.optimizers:
         return (f"{m.strategy}'s update rule assumes {' or '.join(cls.node_rule.optimizers)} "

@@ -399,6 +399,16 @@ class MergeConfig:
         scale (:mod:`fedavg.node.compression`); the coordinator keeps the exact weights and
         rebuilds each node's model as its training from the quantised weights, moved onto
         the exact ones (nothing accumulates over rounds).
+    dp_noise : float
+        Node-level differential privacy (DP-FedAvg, :mod:`fedavg.run.privacy`): the noise
+        multiplier ``z``; the noise on the sum of clipped updates has standard deviation
+        ``z * dp_clip``. 0: off.
+    dp_clip : float or None
+        The L2 norm each node's update is clipped to (``C``); needed with ``dp_noise``.
+    dp_delta : float or None
+        The delta epsilon is reported at; ``None``: ``min(1e-5, N^-1.1)`` for N nodes.
+    dp_epsilon : float or None
+        A privacy budget: the run trains only the rounds whose epsilon stays within it.
     swa_start : int or None
         Server-side stochastic weight averaging (:mod:`strategies.swa`): from this round on,
         the run evaluates and saves the mean of the rounds' merged models (rounds
@@ -431,6 +441,15 @@ class MergeConfig:
     compress_down: str = setting("none", "Round weights as sent to the nodes: none or int8 (per "
                                  "block of 1024 with its scale; the coordinator keeps them "
                                  "exact)", rule=one_of(DOWN_CODECS))
+    dp_noise: float = setting(0.0, "Node-level DP (DP-FedAvg): noise multiplier z; the sum of "
+                              "clipped node updates gets Gaussian noise of std z x --dp-clip; "
+                              "0: off", rule=non_negative())
+    dp_clip: float | None = setting(None, "Node-level DP: clip each node's update to this L2 "
+                                    "norm (needed with --dp-noise)")
+    dp_delta: float | None = setting(None, "Node-level DP: the delta epsilon is reported at "
+                                     "(default: 1e-5, or 1/N^1.1 for N nodes when smaller)")
+    dp_epsilon: float | None = setting(None, "Node-level DP budget: train only the rounds "
+                                       "whose epsilon stays within it (default: no budget)")
     swa_start: int | None = setting(None, "Average the merged models from this round on "
                                     "(server-side SWA); the average is evaluated and saved "
                                     "(default: off)")

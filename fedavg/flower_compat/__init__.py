@@ -12,7 +12,8 @@ Nothing outside this package imports ``flwr.cli``, ``flwr.proto``, ``flwr.superc
 - :mod:`~fedavg.flower_compat.control`: the SuperLink's Control API (submit a run);
 - :mod:`~fedavg.flower_compat.fleet`: the Fleet API as a node sees it (is its key known?);
 - :mod:`~fedavg.flower_compat.tasks`: warm task workers on the runtime API;
-- :mod:`~fedavg.flower_compat.logs`: what SuperLink / SuperNode output lines mean.
+- :mod:`~fedavg.flower_compat.logs`: what SuperLink / SuperNode output lines mean;
+- :mod:`~fedavg.flower_compat.privacy`: the privacy accountant (node-level DP).
 """
 
 from fedavg.flower_compat.checks import (
@@ -63,6 +64,7 @@ from fedavg.flower_compat.logs import (
     superlink_line_is_error,
     superlink_node_refusal,
 )
+from fedavg.flower_compat.privacy import gaussian_release, rdp_accountant
 from fedavg.flower_compat.tasks import (
     CLIENT_TASK,
     SERVER_TASK,
@@ -75,6 +77,8 @@ from fedavg.flower_compat.tasks import (
 
 __all__ = [
     "error_summary",
+    "gaussian_release",
+    "rdp_accountant",
     "CLIENT_TASK",
     "FLOWER_VERSION",
     "LOOPBACK_VAR",

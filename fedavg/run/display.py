@@ -19,6 +19,7 @@ import numpy as np
 from fedavg.config.checks import node_value
 from fedavg.config.values import format_value
 from fedavg.data.partition import label_counts, values_per_node
+from fedavg.run import privacy
 from fedavg.util.units import size
 
 if TYPE_CHECKING:
@@ -113,6 +114,8 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
     if console is None:
         return
     for note in prepared.data.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+    if note := privacy.plan_note(config):
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     if not table:
         return
@@ -349,7 +352,8 @@ class Progress:
             f"round {rec.round:>3}/{self.rounds}: accuracy {_figure(rec.accuracy)}{own}  "
             f"loss {_figure(rec.loss)}  train loss {train_loss}  nodes {rec.num_nodes}  "
             f"sent {size(rec.bytes_to_nodes)}  got {size(rec.bytes_from_nodes)}  "
-            f"{rec.wall_s:.2f} s")
+            + ("" if rec.epsilon is None else f"epsilon {rec.epsilon:.3g}  ")
+            + f"{rec.wall_s:.2f} s")
         nxt = rec.round + 1
         phase = f"training round {nxt}" if nxt <= self.rounds else "finishing"
         self._bar.update(self._task, advance=1, description=phase)

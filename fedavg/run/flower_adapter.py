@@ -180,6 +180,7 @@ class _RoundTally:
         self.reasons: list[tuple[int, str]] = []  # (node, why it was left out)
         self.over_norm = 0  # replies refused by --max-update-norm
         self.bytes_to_nodes = self.bytes_from_nodes = 0  # serialised arrays, both ways
+        self.epsilon: float | None = None  # node-level DP: the run's epsilon after the round
 
     def detail(self, most: int = 3) -> str:
         """Return the failures in one line; nodes with the same reason share it."""
@@ -205,7 +206,7 @@ class _RoundTally:
         loss = self.loss_sum / self.weight_sum if self.weight_sum else float("nan")
         return {"train_loss": loss, "num_nodes": self.used, "num_failed": self.failed,
                 "train_s": self.train_s, "bytes_to_nodes": self.bytes_to_nodes,
-                "bytes_from_nodes": self.bytes_from_nodes}
+                "bytes_from_nodes": self.bytes_from_nodes, "epsilon": self.epsilon}
 
 
 def _fold_order(msg: Message) -> tuple[int, int]:
@@ -278,6 +279,7 @@ class FlowerAdapter(FlowerFedAvg):
                  exact_lora: dict[str, float] | None = None,
                  lora_transport=None,
                  compress_down: str = "none",
+                 dp=None,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.merge, self.reference, self.buffers, self.context = merge, reference, buffers, context
@@ -286,6 +288,7 @@ class FlowerAdapter(FlowerFedAvg):
         self.max_update_norm, self.round_offset = max_update_norm, round_offset
         self.exact_lora, self.lora_transport = exact_lora, lora_transport
         self.compress_down = compress_down
+        self.dp = dp  # node-level DP (fedavg.run.privacy.NodeLevelDP), or None
         self.down_lost: dict[str, torch.Tensor] = {}  # what the round's downlink lost
         self.current_round = 0
         self.last_train: dict[str, Any] = {}
@@ -319,6 +322,8 @@ class FlowerAdapter(FlowerFedAvg):
             for msg in messages:
                 msg.content[keys.ARRAYS] = record
         self.bytes_to_nodes = sum(message_bytes(msg) for msg in messages)
+        if self.dp is not None:
+            self.dp.begin_round(len(messages))
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
@@ -366,8 +371,13 @@ class FlowerAdapter(FlowerFedAvg):
             self._check_norm(state, node)
             extras = {k: rec.to_torch_state_dict() for k, rec in
                       msg.content.array_records.items() if k != keys.ARRAYS}
-            self.merge.add_reply(state, weight, node=str(node), arrays=extras,
-                                 metrics=dict(metrics))
+            if self.dp is not None:  # clipped, weight 1, the round's noise on the first
+                self.merge.add_reply(self.dp.private(state, self.reference), 1.0,
+                                     node=str(node), arrays=extras, metrics=dict(metrics))
+                self.dp.folded()
+            else:
+                self.merge.add_reply(state, weight, node=str(node), arrays=extras,
+                                     metrics=dict(metrics))
             if self.lora_transport is not None:
                 self.lora_transport.replied(node, metrics.get(keys.LORA_BASE_ROUND))
             if self.on_node_model is not None:
@@ -431,10 +441,14 @@ class FlowerAdapter(FlowerFedAvg):
             raise RunError(f"round {server_round}: only {tally.used} usable model(s), fewer "
                            f"than --min-nodes-per-round {self.min_replies}",
                            resume_without=drop)
+        if self.dp is not None:  # the sampled nodes that sent nothing count as zero updates
+            self.dp.fill(self.merge, self.reference, tally.used)
         try:
             merged = self.merge.result()
         except strategies.MergeError as exc:
             raise RunError(f"round {server_round}: {exc}") from None
+        if self.dp is not None:
+            tally.epsilon = self.dp.release()
         if self.lora_transport is not None and not merged.is_ensemble:
             merged = dataclasses.replace(merged, state_dict=self.lora_transport.merged(
                 merged.state_dict, self.reference, tally.used))

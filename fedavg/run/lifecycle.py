@@ -68,6 +68,8 @@ class RoundRecord:
         With ``--swa-start``, from that round on: the test accuracy and loss of the round's
         merged model itself (``accuracy`` and ``loss`` are then the weight average's, the
         model saved); ``None`` otherwise.
+    epsilon : float or None
+        Node-level DP (``--dp-noise``): the run's epsilon after this round, at its delta.
     resumed : bool
         The first round of a resumed run: its ``wall_s`` also waited for the start-up
         (written only when true).
@@ -85,12 +87,17 @@ class RoundRecord:
     bytes_from_nodes: int = 0
     merged_accuracy: float | None = None
     merged_loss: float | None = None
+    epsilon: float | None = None
     resumed: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain dict for JSON (``resumed`` only when true; a NaN or infinite figure None)."""
+        """Return a plain dict for JSON.
+
+        ``resumed`` only when true, ``epsilon`` only with DP; a NaN or infinite figure None.
+        """
         return {k: None if isinstance(v, float) and not abs(v) < float("inf") else v
-                for k, v in self.__dict__.items() if k != "resumed" or v}
+                for k, v in self.__dict__.items()
+                if (k != "resumed" or v) and (k != "epsilon" or v is not None)}
 
 
 @dataclass
@@ -403,6 +410,17 @@ def finish(state: RunState, prepared: Prepared, config: RunConfig, out: Path, st
     return result
 
 
+def _privacy(config: RunConfig, rounds: list[dict]) -> dict[str, Any]:
+    """``{"privacy": ...}`` of a node-level DP run (the accountant replayed), else ``{}``."""
+    from fedavg.run import privacy  # lazy: loads torch, which only this path needs
+
+    dp = privacy.for_run(config)
+    if dp is None:
+        return {}
+    dp.replay(privacy.sampled_history(rounds))
+    return {"privacy": dp.describe()}
+
+
 def write_summary(result: RunResult, prepared: Prepared, config: RunConfig) -> None:
     """Write ``summary.json``: final and best accuracy, timing, sizes, failures, settings."""
     from fedavg.run.checkpoint import write_json  # lazy: loads torch, which only this path needs
@@ -423,6 +441,7 @@ def write_summary(result: RunResult, prepared: Prepared, config: RunConfig) -> N
         "train_samples": len(prepared.data.train),
         "test_samples": len(prepared.data.test),
         "failures": result.failures,
+        **_privacy(config, result.rounds),
         **({"startup_s": result.startup_s} if result.startup_s else {}),
         "config": config.as_dict(),
     })

@@ -30,7 +30,7 @@ from fedavg.models.sources import first_line
 from fedavg.node import keys
 from fedavg.node.clientapp import saved_node_state
 from fedavg.node.wire import TrainSettings
-from fedavg.run import checkpoint, resume
+from fedavg.run import checkpoint, privacy, resume
 from fedavg.run.display import Progress
 from fedavg.run.flower_adapter import FlowerAdapter, StreamingGrid
 from fedavg.run.lifecycle import Prepared, RoundRecord, RunState
@@ -290,9 +290,17 @@ class ServerRun:
             round_offset=done,
             exact_lora=folded,
             compress_down=m.compress_down,
+            dp=self._privacy(),
             lora_transport=None if folded is None else LoraTransport(
                 sorted(self.model.downlink_only()), self.model.spec.rank, version=done),
         )
+
+    def _privacy(self):
+        """Return the run's node-level DP, caught up with a resumed run's rounds (or None)."""
+        dp = privacy.for_run(self.config)
+        if dp is not None:
+            dp.replay(privacy.sampled_history([r.as_dict() for r in self.state.rounds]))
+        return dp
 
     def report_failure(self, server_round: int, node: int, reason: str) -> None:
         """Record a node reply left out of a round, and tell the progress display."""
@@ -432,9 +440,11 @@ class ServerRun:
         if self.stale_summary:  # the model and rounds move past what it describes
             (self.output / "summary.json").unlink(missing_ok=True)
             self.stale_summary = False
+        dp = self.adapter.dp
         checkpoint.save_merged(self.output, merged, {
             **self.prepared.meta, "rounds": server_round,
-            "metrics": {"accuracy": record.accuracy, "loss": record.loss}})
+            "metrics": {"accuracy": record.accuracy, "loss": record.loss},
+            **({"privacy": dp.describe()} if dp is not None else {})})
         resume.save(self.output, resume.capture(
             server_round, state_dict, self.config, self.prepared.strategy,
             [r.as_dict() for r in self.state.rounds], self.state.failures, self._node_states(),
@@ -482,6 +492,7 @@ class ServerRun:
             train_s=None if info.get("train_s") is None else round(info["train_s"], 3),
             bytes_to_nodes=int(info.get("bytes_to_nodes", 0)),
             bytes_from_nodes=int(info.get("bytes_from_nodes", 0)),
+            epsilon=info.get("epsilon"),
             resumed=self.resume_from is not None and "round1_end" not in self.state.marks,
         )
 

@@ -62,8 +62,10 @@ def markdown_table(groups: list[Group], keys: list[str], target: float,
     """
     pub = [] if published is None else ["published"]
     count = [] if "rounds" in keys else ["rounds"]  # a setting that varies shows them already
+    private = any(r.epsilon is not None for g in groups for r in g.runs)
+    eps = ["epsilon"] if private else []  # node-level DP runs: their epsilon at their delta
     head = [*keys, "n", "seeds", "final accuracy", "best accuracy", *pub,
-            f"round ≥ {target:g}", *count, "wall s", "round s", "MB sent + got"]
+            f"round ≥ {target:g}", *count, "wall s", "round s", "MB sent + got", *eps]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in groups:
         s = g.stats(target)
@@ -74,7 +76,8 @@ def markdown_table(groups: list[Group], keys: list[str], target: float,
                _pm(s["best_accuracy_mean"], s["best_accuracy_std"], 4),
                *([] if published is None else [_pm(_figure(published, g), None, 4)]), reached,
                *([str(s["rounds"])] if count else []), _pm(s["wall_s_mean"], s["wall_s_std"], 1),
-               _pm(s["round_s_mean"], None, 2), _megabytes(s["bytes_mean"])]
+               _pm(s["round_s_mean"], None, 2), _megabytes(s["bytes_mean"]),
+               *([] if not private else [_pm(s["epsilon_mean"], None, 3)])]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
     return "\n".join(lines)
 
@@ -107,7 +110,7 @@ def write_csvs(groups: list[Group], runs: list[Run], keys: list[str], target: fl
     count = [] if "rounds" in keys else ["rounds"]  # a setting that varies shows them already
     stats = ["n", "accuracy_mean", "accuracy_std", "best_accuracy_mean", "best_accuracy_std",
              "target_round_mean", "target_reached", *count, "wall_s_mean", "wall_s_std",
-             "round_s_mean", "bytes_mean"]
+             "round_s_mean", "bytes_mean", "epsilon_mean"]
     pub = [] if published is None else ["published_best_accuracy"]
     results = out / f"{name}.csv"
     with open(results, "w", newline="") as fh:
@@ -124,13 +127,13 @@ def write_csvs(groups: list[Group], runs: list[Run], keys: list[str], target: fl
     with open(per_run, "w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["run", *keys, *seed, "accuracy", "best_accuracy", "target_round",
-                         *count, "wall_s", "round_s", "bytes", "target"])
+                         *count, "wall_s", "round_s", "bytes", "epsilon", "target"])
         for r in runs:
             writer.writerow([_relative(r.path, root),
                              *(_csv_value(r.settings.get(k)) for k in [*keys, *seed]),
                              r.accuracy, r.best_accuracy, _csv_value(r.target_round(target)),
                              *([r.rounds] if count else []), r.wall_s, _csv_value(r.round_s),
-                             _csv_value(r.bytes_total), target])
+                             _csv_value(r.bytes_total), _csv_value(r.epsilon), target])
     return [results, per_run]
 
 

@@ -52,6 +52,8 @@ class Run:
     uplink_curve : list of (int, float)
         ``(cumulative bytes the nodes sent, test accuracy)`` after each round: the uplink
         alone, what ``--compress`` shrinks (empty without byte counts).
+    epsilon : float or None
+        Node-level DP (``--dp-noise``): the run's epsilon at its delta (``None``: no DP).
     """
 
     path: Path
@@ -65,6 +67,7 @@ class Run:
     bytes_total: int | None = None
     bytes_curve: list[tuple[int, float]] = field(default_factory=list)
     uplink_curve: list[tuple[int, float]] = field(default_factory=list)
+    epsilon: float | None = None
 
     def target_round(self, target: float) -> int | None:
         """Return the first round whose test accuracy is >= ``target``, or ``None``."""
@@ -190,7 +193,15 @@ def read_run(folder: Path, notes: list[str] | None = None) -> Run:
                round_walls=[float(r["wall_s"]) for r in rows[1:]  # not a start-up's round
                             if finite_number(r.get("wall_s")) and not r.get("resumed")],
                bytes_total=_bytes_total(summary), bytes_curve=_bytes_curve(rows),
-               uplink_curve=_bytes_curve(rows, ("bytes_from_nodes",)))
+               uplink_curve=_bytes_curve(rows, ("bytes_from_nodes",)),
+               epsilon=_epsilon(summary))
+
+
+def _epsilon(summary: dict[str, Any]) -> float | None:
+    """Return the run's node-level DP epsilon from ``summary.json`` (``None``: no DP)."""
+    privacy = summary.get("privacy")
+    value = privacy.get("epsilon") if isinstance(privacy, dict) else None
+    return float(value) if finite_number(value) else None
 
 
 def _bytes_total(summary: dict[str, Any]) -> int | None:
@@ -318,6 +329,8 @@ class Group:
         out["rounds"] = max(r.rounds for r in self.runs)
         round_s = [r.round_s for r in self.runs if r.round_s is not None]
         out["round_s_mean"] = statistics.fmean(round_s) if round_s else None
+        epsilons = [r.epsilon for r in self.runs if r.epsilon is not None]
+        out["epsilon_mean"] = statistics.fmean(epsilons) if epsilons else None
         return out
 
 

@@ -557,6 +557,27 @@ def test_cpus_per_node_out_of_range_is_one_line(invoke, value):
     assert "--cpus-per-node must be in (0, " in assert_one_error_line(stderr)
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--dp-noise", "1"], "--dp-noise needs --dp-clip C"),
+    (["--dp-noise", "1", "--dp-clip", "0"], "--dp-clip must be > 0 and finite"),
+    (["--dp-noise", "nan", "--dp-clip", "1"], "--dp-noise must be >= 0 and finite"),
+    (["--dp-noise", "1e300", "--dp-clip", "1"], "--dp-noise must be at most 1000"),
+    (["--dp-noise", "1", "--dp-clip", "1e300"], "--dp-clip must be at most 1e6"),
+    (["--dp-noise", "1", "--dp-clip", "1", "--dp-delta", "1"], "--dp-delta must be in (0, 1)"),
+    (["--dp-epsilon", "3"], "--dp-epsilon needs node-level DP"),
+    (["--dp-noise", "1", "--dp-clip", "1", "--dp-epsilon", "-2"], "--dp-epsilon must be > 0"),
+    (["--dp-noise", "1", "--dp-clip", "1", "--strategy", "fedmedian"],
+     "fedmedian's merge is not a mean of the node updates"),
+    (["--dp-noise", "0.5", "--dp-clip", "1", "--dp-epsilon", "1"],
+     "--dp-epsilon 1 allows no more round"),
+    (["--compress-down", "topk"], "--compress-down must be one of none, int8"),
+])
+def test_privacy_and_downlink_settings_are_checked_in_one_line(invoke, args, expected):
+    code, stderr = invoke("simulate", "--num-nodes", "2", "--rounds", "2", *args)
+    assert code == 2
+    assert expected in assert_one_error_line(stderr)
+
+
 def test_the_python_api_names_inputs_of_the_wrong_kind(model_dir):
     import numpy as np
 

@@ -1472,3 +1472,31 @@ def test_compressed_updates_across_machines(cluster, certs, tmp_path):
     for r in rounds:  # down: the model whole; up: int8 updates (the biases as they are)
         assert 0.2 < r["bytes_from_nodes"] / r["bytes_to_nodes"] < 0.3, r
     assert rounds[-1]["accuracy"] >= 0.8
+
+
+@pytest.mark.e2e
+def test_private_rounds_with_a_quantised_downlink_across_machines(cluster, certs, tmp_path):
+    """Node-level DP and --compress-down int8 across machines.
+
+    Epsilon after each round; the round's weights go out as a quarter of the bytes the nodes
+    send back whole.
+    """
+    out = tmp_path / "run"
+    coord = cluster.coordinator("--rounds", "2", "--min-nodes", "2", "--certs", certs,
+                                "--dp-noise", "0.5", "--dp-clip", "5", "--compress-down",
+                                "int8", "--output", out)
+    nodes = [cluster.node(f"node{i}", "--certs", certs, "--partition-id", i,
+                          "--num-partitions", 2, "--once") for i in range(2)]
+    assert cluster.wait(coord) == 0, cluster.log("coordinator")
+    for n in nodes:
+        assert cluster.wait(n, 60) == 0, cluster.log(n.name)
+    rounds = rounds_of(out)
+    assert [r["num_nodes"] for r in rounds] == [2, 2]
+    for r in rounds:  # down: int8 weights (the biases as they are); up: the models whole
+        assert 0.24 < r["bytes_to_nodes"] / r["bytes_from_nodes"] < 0.3, r
+    assert 0 < rounds[0]["epsilon"] < rounds[1]["epsilon"]
+    summary = json.loads((out / "summary.json").read_text())
+    model = json.loads((out / "model.json").read_text())
+    assert summary["privacy"]["epsilon"] == pytest.approx(rounds[1]["epsilon"])
+    assert model["privacy"] == summary["privacy"] and model["privacy"]["rounds"] == 2
+    assert "node-level DP" in cluster.log("coordinator")

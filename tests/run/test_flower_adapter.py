@@ -400,3 +400,23 @@ def test_a_round_failure_line_counts_the_nodes_it_does_not_name():
     assert tally.detail().endswith("; and 3 more nodes")
     tally.reasons = [(0, "shape"), (1, "shape")]
     assert tally.detail() == "2 nodes: shape"
+
+
+def test_node_level_dp_weighs_each_node_1_clips_and_counts_the_silent_as_zero(task_identity):
+    """DP-FedAvg in the adapter: sample counts 10 and 1,000 play no part.
+
+    3 nodes sampled, 2 reply: u = (3, 4) clips to (0.6, 0.8), (0.3, 0.4) stays, the silent
+    third counts as 0: the mean is (0.3, 0.4) (noise far below the figures checked).
+    """
+    from fedavg.run.privacy import NodeLevelDP
+
+    dp = NodeLevelDP(clip=1.0, noise=1e-9, num_nodes=3, sampled=False, delta=1e-5)
+    a = make_adapter([], dp=dp)
+    dp.begin_round(3)  # as configure_train does with the round's 3 messages
+    arrays, _ = a.aggregate_train(1, [
+        update_reply(11, {"w": torch.tensor([3.0, 4.0]), "n": torch.tensor(9)}, n=10),
+        update_reply(12, {"w": torch.tensor([0.3, 0.4]), "n": torch.tensor(9)}, n=1000)])
+    merged = arrays.to_torch_state_dict()
+    assert merged["w"].tolist() == pytest.approx([0.3, 0.4], abs=1e-6)
+    assert merged["n"].item() == 0  # integer buffers keep the round's values
+    assert a.last_train["epsilon"] == pytest.approx(dp.epsilon) and dp.releases == 1

@@ -36,6 +36,7 @@ from fedavg.engines.deployment.tls import (
     load_auth_keys,
     resolve_certs,
 )
+from fedavg.run import privacy
 from fedavg.run.display import Progress, recipe_text, reporter, show_plan
 from fedavg.run.lifecycle import (
     RunState,
@@ -77,6 +78,7 @@ class _Options:
     output: Path | None = None
     resume_from: Any = None  # a fedavg.run.resume.Checkpoint
     overwrite: bool = False
+    budget_note: str | None = None  # --dp-epsilon cut the rounds
 
     @property
     def local(self) -> str:
@@ -171,6 +173,8 @@ def _run(opts: _Options, prepared, state, console, trackers) -> tuple[Path, int]
         link = FlowerProcess("superlink", _superlink_args(opts, secret_path), flower_env(home),
                              echo=_superlink_echo(say, opts.verbose))
         out, run_id = _submit(link, opts, home, opts.output, say)
+        if opts.budget_note:
+            say(f"[yellow]note:[/] {opts.budget_note}")
         show_plan(console, prepared, opts.config, table=False)
         if opts.resume_from is not None:
             say(f"resuming {out} after round {opts.resume_from.round} of "
@@ -210,6 +214,8 @@ def _check_options(config: RunConfig, options: CoordinatorOptions) -> _Options:
     if not wait_timeout > 0:  # nan too
         raise UserError(f"--wait-timeout must be > 0 seconds, got {wait_timeout:g}")
     config = config.replace(num_nodes=min_nodes).validate()
+    config, budget_note = privacy.within_budget(
+        config, None if ckpt is None else privacy.sampled_history(ckpt.rounds))
     per_round = (o.min_nodes_per_round if o.min_nodes_per_round is not None
                  else max(1, -(-config.nodes_per_round // 2)))
     if not 1 <= per_round <= min_nodes:
@@ -226,7 +232,7 @@ def _check_options(config: RunConfig, options: CoordinatorOptions) -> _Options:
     if output is not None and ckpt is None:
         check_output(Path(output), o.overwrite)
     return _Options(config, host, port, certs, keys_pem, min_nodes, per_round, wait_timeout,
-                    o.verbose, output, ckpt, o.overwrite)
+                    o.verbose, output, ckpt, o.overwrite, budget_note)
 
 
 def _superlink_args(opts: _Options, secret_path: Path) -> list[str]:

@@ -38,6 +38,7 @@ from fedavg.flower_compat import (
 )
 from fedavg.models.evaluation import resolve_device
 from fedavg.run import lifecycle as run
+from fedavg.run import privacy
 from fedavg.run.display import Progress, show_plan
 from fedavg.run.resume import resolve_settings
 from fedavg.run.tracking import TrackingOptions, tracked
@@ -292,6 +293,10 @@ def simulate(
     config, ckpt, output = resolve_settings(config, overrides, resume, output,
                                                 overwrite=overwrite)
     config.validate()
+    config, cut = privacy.within_budget(config, None if ckpt is None else
+                                        privacy.sampled_history(ckpt.rounds))
+    if cut and console is not None:
+        console.print(f"[yellow]note:[/] {cut}", highlight=False, soft_wrap=True)
     _import_libraries(config.train.device)
     backend = _backend_config(config.train.device, cpus_per_node, gpus_per_node, verbose,
                               ray_address)
