@@ -98,7 +98,10 @@ def cli_markdown(app: typer.Typer) -> str:
 
 def _strategy_section(name: str, cls: type) -> list[str]:
     kind = "one-shot" if cls.one_shot else "over rounds"
-    lines = [f"### `{name}`", "", f"{cls.description} ({kind}).", "",
+    private = ("Node-level DP (`--dp-noise`): yes, its merge is a mean of the node updates."
+               if cls.dp_mean else "Node-level DP (`--dp-noise`): refused (its merge is not "
+               "a mean of the node updates).")
+    lines = [f"### `{name}`", "", f"{cls.description} ({kind}).", "", private, "",
              f"**Paper:** {cls.paper}" if cls.paper else "", ""]
     if cls.options:
         lines += ["| option | type | default | what it does |", "|---|---|---|---|"]
@@ -133,11 +136,13 @@ def strategies_markdown() -> str:
              "strategies` lists). Pick one with `--strategy NAME`; its options go on the same "
              "command line. Every strategy that is not one-shot also takes `--swa-start R` "
              "(server-side SWA from round R).", "",
-             "| name | kind | options | paper |", "|---|---|---|---|"]
+             "| name | kind | options | node-level DP | paper |", "|---|---|---|---|---|"]
     for name, cls in registry.items():
         options = ", ".join(f"`{o.flag}`" for o in cls.options)
         kind = "one-shot" if cls.one_shot else "rounds"
-        lines.append(f"| [`{name}`](#{name}) | {kind} | {options} | {_cell(cls.paper)} |")
+        dp = "yes" if cls.dp_mean else ""
+        lines.append(f"| [`{name}`](#{name}) | {kind} | {options} | {dp} | "
+                     f"{_cell(cls.paper)} |")
     lines.append("")
     for name, cls in registry.items():
         lines += _strategy_section(name, cls)
