@@ -11,8 +11,8 @@ Dirichlet(0.5), 10 nodes, every node every round, the ``cnn``, 1 local epoch; a 
 (top-k of 1 % or 10 % of the entries), ``-noef`` for no error feedback and ``+down`` for the
 round's weights sent as int8 too (``--compress-down int8``). DiLoCo's nodes take
 ``--local-steps 190`` AdamW steps, one pass over a node's ~6,000 samples at batch 32: the same
-budget as FedAvg's epoch. Reports per leg the final and best accuracy, the uplink bytes per
-round (node updates, as they travelled through Flower) and against uncompressed FedAvg, the
+budget as FedAvg's epoch (``diloco2x``: 380 steps, two passes, for the same messages).
+Reports per leg the final and best accuracy, the uplink bytes per round (node updates, as they travelled through Flower) and against uncompressed FedAvg, the
 cumulative uplink bytes when ``--target`` accuracy was first reached, and the median round
 time; writes ``results.md``, ``results.json`` and ``accuracy_vs_uplink.png`` in ``--out``.
 Then the codecs' own cost: encode + decode of the ``cnn``'s update, against a round's time.
@@ -33,7 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CODECS = {"none": [], "int8": ["--compress", "int8"], "int4": ["--compress", "int4"],
           "topk1": ["--compress", "topk", "--topk-fraction", "0.01"],
           "topk10": ["--compress", "topk", "--topk-fraction", "0.1"]}
-STRATEGIES = {"fedavg": [], "diloco": ["--strategy", "diloco", "--local-steps", "190"]}
+STRATEGIES = {"fedavg": [], "diloco": ["--strategy", "diloco", "--local-steps", "190"],
+              # two passes over a node's data a round: more compute, the same messages
+              "diloco2x": ["--strategy", "diloco", "--local-steps", "380"]}
 DEFAULT_LEGS = ["fedavg/none", "fedavg/int8", "fedavg/int4", "fedavg/topk1", "fedavg/topk1-noef",
                 "diloco/none", "diloco/int8"]
 #: The settings a leg runs in: MNIST (the default) and the CIFAR-10 quick setting of
