@@ -12,10 +12,11 @@ Dirichlet(0.5), 10 nodes, every node every round, the ``cnn``, 1 local epoch; a 
 round's weights sent as int8 too (``--compress-down int8``). DiLoCo's nodes take
 ``--local-steps 190`` AdamW steps, one pass over a node's ~6,000 samples at batch 32: the same
 budget as FedAvg's epoch (``diloco2x``: 380 steps, two passes, for the same messages).
-Reports per leg the final and best accuracy, the uplink bytes per round (node updates, as they travelled through Flower) and against uncompressed FedAvg, the
-cumulative uplink bytes when ``--target`` accuracy was first reached, and the median round
-time; writes ``results.md``, ``results.json`` and ``accuracy_vs_uplink.png`` in ``--out``.
-Then the codecs' own cost: encode + decode of the ``cnn``'s update, against a round's time.
+Reports per leg the final and best accuracy, the uplink bytes per round (node updates, as
+they travelled through Flower) and against uncompressed FedAvg, the cumulative uplink bytes
+when ``--target`` accuracy was first reached, and the median round time; writes
+``results.md``, ``results.json`` and ``accuracy_vs_uplink.png`` in ``--out``. Then the
+codecs' own cost: encode + decode of the ``cnn``'s update, against a round's time.
 """
 
 from __future__ import annotations
