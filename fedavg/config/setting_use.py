@@ -81,3 +81,16 @@ def unused_train_notes(train_config, node_defaults=None) -> list[str]:
             notes.append(f"--{setting.replace('_', '-')} {value} does nothing without "
                          f"{needs}")
     return notes
+
+
+def unused_merge_notes(merge_config) -> list[str]:
+    """Say which round settings, given, do nothing with the others (noted, not refused).
+
+    ``merge_config`` is a :class:`fedavg.config.settings.MergeConfig`: ``--dp-clip`` acts only
+    with ``--dp-noise`` (node-level DP clips and adds noise together). A sweep may vary
+    ``dp-noise`` over 0 with one ``dp-clip``.
+    """
+    if merge_config.dp_clip is not None and not merge_config.dp_noise > 0:
+        return [f"--dp-clip {merge_config.dp_clip:g} does nothing without --dp-noise z "
+                "(node-level DP clips the updates and adds noise together)"]
+    return []

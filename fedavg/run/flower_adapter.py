@@ -435,6 +435,11 @@ class FlowerAdapter(FlowerFedAvg):
                 "diverged" in reason for _, reason in tally.reasons)
             hint = (f"; the nodes started from the model {self.merge.name} stepped to, so "
                     "lower --server-lr too") if stepped else ""
+            if self.dp is not None and server_round > 1 and any(
+                    "diverged" in reason for _, reason in tally.reasons):
+                hint += (f"; with node-level DP the noise on the merged model has std "
+                         f"{self.dp.noise_std(self.dp.round_sample):.3g} per entry (--dp-noise "
+                         "x --dp-clip / nodes per round): lower --dp-clip, or use more nodes")
             raise RunError(f"round {server_round}: no usable model from any node "
                            f"({tally.detail()}){hint}", resume_without=drop)
         if tally.used < self.min_replies:

@@ -20,7 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from fedavg.config.setting_use import unused_setting_notes, unused_train_notes
+from fedavg.config.setting_use import (
+    unused_merge_notes,
+    unused_setting_notes,
+    unused_train_notes,
+)
 from fedavg.config.settings import RunConfig
 from fedavg.data.load import LoadedData, Split, load
 from fedavg.data.overlap import overlap_note
@@ -226,7 +230,7 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
         data.notes.append(f"--tokenizer {d.tokenizer} does nothing for {data.kind} inputs "
                           "(it tokenizes text only)")
     data.notes.extend(unused_setting_notes(d) + unused_train_notes(
-        config.train, strategy.node_defaults))
+        config.train, strategy.node_defaults) + unused_merge_notes(config.merge))
     if features := data.columns.get("features"):  # chosen, not named: say which
         data.notes.append(f"tabular: label column {data.columns['label']!r}, {len(features)} "
                           f"feature column(s): {', '.join(features[:8])}"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +125,11 @@ class NodeLevelDP:
     def _new_accountant(self):
         return flower_compat.rdp_accountant(self.delta, self.num_nodes, self.sampled)
 
+    def _epsilon_of(self, accountant) -> float:
+        with warnings.catch_warnings():  # dp-accounting divides by 0 at a tiny multiplier
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return float(accountant.get_epsilon(self.delta))
+
     def _event(self, sample: int):
         # replacing one node moves the sum of clipped updates by up to 2 C
         multiplier = self.noise / 2 if self.sampled else self.noise
@@ -148,6 +154,15 @@ class NodeLevelDP:
         if self._noised:
             return clipped
         return add_noise(clipped, self.noise * self.clip, self._generator)
+
+    @property
+    def round_sample(self) -> int:
+        """The nodes the current round sampled."""
+        return self._round_sample
+
+    def noise_std(self, sampled: int) -> float:
+        """Return the noise's standard deviation on the merged mean: ``z C / m``."""
+        return self.noise * self.clip / max(sampled, 1)
 
     def folded(self) -> None:
         """Note that the merge took a reply :meth:`private` made: the round's noise is in.
@@ -179,14 +194,14 @@ class NodeLevelDP:
         """The run's epsilon so far at :attr:`delta` (0 before the first release)."""
         if not self._history:
             return 0.0
-        return float(self._accountant.get_epsilon(self.delta))
+        return self._epsilon_of(self._accountant)
 
     def next_epsilon(self, sampled: int) -> float:
         """Return the run's epsilon after one more round of ``sampled`` nodes (not accounted)."""
         projected = self._new_accountant()
         for sample in [*self._history, sampled]:
             projected.compose(self._event(sample))
-        return float(projected.get_epsilon(self.delta))
+        return self._epsilon_of(projected)
 
     def rounds_within(self, rounds: int, sampled: int) -> tuple[int, float]:
         """Return how many more rounds fit the budget, and the epsilon after them.
@@ -197,10 +212,10 @@ class NodeLevelDP:
         projected = self._new_accountant()
         for sample in self._history:
             projected.compose(self._event(sample))
-        epsilon = float(projected.get_epsilon(self.delta)) if self._history else 0.0
+        epsilon = self._epsilon_of(projected) if self._history else 0.0
         for done in range(rounds):
             projected.compose(self._event(sampled))
-            after = float(projected.get_epsilon(self.delta))
+            after = self._epsilon_of(projected)
             if self.budget is not None and after > self.budget:
                 return done, epsilon
             epsilon = after
@@ -228,7 +243,7 @@ def for_run(config) -> NodeLevelDP | None:
     if not m.dp_noise > 0:
         return None
     return NodeLevelDP(clip=float(m.dp_clip), noise=float(m.dp_noise), num_nodes=m.num_nodes,
-                       sampled=m.fraction < 1, budget=m.dp_epsilon,
+                       sampled=config.nodes_per_round < m.num_nodes, budget=m.dp_epsilon,
                        delta=m.dp_delta if m.dp_delta is not None else default_delta(m.num_nodes))
 
 
@@ -251,14 +266,21 @@ def within_budget(config, history: list[int] | None = None):
     from fedavg.util.errors import UserError
 
     dp = for_run(config)
-    if dp is None or dp.budget is None:
+    if dp is None:
         return config, None
     history = history or []
     dp.replay(history)
     left = config.merge.rounds - len(history)
     rounds, epsilon = dp.rounds_within(left, config.nodes_per_round)
+    if not math.isfinite(epsilon):
+        raise UserError(f"--dp-noise {dp.noise:g} is too small to give any privacy: epsilon "
+                        "is infinite; give a noise multiplier of about 0.5 or more")
     if rounds == left:
         return config, None
+    if rounds == 0 and history:
+        raise UserError(f"this run has spent its --dp-epsilon {dp.budget:g} (epsilon "
+                        f"{dp.epsilon:.3g} after round {len(history)}): more rounds need a "
+                        "new run (another --output) with a larger budget")
     if rounds == 0:
         raise UserError(f"--dp-epsilon {dp.budget:g} allows no more round: the next one would "
                         f"take epsilon above it at --dp-noise {dp.noise:g}; raise --dp-noise "

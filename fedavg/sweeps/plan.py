@@ -169,9 +169,10 @@ def _plan_point(planned: list[Planned], point: Point, folder: Path,
     before = earlier.get(point.name, {})
     same = _plain(before.get("settings")) == _plain(point.settings)
     if summary is not None:
-        problem = _difference(summary.get("config"), point.config.as_dict())
+        wanted = _within_budget(point.config)  # what the run records: its rounds cut
+        problem = _difference(summary.get("config"), wanted.as_dict())
         done, other = _resumable(folder, point) if problem else (None, None)
-        if done is not None and done < point.config.merge.rounds:  # `rounds` raised:
+        if done is not None and done < wanted.merge.rounds:  # `rounds` raised:
             planned.append(Planned(point, RESUME, {"round": done, "finished": True}))
             return  # train on from the last round
         if problem and done is None:  # (done: the same run, a path written otherwise)
@@ -205,13 +206,23 @@ def _renamed(out: Path, point: Point, old: set[str]) -> Path | None:
                 or not folder.is_dir():
             continue
         summary = read_json(folder / "summary.json")
-        if isinstance(summary, dict) and \
-                _difference(summary.get("config"), point.config.as_dict()) is None:
+        if isinstance(summary, dict) and _difference(
+                summary.get("config"), _within_budget(point.config).as_dict()) is None:
             return folder
         if (folder / "checkpoint.safetensors").is_file() and \
                 _resumable(folder, point)[0] is not None:
             return folder
     return None
+
+
+def _within_budget(config):
+    """Return ``config`` as its run records it: ``--rounds`` cut to ``--dp-epsilon``'s budget."""
+    from fedavg.run import privacy  # lazy: loads torch, which only this path needs
+
+    try:
+        return privacy.within_budget(config)[0]
+    except UserError:  # no round fits: the point is refused when it runs
+        return config
 
 
 def _resumable(folder: Path, point: Point) -> tuple[int | None, str | None]:

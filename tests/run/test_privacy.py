@@ -160,3 +160,44 @@ def test_the_strategies_dp_accepts_are_those_whose_merge_is_a_mean():
     assert sorted(n for n, k in strategies.available().items() if k.dp_mean) == [
         "average", "diloco", "fedadagrad", "fedadam", "fedavg", "fedavgm", "fedprox",
         "fedyogi", "moon", "task-arithmetic", "uniform-soup"]
+
+
+def test_a_noise_too_small_to_account_is_refused_and_a_spent_budget_says_so():
+    config = RunConfig().replace(num_nodes=10, rounds=3, dp_noise=1e-300, dp_clip=1.0)
+    with _no_warning():
+        with pytest.raises(UserError, match="too small to give any privacy: epsilon is "
+                                            "infinite"):
+            privacy.within_budget(config)
+    spent = config.replace(dp_noise=2.0, rounds=8, dp_epsilon=6.0)
+    with pytest.raises(UserError, match=r"this run has spent its --dp-epsilon 6 \(epsilon "
+                                        r"5\.98 after round 6\): more rounds need a new run"):
+        privacy.within_budget(spent, history=[10] * 6)
+
+
+def _no_warning():
+    import warnings
+
+    class _Strict(warnings.catch_warnings):
+        def __enter__(self):
+            out = super().__enter__()
+            warnings.simplefilter("error", RuntimeWarning)  # dp-accounting's divide by 0
+            return out
+
+    return _Strict()
+
+
+def test_rounds_of_every_node_are_not_accounted_as_sampled():
+    """--fraction 0.7 of 3 nodes still picks all 3: no sampling to amplify, add/remove one."""
+    assert not privacy.for_run(RunConfig().replace(num_nodes=3, fraction=0.7, dp_noise=1.0,
+                                                   dp_clip=1.0)).sampled
+    assert privacy.for_run(RunConfig().replace(num_nodes=100, fraction=0.1, dp_noise=1.0,
+                                               dp_clip=1.0)).sampled
+
+
+def test_a_clip_without_noise_is_noted_as_doing_nothing():
+    from fedavg.config.setting_use import unused_merge_notes
+
+    assert unused_merge_notes(RunConfig().replace(dp_clip=1.0).merge) == [
+        "--dp-clip 1 does nothing without --dp-noise z (node-level DP clips the updates and "
+        "adds noise together)"]
+    assert unused_merge_notes(RunConfig().replace(dp_clip=1.0, dp_noise=1.0).merge) == []

@@ -419,6 +419,25 @@ def test_plan_skips_a_finished_run_made_before_a_setting_existed(tmp_path):
     assert plan(sweep, tmp_path)[0].action == SKIP
 
 
+def test_plan_skips_a_finished_run_its_privacy_budget_cut_short(tmp_path):
+    """A second run of a finished sweep skips a point --dp-epsilon ended early.
+
+    Its summary records the rounds it trained; resuming it would meet a spent budget.
+    """
+    from fedavg.run import privacy
+
+    path = toml(tmp_path, "[base]\nnum-nodes = 10\nrounds = 8\ndp-clip = 1.0\n"
+                          "dp-epsilon = 6.0\n[grid]\ndp-noise = [2.0, 20.0]\n")
+    sweep = load_sweep(path)
+    out = tmp_path / "out"
+    for point in sweep.points:  # as `fedavg simulate` records them
+        cut, _ = privacy.within_budget(point.config)
+        (out / point.name).mkdir(parents=True)
+        (out / point.name / "summary.json").write_text(json.dumps({"config": cut.as_dict()}))
+    assert [privacy.within_budget(p.config)[0].merge.rounds for p in sweep.points] == [6, 8]
+    assert [p.action for p in plan(sweep, out)] == [SKIP, SKIP]
+
+
 def _finish_with_checkpoint(folder: Path, config: RunConfig) -> None:
     import torch
 
