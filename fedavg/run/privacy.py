@@ -26,6 +26,7 @@ the sum's sensitivity is ``2 C``: the release's noise multiplier is then ``z / 2
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
 import warnings
@@ -40,6 +41,14 @@ from fedavg import flower_compat
 #: smaller (delta must stay well below 1 / N: a mechanism may expose one node with
 #: probability delta).
 DEFAULT_DELTA = 1e-5
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence dp-accounting's divide-by-zero warnings at a tiny noise multiplier."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
 
 
 def default_delta(num_nodes: int) -> float:
@@ -126,9 +135,13 @@ class NodeLevelDP:
         return flower_compat.rdp_accountant(self.delta, self.num_nodes, self.sampled)
 
     def _epsilon_of(self, accountant) -> float:
-        with warnings.catch_warnings():  # dp-accounting divides by 0 at a tiny multiplier
-            warnings.simplefilter("ignore", RuntimeWarning)
+        with _quiet():
             return float(accountant.get_epsilon(self.delta))
+
+    @staticmethod
+    def _compose(accountant, event, count: int = 1) -> None:
+        with _quiet():
+            accountant.compose(event, count)
 
     def _event(self, sample: int):
         # replacing one node moves the sum of clipped updates by up to 2 C
@@ -180,7 +193,7 @@ class NodeLevelDP:
 
     def release(self) -> float:
         """Account the round just merged; return the run's epsilon at :attr:`delta`."""
-        self._accountant.compose(self._event(self._round_sample))
+        self._compose(self._accountant, self._event(self._round_sample))
         self._history.append(self._round_sample)
         return self.epsilon
 
@@ -200,7 +213,7 @@ class NodeLevelDP:
         """Return the run's epsilon after one more round of ``sampled`` nodes (not accounted)."""
         projected = self._new_accountant()
         for sample in [*self._history, sampled]:
-            projected.compose(self._event(sample))
+            self._compose(projected, self._event(sample))
         return self._epsilon_of(projected)
 
     def rounds_within(self, rounds: int, sampled: int) -> tuple[int, float]:
@@ -211,10 +224,10 @@ class NodeLevelDP:
         """
         projected = self._new_accountant()
         for sample in self._history:
-            projected.compose(self._event(sample))
+            self._compose(projected, self._event(sample))
         epsilon = self._epsilon_of(projected) if self._history else 0.0
         for done in range(rounds):
-            projected.compose(self._event(sampled))
+            self._compose(projected, self._event(sampled))
             after = self._epsilon_of(projected)
             if self.budget is not None and after > self.budget:
                 return done, epsilon
@@ -233,7 +246,7 @@ class NodeLevelDP:
     def replay(self, samples: list[int]) -> None:
         """Account rounds already merged (a resumed run's), by their sampled node counts."""
         for sample in samples:
-            self._accountant.compose(self._event(sample))
+            self._compose(self._accountant, self._event(sample))
             self._history.append(sample)
 
 
