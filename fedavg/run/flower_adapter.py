@@ -372,6 +372,7 @@ class FlowerAdapter(FlowerFedAvg):
             extras = {k: rec.to_torch_state_dict() for k, rec in
                       msg.content.array_records.items() if k != keys.ARRAYS}
             if self.dp is not None:  # clipped, weight 1, the round's noise on the first
+                strategies.check_compatible(self.reference, state, str(node))
                 self.merge.add_reply(self.dp.private(state, self.reference), 1.0,
                                      node=str(node), arrays=extras, metrics=dict(metrics))
                 self.dp.folded()

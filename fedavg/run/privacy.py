@@ -12,9 +12,9 @@ sensitivity stays ``C / m``). The strategy then works on that noisy mean; a serv
 values.
 
 The noise is added once per round, to the first reply the merge takes, which makes
-the merged mean exactly ``w + (sum_k clip(u_k) + N(0, z^2 C^2)) / m``. It is drawn from the
-operating system's randomness, not from ``--seed``: a noise anyone can replay protects
-nothing (so a resumed DP run is not bit-for-bit an unbroken one).
+the merged mean exactly ``w + (sum_k clip(u_k) + N(0, z^2 C^2)) / m``. Its generator is
+seeded each round from the operating system's randomness, not from ``--seed``: a noise anyone
+can replay protects nothing (so a resumed DP run is not bit-for-bit an unbroken one).
 
 Accounting uses Flower's RDP accountant (:mod:`flwr.supercore.privacy_accounting`, which wraps
 Google's ``dp-accounting``): one sampled Gaussian release per round. With every node in every

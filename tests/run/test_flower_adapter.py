@@ -420,3 +420,18 @@ def test_node_level_dp_weighs_each_node_1_clips_and_counts_the_silent_as_zero(ta
     assert merged["w"].tolist() == pytest.approx([0.3, 0.4], abs=1e-6)
     assert merged["n"].item() == 0  # integer buffers keep the round's values
     assert a.last_train["epsilon"] == pytest.approx(dp.epsilon) and dp.releases == 1
+
+
+def test_a_malformed_reply_under_node_level_dp_is_left_out_not_a_crash(task_identity):
+    from fedavg.run.privacy import NodeLevelDP
+
+    failures = []
+    dp = NodeLevelDP(clip=1.0, noise=1e-9, num_nodes=2, sampled=False, delta=1e-5)
+    a = make_adapter(failures, dp=dp)
+    dp.begin_round(2)
+    arrays, _ = a.aggregate_train(1, [
+        update_reply(11, {"w": torch.tensor([0.3, 0.4])}),  # lacks "n"
+        update_reply(12, {"w": torch.tensor([0.3, 0.4]), "n": torch.tensor(0)})])
+    assert [f[1] for f in failures] == [11] and "n" in failures[0][2]
+    # the left-out node counts as a zero update: (0.3, 0.4) / 2
+    assert arrays.to_torch_state_dict()["w"].tolist() == pytest.approx([0.15, 0.2], abs=1e-6)
