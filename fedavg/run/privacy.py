@@ -209,13 +209,6 @@ class NodeLevelDP:
             return 0.0
         return self._epsilon_of(self._accountant)
 
-    def next_epsilon(self, sampled: int) -> float:
-        """Return the run's epsilon after one more round of ``sampled`` nodes (not accounted)."""
-        projected = self._new_accountant()
-        for sample in [*self._history, sampled]:
-            self._compose(projected, self._event(sample))
-        return self._epsilon_of(projected)
-
     def rounds_within(self, rounds: int, sampled: int) -> tuple[int, float]:
         """Return how many more rounds fit the budget, and the epsilon after them.
 
