@@ -84,7 +84,7 @@ def check_merge(c: RunConfig) -> str | None:
                 "low-rank factors and the adapters whole; leave --compress-down out")
     if m.rounds < 1:
         return f"--rounds must be >= 1 (got {m.rounds})"
-    if problem := check_privacy(m):
+    if problem := check_privacy(m, c.train.dp_sgd):
         return problem
     if m.num_nodes < 1:
         return f"--num-nodes must be >= 1 (got {m.num_nodes})"
@@ -103,8 +103,11 @@ def check_merge(c: RunConfig) -> str | None:
     return None
 
 
-def check_privacy(m) -> str | None:
-    """Check the node-level DP settings: a clip with noise, a delta below 1, a budget > 0."""
+def check_privacy(m, dp_sgd: bool = False) -> str | None:
+    """Check the DP settings: noise with a clip (node level) or DP-SGD, delta < 1, budget > 0.
+
+    ``m``: the run's ``MergeConfig``; ``dp_sgd``: ``--dp-sgd`` (record level) is on.
+    """
     finite = lambda v: v is not None and 0 < v < math.inf  # noqa: E731
     if m.dp_clip is not None and not finite(m.dp_clip):
         return f"--dp-clip must be > 0 and finite (got {m.dp_clip})"
@@ -112,17 +115,24 @@ def check_privacy(m) -> str | None:
         return f"--dp-noise must be at most 1000 (got {m.dp_noise})"
     if m.dp_clip is not None and m.dp_clip > 1e6:  # noise of z x C must stay finite
         return f"--dp-clip must be at most 1e6 (got {m.dp_clip})"
-    if m.dp_noise > 0 and m.dp_clip is None:
-        return ("--dp-noise needs --dp-clip C: the L2 norm each node's update is clipped to "
-                "(the noise's scale is z x C), e.g. --dp-clip 1")
+    if dp_sgd and m.dp_clip is not None:
+        return ("--dp-clip is node-level DP's; with --dp-sgd each sample's gradient is "
+                "clipped to --dp-max-grad-norm: leave --dp-clip out (one level of DP a run)")
+    if dp_sgd and not m.dp_noise > 0:
+        return ("--dp-sgd needs --dp-noise z, the noise multiplier of each step's clipped "
+                "gradients, e.g. --dp-noise 1.1")
+    if m.dp_noise > 0 and m.dp_clip is None and not dp_sgd:
+        return ("--dp-noise needs --dp-clip C (node level: the L2 norm each node's update is "
+                "clipped to, e.g. --dp-clip 1) or --dp-sgd (record level, DP-SGD on the "
+                "nodes)")
     if m.dp_delta is not None and not 0 < m.dp_delta < 1:
         return f"--dp-delta must be in (0, 1), e.g. 1e-5 (got {m.dp_delta})"
     if m.dp_epsilon is not None and not finite(m.dp_epsilon):
         return f"--dp-epsilon must be > 0 and finite (got {m.dp_epsilon})"
     if (m.dp_delta is not None or m.dp_epsilon is not None) and not m.dp_noise > 0:
         given = "--dp-epsilon" if m.dp_epsilon is not None else "--dp-delta"
-        return (f"{given} needs node-level DP: give --dp-noise z (e.g. 1) and --dp-clip C; "
-                "without noise there is no epsilon to account")
+        return (f"{given} needs DP: give --dp-noise z (e.g. 1) with --dp-clip C (node level) "
+                "or --dp-sgd (record level); without noise there is no epsilon to account")
     return None
 
 
@@ -144,7 +154,10 @@ def check_strategy(c: RunConfig) -> str | None:
     if cls.one_shot and m.swa_start is not None:
         return (f"--swa-start averages the models of several rounds; {m.strategy} is a "
                 "one-shot merge of one round: leave --swa-start out")
-    if m.dp_noise > 0 and not cls.dp_mean:
+    if c.train.dp_sgd:
+        if problem := check_dp_sgd(c, cls):
+            return problem
+    elif m.dp_noise > 0 and not cls.dp_mean:
         usable = ", ".join(n for n, k in strategies.available().items() if k.dp_mean)
         return (f"--dp-noise: {m.strategy}'s merge is not a mean of the node updates, which "
                 f"DP-FedAvg's analysis needs; use one of {usable}")
@@ -152,6 +165,33 @@ def check_strategy(c: RunConfig) -> str | None:
             node_value(c.train, "optimizer", cls.node_defaults) not in cls.node_rule.optimizers:
         return (f"{m.strategy}'s update rule assumes {' or '.join(cls.node_rule.optimizers)} "
                 f"local steps; use --optimizer {cls.node_rule.optimizers[0]}")
+    return None
+
+
+def check_dp_sgd(c: RunConfig, cls) -> str | None:
+    """Check what DP-SGD on the nodes cannot take: node rules and data-dependent extras.
+
+    ``cls``: the run's strategy class. A method that changes local training (a node rule,
+    FedProx's proximal term) or sends other data of the nodes' (SCAFFOLD's control variates,
+    Fisher estimates) would train or report outside DP-SGD's clipped and noised gradients,
+    as would SAM's second gradient, the logit-adjusted loss's label counts and a second
+    gradient clip.
+    """
+    import strategies  # lazy: loads torch, which only this path needs
+
+    if cls.node_rule is not None or cls.trains_nodes:
+        usable = ", ".join(n for n, k in strategies.available().items()
+                           if k.node_rule is None and not k.trains_nodes)
+        return (f"--dp-sgd: {c.merge.strategy} changes how nodes train or sends more of "
+                f"their data than their model, outside DP-SGD's noise; use one of {usable}")
+    t = c.train
+    for name, given, why in (
+            ("--sam-rho", t.sam_rho > 0, "takes a second, unclipped gradient"),
+            ("--logit-adjust", t.logit_adjust > 0, "uses each node's label counts"),
+            ("--clip-grad-norm", t.clip_grad_norm > 0,
+             "is replaced by --dp-max-grad-norm, each sample's clip")):
+        if given:
+            return f"--dp-sgd: {name} {why}; leave it out"
     return None
 
 

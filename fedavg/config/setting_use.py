@@ -57,6 +57,7 @@ NEEDS = {
     "local_epochs": (lambda t: not t.local_steps, "--local-steps 0 (its default)"),
     "topk_fraction": (lambda t: t.compress == "topk", "--compress topk"),
     "error_feedback": (lambda t: t.compress != "none", "--compress int8, int4 or topk"),
+    "dp_max_grad_norm": (lambda t: t.dp_sgd, "--dp-sgd (DP-SGD on the nodes)"),
 }
 
 

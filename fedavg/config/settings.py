@@ -208,6 +208,11 @@ class LocalTraining:
         Share of an update's entries ``topk`` sends, in ``(0, 1]``.
     error_feedback : bool
         Keep what compression left out on the node and add it to its next update.
+    dp_sgd : bool
+        Record-level differential privacy: the nodes train by DP-SGD (Opacus,
+        :mod:`fedavg.node.dp_sgd`), with the run's ``dp_noise`` as the noise multiplier.
+    dp_max_grad_norm : float
+        DP-SGD: the L2 norm each sample's gradient is clipped to, > 0.
     """
 
     local_epochs: int = setting(1, "Local epochs per round", rule=at_least(1))
@@ -245,6 +250,11 @@ class LocalTraining:
                                    rule=fraction(closed_low=False, closed_high=True))
     error_feedback: bool = setting(True, "Keep what --compress left out on the node and add "
                                    "it to its next update (--no-error-feedback: drop it)")
+    dp_sgd: bool = setting(False, "Record-level DP: nodes train by DP-SGD (Opacus): Poisson "
+                           "batches, each sample's gradient clipped to --dp-max-grad-norm, "
+                           "noise of --dp-noise x that norm")
+    dp_max_grad_norm: float = setting(1.0, "DP-SGD: clip each sample's gradient to this L2 "
+                                      "norm", rule=positive())
 
     @classmethod
     def of(cls, train: LocalTraining, defaults: Mapping[str, Any] | None = None
@@ -400,9 +410,11 @@ class MergeConfig:
         rebuilds each node's model as its training from the quantised weights, moved onto
         the exact ones (nothing accumulates over rounds).
     dp_noise : float
-        Node-level differential privacy (DP-FedAvg, :mod:`fedavg.run.privacy`): the noise
-        multiplier ``z``; the noise on the sum of clipped updates has standard deviation
-        ``z * dp_clip``. 0: off.
+        Differential privacy's noise multiplier ``z`` (:mod:`fedavg.run.privacy`); 0: off.
+        Node level (DP-FedAvg): the noise on the sum of clipped node updates has standard
+        deviation ``z * dp_clip``. With ``TrainConfig.dp_sgd``, record level: the noise on
+        each DP-SGD step's sum of clipped per-sample gradients has standard deviation
+        ``z * dp_max_grad_norm``.
     dp_clip : float or None
         The L2 norm each node's update is clipped to (``C``); needed with ``dp_noise``.
     dp_delta : float or None
@@ -441,14 +453,16 @@ class MergeConfig:
     compress_down: str = setting("none", "Round weights as sent to the nodes: none or int8 (per "
                                  "block of 1024 with its scale; the coordinator keeps them "
                                  "exact)", rule=one_of(DOWN_CODECS))
-    dp_noise: float = setting(0.0, "Node-level DP (DP-FedAvg): noise multiplier z; the sum of "
+    dp_noise: float = setting(0.0, "DP noise multiplier z. Node level (DP-FedAvg): the sum of "
                               "clipped node updates gets Gaussian noise of std z x --dp-clip; "
-                              "0: off", rule=non_negative())
+                              "with --dp-sgd, record level: each step's sum of clipped "
+                              "per-sample gradients, z x --dp-max-grad-norm; 0: off",
+                              rule=non_negative())
     dp_clip: float | None = setting(None, "Node-level DP: clip each node's update to this L2 "
                                     "norm (needed with --dp-noise)")
-    dp_delta: float | None = setting(None, "Node-level DP: the delta epsilon is reported at "
+    dp_delta: float | None = setting(None, "DP: the delta epsilon is reported at "
                                      "(default: 1e-5, or 1/N^1.1 for N nodes when smaller)")
-    dp_epsilon: float | None = setting(None, "Node-level DP budget: train only the rounds "
+    dp_epsilon: float | None = setting(None, "DP budget: train only the rounds "
                                        "whose epsilon stays within it (default: no budget)")
     swa_start: int | None = setting(None, "Average the merged models from this round on "
                                     "(server-side SWA); the average is evaluated and saved "

@@ -142,7 +142,7 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
                             keys.TRAIN_LOSS: stats["train_loss"],
                             keys.PARTITION_ID: partition_id,
                             keys.TRAIN_SECONDS: time.perf_counter() - started,
-                            **update.metrics})
+                            **_dp_sgd_metrics(stats), **update.metrics})
     if rule is not None:
         metrics[keys.STATE_ROUND] = state_round
     if lora_round is not None:  # W unchanged by training: kept for the next round's update
@@ -155,6 +155,14 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
     if update.state is not None and context is not None:
         keep_node_state(context, cfg.method, update.state, cfg.server_round)
     return Message(reply, reply_to=message)
+
+
+def _dp_sgd_metrics(stats: dict) -> dict:
+    """Return the reply's DP-SGD figures the coordinator accounts (none without DP-SGD)."""
+    if "dp_sample_rate" not in stats:
+        return {}
+    return {keys.DP_SAMPLE_RATE: float(stats["dp_sample_rate"]),
+            keys.DP_STEPS: int(stats["steps"])}
 
 
 def encoded_reply(state: dict[str, torch.Tensor], received: dict[str, torch.Tensor] | None,
@@ -208,6 +216,7 @@ def _train_with(rule, model, x, y, cfg: TrainSettings, device: str, partition_id
         seed=cfg.seed * 1_000_003 + partition_id * 1009 + cfg.server_round,
         proximal_mu=cfg.proximal_mu,
         rule=rule,
+        dp_noise=cfg.dp_noise,
     )
     return stats, (strategies.NodeUpdate() if rule is None else rule.finish(model))
 

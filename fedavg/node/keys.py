@@ -70,3 +70,9 @@ its last update, per tensor (error feedback, :mod:`fedavg.node.compression`)."""
 LORA_STATE = "fedavg-lora-base"
 """Key of the ArrayRecord in a node's ``Context.state`` holding its adapted weights, and of
 the ConfigRecord beside it (``<key>-info``: their ``round``)."""
+
+DP_SAMPLE_RATE = "dp-sample-rate"
+"""Reply metric with DP-SGD: each sample's chance to join one of the round's batches."""
+
+DP_STEPS = "dp-steps"
+"""Reply metric with DP-SGD: the noised steps the node took this round (empty batches too)."""

@@ -14,6 +14,7 @@ from torch import nn
 
 from fedavg.config.settings import LocalTraining
 from fedavg.data.load import normalize
+from fedavg.node.dp_sgd import PrivateTraining, quiet_hooks
 from fedavg.node.recipe import LogitAdjustment, augmenter, make_scheduler, round_lr
 from fedavg.util.errors import UserError
 
@@ -80,6 +81,7 @@ def train(
     seed: int = 0,
     proximal_mu: float = 0.0,
     rule=None,
+    dp_noise: float = 0.0,
 ) -> dict[str, float]:
     """Train ``model`` in place with SGD (or Adam) on one node's samples, for one round.
 
@@ -115,12 +117,22 @@ def train(
         the loss, ``w_start`` being the weights the node received. 0 is plain SGD.
     rule : strategies.NodeRule, optional
         A method's node side, begun: its ``loss`` joins each batch's, ``before_step`` runs.
+    dp_noise : float
+        With ``local.dp_sgd``: DP-SGD's noise multiplier ``z``; each step's batch is then
+        Poisson-sampled and its per-sample gradients clipped to ``local.dp_max_grad_norm``
+        and noised (:mod:`fedavg.node.dp_sgd`).
 
     Returns
     -------
     dict
         ``train_loss`` (mean cross-entropy of the (adjusted) logits over all steps, nats,
-        without the proximal term or the rule's), ``num_examples`` (samples), ``steps``.
+        without the proximal term or the rule's), ``num_examples`` (samples), ``steps``;
+        with DP-SGD ``dp_sample_rate``, each sample's chance to join a step's batch.
+
+    Raises
+    ------
+    UserError
+        DP-SGD on a model with a layer that has no per-sample gradient (BatchNorm).
     """
     local = local.resolved()  # a setting not given: its declared fallback
     model.to(device).train()
@@ -133,19 +145,34 @@ def train(
     aug = augmenter(input_spec) if local.augment else None
     g = torch.Generator().manual_seed(seed)
     extras = _extras(model, yt, proximal_mu, rule, local.sam_rho, local.logit_adjust)
+    private = PrivateTraining(model, opt, len(yt), local.batch_size, dp_noise,
+                              local.dp_max_grad_norm) if local.dp_sgd else None
+    net, step_opt = (model, opt) if private is None else (private.module,
+                                                          private.private_optimizer)
     smallest = 2 if _batchnorms(model) else 1  # BatchNorm cannot train on one sample
+    batches = (_round_batches(len(yt), local, g, smallest) if private is None else
+               private.batches(local.local_epochs, local.local_steps or 0, g))
     total = count = steps = 0
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)  # the augmentations' draws, without touching the caller's
-        for idx in _round_batches(len(yt), local, g, smallest):
-            xb = normalize((xt[idx] if aug is None else aug(xt[idx])).to(device), input_spec)
-            loss = _step(model, opt, xb, yt[idx].to(device), *extras, clip=local.clip_grad_norm)
-            if sched is not None:
-                sched.step()
-            total, count, steps = total + loss * len(idx), count + len(idx), steps + 1
+    try:
+        with torch.random.fork_rng(devices=[]), quiet_hooks(private):
+            torch.manual_seed(seed)  # the augmentations' draws, without touching the caller's
+            for idx in batches:
+                xb = normalize((xt[idx] if aug is None else aug(xt[idx])).to(device),
+                               input_spec)
+                loss = _step(net, step_opt, xb, yt[idx].to(device), *extras,
+                             clip=local.clip_grad_norm)
+                if sched is not None:
+                    sched.step()
+                if len(idx):  # an empty DP-SGD batch: a step of noise alone, no loss
+                    total, count = total + loss * len(idx), count + len(idx)
+                steps += 1
+    finally:
+        if private is not None:
+            private.close()
     if count and not math.isfinite(total):
         raise FloatingPointError(_diverged(total / count, *extras[1:]))
-    return {"train_loss": total / max(count, 1), "num_examples": int(len(yt)), "steps": steps}
+    return {"train_loss": total / max(count, 1), "num_examples": int(len(yt)), "steps": steps,
+            **({"dp_sample_rate": private.q} if private is not None else {})}
 
 
 def check_batch_size(model: nn.Module, batch_size: int) -> None:

@@ -52,6 +52,8 @@ class TrainSettings:
     method : str
         The strategy whose node rule local training runs (:mod:`strategies.local`; empty:
         none), with ``method_options`` (a dict, as JSON).
+    dp_noise : float
+        With ``local.dp_sgd``: DP-SGD's noise multiplier (the run's ``--dp-noise``); else 0.
     server_round : int
         Set by Flower's strategy on the way out (``keys.SERVER_ROUND``).
     """
@@ -64,6 +66,7 @@ class TrainSettings:
     proximal_mu: float = 0.0
     method: str = ""
     method_options: dict = dataclasses.field(default_factory=dict)
+    dp_noise: float = 0.0
     server_round: int = 0
 
     _JSON = ("model", "input", "classes", "method_options")
@@ -73,6 +76,7 @@ class TrainSettings:
         """Return the settings of ``config``'s rounds, plus what ``strategy`` sends its nodes."""
         return cls(model=meta["model"], input=meta["input"], classes=list(meta["classes"]),
                    seed=config.data.seed, local=config.local_training(),
+                   dp_noise=config.merge.dp_noise if config.train.dp_sgd else 0.0,
                    **_method(strategy), **strategy.node_config)
 
     def to_record(self):
@@ -120,6 +124,9 @@ class TrainSettings:
              "a list of class names"),
             ("proximal-mu", 0 <= self.proximal_mu < math.inf, "a finite number >= 0"),
             ("method-options", isinstance(self.method_options, dict), "a JSON object"),
+            ("dp-noise", 0 <= self.dp_noise <= 1000 and (self.dp_noise > 0
+                                                         or not self.local.dp_sgd),
+             "in (0, 1000] with dp-sgd, else 0 or more"),
         ]
         for key, ok, need in problems:
             if not ok:

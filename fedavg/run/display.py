@@ -115,7 +115,7 @@ def show_plan(console, prepared: Prepared, config: RunConfig, table: bool = True
         return
     for note in prepared.data.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
-    if note := privacy.plan_note(config):
+    if note := privacy.plan_note(config, [len(p) for p in prepared.parts]):
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     if not table:
         return

@@ -180,7 +180,8 @@ class _RoundTally:
         self.reasons: list[tuple[int, str]] = []  # (node, why it was left out)
         self.over_norm = 0  # replies refused by --max-update-norm
         self.bytes_to_nodes = self.bytes_from_nodes = 0  # serialised arrays, both ways
-        self.epsilon: float | None = None  # node-level DP: the run's epsilon after the round
+        self.epsilon: float | None = None  # DP: the run's epsilon after the round
+        self.dp_steps: dict[str, list] | None = None  # DP-SGD: each node's [q, steps]
 
     def detail(self, most: int = 3) -> str:
         """Return the failures in one line; nodes with the same reason share it."""
@@ -206,7 +207,8 @@ class _RoundTally:
         loss = self.loss_sum / self.weight_sum if self.weight_sum else float("nan")
         return {"train_loss": loss, "num_nodes": self.used, "num_failed": self.failed,
                 "train_s": self.train_s, "bytes_to_nodes": self.bytes_to_nodes,
-                "bytes_from_nodes": self.bytes_from_nodes, "epsilon": self.epsilon}
+                "bytes_from_nodes": self.bytes_from_nodes, "epsilon": self.epsilon,
+                "dp_steps": self.dp_steps}
 
 
 def _fold_order(msg: Message) -> tuple[int, int]:
@@ -288,7 +290,7 @@ class FlowerAdapter(FlowerFedAvg):
         self.max_update_norm, self.round_offset = max_update_norm, round_offset
         self.exact_lora, self.lora_transport = exact_lora, lora_transport
         self.compress_down = compress_down
-        self.dp = dp  # node-level DP (fedavg.run.privacy.NodeLevelDP), or None
+        self.dp = dp  # fedavg.run.privacy's NodeLevelDP or RecordLevelDP, or None
         self.down_lost: dict[str, torch.Tensor] = {}  # what the round's downlink lost
         self.current_round = 0
         self.last_train: dict[str, Any] = {}
@@ -371,14 +373,18 @@ class FlowerAdapter(FlowerFedAvg):
             self._check_norm(state, node)
             extras = {k: rec.to_torch_state_dict() for k, rec in
                       msg.content.array_records.items() if k != keys.ARRAYS}
-            if self.dp is not None:  # clipped, weight 1, the round's noise on the first
+            taken, taken_weight = state, weight
+            if self.dp is not None:  # node level: clipped, weight 1, the round's noise on
+                # the first; record level: the reply's DP-SGD steps read
                 strategies.check_compatible(self.reference, state, str(node))
-                self.merge.add_reply(self.dp.private(state, self.reference), 1.0,
-                                     node=str(node), arrays=extras, metrics=dict(metrics))
+                taken, taken_weight = self.dp.private(
+                    state, self.reference, weight,
+                    str(partition) if partition >= 0 else f"node {node}", metrics)
+            self.merge.add_reply(taken, taken_weight, node=str(node), arrays=extras,
+                                 metrics=dict(metrics))
+            if self.dp is not None:
                 self.dp.folded()
-            else:
-                self.merge.add_reply(state, weight, node=str(node), arrays=extras,
-                                     metrics=dict(metrics))
+            del taken
             if self.lora_transport is not None:
                 self.lora_transport.replied(node, metrics.get(keys.LORA_BASE_ROUND))
             if self.on_node_model is not None:
@@ -455,6 +461,7 @@ class FlowerAdapter(FlowerFedAvg):
             raise RunError(f"round {server_round}: {exc}") from None
         if self.dp is not None:
             tally.epsilon = self.dp.release()
+            tally.dp_steps = self.dp.round_steps
         if self.lora_transport is not None and not merged.is_ensemble:
             merged = dataclasses.replace(merged, state_dict=self.lora_transport.merged(
                 merged.state_dict, self.reference, tally.used))

@@ -73,7 +73,10 @@ class RoundRecord:
         merged model itself (``accuracy`` and ``loss`` are then the weight average's, the
         model saved); ``None`` otherwise.
     epsilon : float or None
-        Node-level DP (``--dp-noise``): the run's epsilon after this round, at its delta.
+        With DP (``--dp-noise``): the run's epsilon after this round, at its delta.
+    dp_steps : dict or None
+        With DP-SGD: ``{node: [q, steps]}`` of the nodes this round merged (their partition
+        ids), the accountant's input.
     resumed : bool
         The first round of a resumed run: its ``wall_s`` also waited for the start-up
         (written only when true).
@@ -92,16 +95,18 @@ class RoundRecord:
     merged_accuracy: float | None = None
     merged_loss: float | None = None
     epsilon: float | None = None
+    dp_steps: dict[str, list] | None = None
     resumed: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """Return a plain dict for JSON.
 
-        ``resumed`` only when true, ``epsilon`` only with DP; a NaN or infinite figure None.
+        ``resumed`` only when true, ``epsilon`` and ``dp_steps`` only with DP; a NaN or
+        infinite figure None.
         """
         return {k: None if isinstance(v, float) and not abs(v) < float("inf") else v
                 for k, v in self.__dict__.items()
-                if (k != "resumed" or v) and (k != "epsilon" or v is not None)}
+                if (k != "resumed" or v) and (k not in ("epsilon", "dp_steps") or v is not None)}
 
 
 @dataclass
@@ -254,6 +259,11 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
         from fedavg.node.train import check_batch_size
 
         check_batch_size(built, t.batch_size)  # BatchNorm needs two samples a batch
+        if t.dp_sgd:
+            from fedavg.node.dp_sgd import unsupported_layer
+
+            if problem := unsupported_layer(built):
+                raise UserError(f"--dp-sgd: {problem}")
         data.notes.extend(spec.check(built))
         data.notes.extend(_strategy_notes(strategy, built, config))
     meta = _metadata(config, data, spec, validation, distill_x)
@@ -415,13 +425,13 @@ def finish(state: RunState, prepared: Prepared, config: RunConfig, out: Path, st
 
 
 def _privacy(config: RunConfig, rounds: list[dict]) -> dict[str, Any]:
-    """``{"privacy": ...}`` of a node-level DP run (the accountant replayed), else ``{}``."""
+    """``{"privacy": ...}`` of a DP run (the accountant replayed), else ``{}``."""
     from fedavg.run import privacy  # lazy: loads torch, which only this path needs
 
     dp = privacy.for_run(config)
     if dp is None:
         return {}
-    dp.replay(privacy.sampled_history(rounds))
+    dp.replay_records(rounds)
     return {"privacy": dp.describe()}
 
 

@@ -296,10 +296,10 @@ class ServerRun:
         )
 
     def _privacy(self):
-        """Return the run's node-level DP, caught up with a resumed run's rounds (or None)."""
+        """Return the run's DP accounting, caught up with a resumed run's rounds (or None)."""
         dp = privacy.for_run(self.config)
         if dp is not None:
-            dp.replay(privacy.sampled_history([r.as_dict() for r in self.state.rounds]))
+            dp.replay_records([r.as_dict() for r in self.state.rounds])
         return dp
 
     def report_failure(self, server_round: int, node: int, reason: str) -> None:
@@ -493,6 +493,7 @@ class ServerRun:
             bytes_to_nodes=int(info.get("bytes_to_nodes", 0)),
             bytes_from_nodes=int(info.get("bytes_from_nodes", 0)),
             epsilon=info.get("epsilon"),
+            dp_steps=info.get("dp_steps"),
             resumed=self.resume_from is not None and "round1_end" not in self.state.marks,
         )
 

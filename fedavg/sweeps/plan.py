@@ -169,7 +169,7 @@ def _plan_point(planned: list[Planned], point: Point, folder: Path,
     before = earlier.get(point.name, {})
     same = _plain(before.get("settings")) == _plain(point.settings)
     if summary is not None:
-        wanted = _within_budget(point.config)  # what the run records: its rounds cut
+        wanted = _within_budget(point.config, summary.get("config"))  # its rounds cut
         problem = _difference(summary.get("config"), wanted.as_dict())
         done, other = _resumable(folder, point) if problem else (None, None)
         if done is not None and done < wanted.merge.rounds:  # `rounds` raised:
@@ -207,7 +207,8 @@ def _renamed(out: Path, point: Point, old: set[str]) -> Path | None:
             continue
         summary = read_json(folder / "summary.json")
         if isinstance(summary, dict) and _difference(
-                summary.get("config"), _within_budget(point.config).as_dict()) is None:
+                summary.get("config"),
+                _within_budget(point.config, summary.get("config")).as_dict()) is None:
             return folder
         if (folder / "checkpoint.safetensors").is_file() and \
                 _resumable(folder, point)[0] is not None:
@@ -215,10 +216,20 @@ def _renamed(out: Path, point: Point, old: set[str]) -> Path | None:
     return None
 
 
-def _within_budget(config):
-    """Return ``config`` as its run records it: ``--rounds`` cut to ``--dp-epsilon``'s budget."""
+def _within_budget(config, recorded: Any = None):
+    """Return ``config`` as its run records it: ``--rounds`` cut to ``--dp-epsilon``'s budget.
+
+    A DP-SGD budget depends on the partitions' sizes, which the run alone knows: the rounds
+    its summary records (``recorded``: its config), when not more than the point's, stand.
+    """
     from fedavg.run import privacy  # lazy: loads torch, which only this path needs
 
+    if config.train.dp_sgd and config.merge.dp_epsilon is not None:
+        done = (recorded.get("merge") or {}).get("rounds") if isinstance(recorded, dict) \
+            else None
+        if isinstance(done, int) and 0 < done <= config.merge.rounds:
+            return config.replace(rounds=done)
+        return config
     try:
         return privacy.within_budget(config)[0]
     except UserError:  # no round fits: the point is refused when it runs

@@ -56,9 +56,9 @@ def test_the_merge_is_the_fixed_weight_mean_of_clipped_updates_plus_the_noise_on
     merge = strategies.get("fedavg")
     merge.begin(reference)
     dp.begin_round(3)
-    merge.add_reply(dp.private({"w": torch.tensor([3.0, 4.0])}, reference), 1.0)
+    merge.add_reply(*dp.private({"w": torch.tensor([3.0, 4.0])}, reference, 30.0))
     dp.folded()
-    merge.add_reply(dp.private({"w": torch.tensor([0.3, 0.4])}, reference), 1.0)
+    merge.add_reply(*dp.private({"w": torch.tensor([0.3, 0.4])}, reference, 70.0))
     dp.fill(merge, reference, used=2)
     assert merge.result().state_dict["w"].tolist() == pytest.approx([0.3, 0.4], abs=1e-6)
 
@@ -68,14 +68,14 @@ def test_only_the_first_reply_of_a_round_carries_the_noise_and_each_round_draws_
     reference = {"w": torch.zeros(100_000)}
     state = {"w": torch.zeros(100_000)}
     dp.begin_round(3)
-    first = dp.private(state, reference)["w"]
+    first = dp.private(state, reference)[0]["w"]
     assert first.std().item() == pytest.approx(1.0, rel=0.02)
     # the merge refused that reply (malformed): the next one still carries the noise
-    assert dp.private(state, reference)["w"].std().item() == pytest.approx(1.0, rel=0.02)
+    assert dp.private(state, reference)[0]["w"].std().item() == pytest.approx(1.0, rel=0.02)
     dp.folded()  # the merge took one: no more noise this round
-    assert torch.equal(dp.private(state, reference)["w"], torch.zeros(100_000))
+    assert torch.equal(dp.private(state, reference)[0]["w"], torch.zeros(100_000))
     dp.begin_round(3)
-    again = dp.private(state, reference)["w"]
+    again = dp.private(state, reference)[0]["w"]
     assert not torch.equal(first, again)  # fresh randomness, not a replayable seed
 
 
@@ -142,7 +142,7 @@ def test_the_budget_keeps_the_rounds_whose_epsilon_stays_within_it():
     cut, note = privacy.within_budget(config)
     assert cut.merge.rounds == 6 and "stops after round 6 of 8" in note
     assert privacy.within_budget(config.replace(rounds=6)) == (config.replace(rounds=6), None)
-    resumed, _ = privacy.within_budget(config, history=[20] * 4)  # 4 done: 2 more fit
+    resumed, _ = privacy.within_budget(config, [{"num_nodes": 20}] * 4)  # 4 done: 2 more fit
     assert resumed.merge.rounds == 6
     with pytest.raises(UserError, match="allows no more round"):
         privacy.within_budget(config.replace(dp_epsilon=1.0))
@@ -171,7 +171,7 @@ def test_a_noise_too_small_to_account_is_refused_and_a_spent_budget_says_so():
     spent = config.replace(dp_noise=2.0, rounds=8, dp_epsilon=6.0)
     with pytest.raises(UserError, match=r"this run has spent its --dp-epsilon 6 \(epsilon "
                                         r"5\.98 after round 6\): more rounds need a new run"):
-        privacy.within_budget(spent, history=[10] * 6)
+        privacy.within_budget(spent, [{"num_nodes": 10}] * 6)
 
 
 def _no_warning():

@@ -214,8 +214,11 @@ def _check_options(config: RunConfig, options: CoordinatorOptions) -> _Options:
     if not wait_timeout > 0:  # nan too
         raise UserError(f"--wait-timeout must be > 0 seconds, got {wait_timeout:g}")
     config = config.replace(num_nodes=min_nodes).validate()
-    config, budget_note = privacy.within_budget(
-        config, None if ckpt is None else privacy.sampled_history(ckpt.rounds))
+    if config.train.dp_sgd and config.merge.dp_epsilon is not None:
+        raise UserError("--dp-epsilon with --dp-sgd: the coordinator cannot tell what a round "
+                        "spends before the nodes report their partitions' sizes; leave the "
+                        "budget out and choose --rounds (each round's line gives epsilon)")
+    config, budget_note = privacy.within_budget(config, None if ckpt is None else ckpt.rounds)
     per_round = (o.min_nodes_per_round if o.min_nodes_per_round is not None
                  else max(1, -(-config.nodes_per_round // 2)))
     if not 1 <= per_round <= min_nodes:

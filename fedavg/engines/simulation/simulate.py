@@ -293,8 +293,7 @@ def simulate(
     config, ckpt, output = resolve_settings(config, overrides, resume, output,
                                                 overwrite=overwrite)
     config.validate()
-    config, cut = privacy.within_budget(config, None if ckpt is None else
-                                        privacy.sampled_history(ckpt.rounds))
+    config, cut = privacy.within_budget(config, None if ckpt is None else ckpt.rounds)
     if cut and console is not None:
         console.print(f"[yellow]note:[/] {cut}", highlight=False, soft_wrap=True)
     _import_libraries(config.train.device)
@@ -313,6 +312,12 @@ def _prepare_and_run(config: RunConfig, ckpt, output, backend: dict[str, Any], c
                      trackers, started: float, overwrite: bool = False) -> run.RunResult:
     """Prepare the data, make the run folder, run the rounds and finish the run."""
     prepared = run.prepare(config)
+    if config.train.dp_sgd:  # a record-level budget: the partitions' sizes are known now
+        config, cut = privacy.within_budget(config, None if ckpt is None else ckpt.rounds,
+                                            [len(p) for p in prepared.parts])
+        prepared.meta["config"] = config.as_dict()
+        if cut and console is not None:
+            console.print(f"[yellow]note:[/] {cut}", highlight=False, soft_wrap=True)
     out = run.make_output(output, lock=True, overwrite=None if ckpt is not None else overwrite)
 
     show_plan(console, prepared, config)

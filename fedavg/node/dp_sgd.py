@@ -1,0 +1,159 @@
+"""Record-level differential privacy on a node: DP-SGD with Opacus.
+
+DP-SGD (Abadi et al. 2016, arXiv:1607.00133): each step draws its batch by Poisson sampling
+(every sample of the node's partition joins independently with probability ``q = 1 /
+ceil(N / B)``, ``N`` the partition's samples and ``B`` ``--batch-size``, as Opacus's
+``DPDataLoader`` draws it), clips each sample's gradient to L2 norm ``C``
+(``--dp-max-grad-norm``, over all trainable parameters together), sums the clipped
+gradients, adds Gaussian noise of standard deviation ``z C`` (``--dp-noise``) and divides by
+the expected batch size ``q N``; the optimizer (``--optimizer``) steps with that. Opacus
+computes the per-sample gradients (``GradSampleModule``) and clips and noises them
+(``DPOptimizer``). A round runs ``--local-epochs`` x ``ceil(N / B)`` such steps (or
+``--local-steps``), an empty batch included: its step is noise alone, as the analysis
+assumes.
+
+The noise's generator is seeded from the operating system's randomness every round, not
+from ``--seed``. Layers whose output for one sample depends on the other samples of its
+batch (BatchNorm) have no per-sample gradient: a model holding one is refused, naming the
+layer. The coordinator accounts the steps (:class:`fedavg.run.privacy.RecordLevelDP`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import secrets
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fedavg.util.errors import UserError
+
+
+def sample_rate(num_samples: int, batch_size: int) -> float:
+    """Return ``q = 1 / ceil(N / B)``, the chance a sample joins a step's batch.
+
+    Examples
+    --------
+    >>> sample_rate(100, 32)
+    0.25
+    """
+    return 1.0 / max(1, math.ceil(num_samples / batch_size))
+
+
+def steps_per_round(num_samples: int, batch_size: int, local_epochs: int,
+                    local_steps: int = 0) -> int:
+    """Return a round's DP-SGD steps: ``local_steps``, else ``local_epochs * ceil(N / B)``."""
+    if local_steps:
+        return int(local_steps)
+    return int(local_epochs) * max(1, math.ceil(num_samples / batch_size))
+
+
+def poisson_batches(num_samples: int, q: float, steps: int,
+                    generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Yield ``steps`` index batches, each sample in each batch with probability ``q``.
+
+    A batch may be empty (its step adds noise alone).
+    """
+    for _ in range(steps):
+        yield torch.nonzero(torch.rand(num_samples, generator=generator) < q).flatten()
+
+
+def unsupported_layer(model: nn.Module) -> str | None:
+    """Return the first layer Opacus cannot give per-sample gradients, said in one line.
+
+    ``None`` when every trainable layer is supported. The usual one is BatchNorm: each
+    sample's output depends on the rest of its batch (a model with GroupNorm or LayerNorm
+    instead trains privately).
+    """
+    from opacus.validators import ModuleValidator
+
+    for name, module in model.named_modules():
+        check = ModuleValidator.VALIDATORS.get(type(module))
+        trains = any(p.requires_grad for p in module.parameters(recurse=False))
+        if check is not None and trains and check(module):
+            return (f"layer {name!r} ({type(module).__name__}) has no per-sample gradient: "
+                    "DP-SGD needs a model without BatchNorm (GroupNorm or LayerNorm train "
+                    "privately); pick another --model")
+    return None
+
+
+@dataclass
+class PrivateTraining:
+    """One round's DP-SGD: the wrapped model and optimizer, and the batches to draw.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Trained in place (Opacus's wrapper shares its parameters).
+    optimizer : torch.optim.Optimizer
+        The round's fresh optimizer; :attr:`optimizer` wraps it.
+    num_samples, batch_size : int
+        ``N`` and ``B``.
+    noise : float
+        ``z``, the noise multiplier.
+    max_grad_norm : float
+        ``C``, each sample's gradient clip.
+
+    Raises
+    ------
+    UserError
+        A layer has no per-sample gradient (:func:`unsupported_layer`).
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    num_samples: int
+    batch_size: int
+    noise: float
+    max_grad_norm: float
+
+    def __post_init__(self) -> None:
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        if problem := unsupported_layer(self.model):
+            raise UserError(problem)
+        self.q = sample_rate(self.num_samples, self.batch_size)
+        generator = torch.Generator().manual_seed(secrets.randbits(63))
+        with _quiet():
+            self.module = GradSampleModule(self.model, loss_reduction="mean")
+            self.private_optimizer = DPOptimizer(
+                self.optimizer, noise_multiplier=self.noise, max_grad_norm=self.max_grad_norm,
+                expected_batch_size=max(1, round(self.num_samples * self.q)),
+                loss_reduction="mean", generator=generator)
+
+    def batches(self, local_epochs: int, local_steps: int,
+                generator: torch.Generator) -> Iterator[torch.Tensor]:
+        """Yield the round's Poisson batches (:func:`steps_per_round` of them)."""
+        steps = steps_per_round(self.num_samples, self.batch_size, local_epochs, local_steps)
+        yield from poisson_batches(self.num_samples, self.q, steps, generator)
+
+    def close(self) -> None:
+        """Take Opacus's hooks off the model (its weights keep the round's training)."""
+        self.module.cleanup()
+        for p in self.model.parameters():
+            p.grad = None
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence Opacus's notes on secure random numbers (the generator is seeded by the OS)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+@contextlib.contextmanager
+def quiet_hooks(private: PrivateTraining | None):
+    """Silence torch's note that Opacus's backward hooks fire with no input needing a gradient.
+
+    (The first layer's input is data: that is how per-sample gradients are taken.)
+    """
+    with warnings.catch_warnings():
+        if private is not None:
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        yield
