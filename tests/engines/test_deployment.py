@@ -333,6 +333,8 @@ def test_node_partition_matches_simulate(tmp_path):
      f"--threads must be in 1..{os.cpu_count()} (this machine's CPU cores), got 0"),
     (["node", "--insecure", "--threads", "100000"], "got 100000"),
     (["node", "--insecure", "--gpus", "0", "--threads", "0"], "--threads must be in 1.."),
+    (["coordinator", "--insecure", "--dp-sgd", "--dp-noise", "1", "--dp-epsilon", "3"],
+     "--dp-epsilon with --dp-sgd: the coordinator cannot tell what a round spends"),
 ])
 def test_deployment_user_errors_are_one_line(args, words):
     """Bad coordinator / node / certs options: exit 2 with one line, no traceback."""
@@ -1500,3 +1502,29 @@ def test_private_rounds_with_a_quantised_downlink_across_machines(cluster, certs
     assert summary["privacy"]["epsilon"] == pytest.approx(rounds[1]["epsilon"])
     assert model["privacy"] == summary["privacy"] and model["privacy"]["rounds"] == 2
     assert "node-level DP" in cluster.log("coordinator")
+
+
+@pytest.mark.e2e
+def test_dp_sgd_nodes_across_machines_are_accounted_by_partition(cluster, certs, tmp_path):
+    """--dp-sgd across machines: each node trains by DP-SGD and reports its steps.
+
+    The coordinator accounts them by the nodes' partitions (digits, 2 nodes of 719 samples:
+    q = 1/23, 23 steps a round) and reports the largest node's epsilon.
+    """
+    from fedavg.run.privacy import record_epsilon
+
+    out = tmp_path / "run"
+    coord = cluster.coordinator("--rounds", "2", "--min-nodes", "2", "--certs", certs,
+                                "--dp-sgd", "--dp-noise", "1", "--output", out)
+    nodes = [cluster.node(f"node{i}", "--certs", certs, "--partition-id", i,
+                          "--num-partitions", 2, "--once") for i in range(2)]
+    assert cluster.wait(coord) == 0, cluster.log("coordinator")
+    for n in nodes:
+        assert cluster.wait(n, 60) == 0, cluster.log(n.name)
+    rounds = rounds_of(out)
+    assert [r["dp_steps"] for r in rounds] == [{"0": [1 / 23, 23], "1": [1 / 23, 23]}] * 2
+    assert [r["epsilon"] for r in rounds] == pytest.approx(
+        [record_epsilon(1.0, [(1 / 23, 23 * k)], 1e-5) for k in (1, 2)])
+    model = json.loads((out / "model.json").read_text())
+    assert model["privacy"]["level"] == "record" and model["privacy"]["nodes"] == 2
+    assert "record-level DP (DP-SGD on every node)" in cluster.log("coordinator")

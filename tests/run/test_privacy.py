@@ -201,3 +201,65 @@ def test_a_clip_without_noise_is_noted_as_doing_nothing():
         "--dp-clip 1 does nothing without --dp-noise z (node-level DP clips the updates and "
         "adds noise together)"]
     assert unused_merge_notes(RunConfig().replace(dp_clip=1.0, dp_noise=1.0).merge) == []
+
+
+# --- record level: DP-SGD on the nodes, accounted per node --------------------------------
+
+def test_record_epsilon_matches_the_librarys_published_example():
+    # Opacus's own accountant test: z 1.5, q 0.04, 90 epochs (2,250 steps) -> 7.32911117143
+    assert privacy.record_epsilon(1.5, [(0.04, 2250)], 1e-5) == pytest.approx(7.32911117143)
+    assert privacy.record_epsilon(1.5, [(0.04, 0)], 1e-5) == 0.0
+
+
+def _reply(q, steps):
+    from fedavg.node import keys
+
+    return {keys.DP_SAMPLE_RATE: q, keys.DP_STEPS: steps}
+
+
+def test_a_node_epsilon_composes_its_steps_and_the_run_takes_the_largest_node():
+    dp = privacy.RecordLevelDP(noise=1.5, delta=1e-5)
+    state = {"w": torch.zeros(2)}
+    for _ in range(3):  # node 0: 750 steps a round at q 0.04; node 1: 10 at q 0.04
+        dp.begin_round(2)
+        for node, steps in (("0", 750), ("1", 10)):
+            taken, weight = dp.private(state, state, 120.0, node, _reply(0.04, steps))
+            assert taken is state and weight == 120.0  # the merge is unchanged
+            dp.folded()
+        epsilon = dp.release()
+    assert epsilon == pytest.approx(7.32911117143)  # node 0's 2,250 steps, as one history
+    assert dp.round_steps == {"0": [0.04, 750], "1": [0.04, 10]}
+    small = privacy.record_epsilon(1.5, [(0.04, 30)], 1e-5)
+    assert small < epsilon  # parallel composition: node 1's records spent far less
+    replayed = privacy.RecordLevelDP(noise=1.5, delta=1e-5)
+    replayed.replay_records([{"dp_steps": dp.round_steps}] * 3)  # a resumed run's rounds
+    assert replayed.epsilon == pytest.approx(epsilon) and replayed.releases == 3
+    assert dp.describe()["level"] == "record" and dp.describe()["nodes"] == 2
+
+
+def test_a_reply_without_dp_sgd_steps_is_refused_and_not_accounted():
+    dp = privacy.RecordLevelDP(noise=1.0, delta=1e-5)
+    dp.begin_round(1)
+    state = {"w": torch.zeros(1)}
+    for metrics in ({}, _reply(0.0, 3), _reply(0.5, -1), _reply(0.5, True)):
+        with pytest.raises(ValueError, match="no DP-SGD steps to account"):
+            dp.private(state, state, 1.0, "0", metrics)
+    assert dp.release() == 0.0
+
+
+def test_a_record_level_budget_is_cut_from_the_partitions_sizes():
+    config = RunConfig().replace(num_nodes=2, rounds=20, dp_sgd=True, dp_noise=1.5,
+                                 batch_size=32, dp_epsilon=3.0)
+    assert privacy.within_budget(config) == (config, None)  # sizes unknown: not yet
+    cut, note = privacy.within_budget(config, sizes=[320, 3200])
+    # the smaller partition samples at q = 0.1 and spends more: it decides
+    allowed = cut.merge.rounds
+    assert 1 <= allowed < 20 and f"stops after round {allowed} of 20" in note
+    assert privacy.record_epsilon(1.5, [(0.1, 10 * allowed)], 1e-5) <= 3.0
+    assert privacy.record_epsilon(1.5, [(0.1, 10 * (allowed + 1))], 1e-5) > 3.0
+    done = [{"dp_steps": {"0": [0.1, 10], "1": [0.01, 100]}}] * allowed
+    with pytest.raises(UserError, match="has spent its --dp-epsilon 3"):
+        privacy.within_budget(config, done, sizes=[320, 3200])
+    note = privacy.plan_note(config.replace(dp_epsilon=None, rounds=allowed), [320, 3200])
+    assert note.startswith("record-level DP (DP-SGD on every node)")
+    assert f"epsilon {privacy.record_epsilon(1.5, [(0.1, 10 * allowed)], 1e-5):.3g}" in note
