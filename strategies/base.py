@@ -192,6 +192,16 @@ class Strategy:
             cls.trains_nodes = True  # unless the class says its node rule only measures
 
     @classmethod
+    def takes_dp_sgd(cls) -> bool:
+        """Whether record-level DP (``--dp-sgd``) holds: nodes train and send as DP-SGD has it.
+
+        A method that changes local training (a node rule, FedProx's proximal term) or sends
+        more of a node's data than its model (SCAFFOLD's control variates, Fisher estimates)
+        would train or report outside DP-SGD's clipped and noised gradients.
+        """
+        return cls.node_rule is None and not cls.trains_nodes
+
+    @classmethod
     def merges_saved_models(cls) -> bool:
         """Whether ``fedavg merge`` can use it: it neither trains nodes nor steps from a start."""
         return not (cls.trains_nodes or cls.steps_from_start)

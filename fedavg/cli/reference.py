@@ -100,7 +100,10 @@ def _strategy_section(name: str, cls: type) -> list[str]:
     kind = "one-shot" if cls.one_shot else "over rounds"
     private = ("Node-level DP (`--dp-noise`): yes, its merge is a mean of the node updates."
                if cls.dp_mean else "Node-level DP (`--dp-noise`): refused (its merge is not "
-               "a mean of the node updates).")
+               "a mean of the node updates).") + (
+        " Record-level DP (`--dp-sgd`): yes." if cls.takes_dp_sgd() else
+        " Record-level DP (`--dp-sgd`): refused (it changes local training or sends more "
+        "than the model).")
     lines = [f"### `{name}`", "", f"{cls.description} ({kind}).", "", private, "",
              f"**Paper:** {cls.paper}" if cls.paper else "", ""]
     if cls.options:
@@ -136,12 +139,14 @@ def strategies_markdown() -> str:
              "strategies` lists). Pick one with `--strategy NAME`; its options go on the same "
              "command line. Every strategy that is not one-shot also takes `--swa-start R` "
              "(server-side SWA from round R).", "",
-             "| name | kind | options | node-level DP | paper |", "|---|---|---|---|---|"]
+             "| name | kind | options | node-level DP | record-level DP | paper |",
+             "|---|---|---|---|---|---|"]
     for name, cls in registry.items():
         options = ", ".join(f"`{o.flag}`" for o in cls.options)
         kind = "one-shot" if cls.one_shot else "rounds"
         dp = "yes" if cls.dp_mean else ""
-        lines.append(f"| [`{name}`](#{name}) | {kind} | {options} | {dp} | "
+        dp_sgd = "yes" if cls.takes_dp_sgd() else ""
+        lines.append(f"| [`{name}`](#{name}) | {kind} | {options} | {dp} | {dp_sgd} | "
                      f"{_cell(cls.paper)} |")
     lines.append("")
     for name, cls in registry.items():

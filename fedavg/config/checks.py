@@ -169,19 +169,15 @@ def check_strategy(c: RunConfig) -> str | None:
 
 
 def check_dp_sgd(c: RunConfig, cls) -> str | None:
-    """Check what DP-SGD on the nodes cannot take: node rules and data-dependent extras.
+    """Check what DP-SGD on the nodes cannot take (:meth:`strategies.Strategy.takes_dp_sgd`).
 
-    ``cls``: the run's strategy class. A method that changes local training (a node rule,
-    FedProx's proximal term) or sends other data of the nodes' (SCAFFOLD's control variates,
-    Fisher estimates) would train or report outside DP-SGD's clipped and noised gradients,
-    as would SAM's second gradient, the logit-adjusted loss's label counts and a second
-    gradient clip.
+    ``cls``: the run's strategy class. SAM's second gradient, the logit-adjusted loss's
+    label counts and a second gradient clip are refused too.
     """
     import strategies  # lazy: loads torch, which only this path needs
 
-    if cls.node_rule is not None or cls.trains_nodes:
-        usable = ", ".join(n for n, k in strategies.available().items()
-                           if k.node_rule is None and not k.trains_nodes)
+    if not cls.takes_dp_sgd():
+        usable = ", ".join(n for n, k in strategies.available().items() if k.takes_dp_sgd())
         return (f"--dp-sgd: {c.merge.strategy} changes how nodes train or sends more of "
                 f"their data than their model, outside DP-SGD's noise; use one of {usable}")
     t = c.train
