@@ -70,3 +70,11 @@ its last update, per tensor (error feedback, :mod:`fedavg.node.compression`)."""
 LORA_STATE = "fedavg-lora-base"
 """Key of the ArrayRecord in a node's ``Context.state`` holding its adapted weights, and of
 the ConfigRecord beside it (``<key>-info``: their ``round``)."""
+
+SECAGG_KEYS = "secagg-keys"
+"""Config key of a round under secure aggregation: the state-dict keys of the arrays, in the
+order Flower's legacy records carry them (those records keep no names)."""
+
+SECURE_AGGREGATION = "secure-aggregation"
+"""Node config key: ``true`` when the node sends its update only through SecAgg+
+(``fedavg node --secure-aggregation``) and refuses a round that asks for it in clear."""
