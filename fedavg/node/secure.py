@@ -83,7 +83,9 @@ def masked_train(msg: Message, context: Context, call_next) -> Message:
     if set(trained) != set(names):
         raise ValueError("the node's model does not send back the tensors it received "
                          f"({sorted(set(names) ^ set(trained))[:3]}): not a secure sum")
-    update = [(trained[n].double() - received[n].double()).numpy() for n in names]
+    # 0-d tensors (BatchNorm's num_batches_tracked) as 1-d: Flower's masking mishandles 0-d
+    update = [np.atleast_1d((trained[n].double() - received[n].double()).numpy())
+              for n in names]
     check_limits(update, weight, *secagg.protocol_limits(context))
     return secagg.train_reply(msg, update, int(weight), metrics)
 

@@ -365,8 +365,12 @@ class FlowerAdapter(FlowerFedAvg):
         summed = {node for node, _, _ in result.nodes}
         for node in result.sampled:
             if node not in summed:
-                reason = error_summary(result.errors[node]) if node in result.errors else \
-                    "dropped out of secure aggregation (no reply at one of its stages)"
+                if node in result.errors:
+                    reason = error_summary(result.errors[node])
+                elif node in replies.lost:
+                    reason = "node disconnected during the round"
+                else:
+                    reason = "dropped out of secure aggregation (no reply at one of its stages)"
                 tally.failed += 1
                 tally.reasons.append((node, reason))
                 self.on_failure(server_round, node, reason)

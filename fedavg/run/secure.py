@@ -12,7 +12,7 @@ only strategies that need no more than that mean take part (``Strategy.secure_su
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -33,10 +33,13 @@ class SecureRound:
         The unmasked weighted mean of the updates, the nodes in it and those that dropped.
     names : list of str
         The state-dict keys of ``result.mean``'s arrays, in order.
+    lost : set of int
+        Nodes that left the grid during the round (the protocol stopped waiting for them).
     """
 
     result: secagg.SecureMean
     names: list[str]
+    lost: set[int] = field(default_factory=set)
 
     def __iter__(self):
         return iter(())  # no single reply is ever held
@@ -80,6 +83,9 @@ class SecureGrid:
 
     def __init__(self, grid, flow) -> None:
         self._grid, self.flow = grid, flow
+        self._lost: set[int] = set()
+        if getattr(grid, "on_lost", None) is not None:  # reported with the round's result
+            grid.on_lost = lambda node: self._lost.add(int(node))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._grid, name)
@@ -104,5 +110,6 @@ class SecureGrid:
             instructions[int(msg.metadata.dst_node_id)] = (arrays, config)
         server_round = int(first[keys.CONFIG].get(keys.SERVER_ROUND, 0))
         self.flow.timeout = timeout  # each stage waits at most the round's timeout
-        return SecureRound(secagg.secure_mean(self._grid, server_round, instructions, self.flow),
-                           names)
+        self._lost = set()
+        result = secagg.secure_mean(self._grid, server_round, instructions, self.flow)
+        return SecureRound(result, names, set(self._lost))
