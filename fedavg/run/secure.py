@@ -12,6 +12,7 @@ only strategies that need no more than that mean take part (``Strategy.secure_su
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -21,6 +22,8 @@ from flwr.app import Message
 from fedavg.flower_compat import secagg
 from fedavg.node import keys
 from fedavg.util.errors import RunError
+
+log = logging.getLogger("fedavg")
 
 
 @dataclass
@@ -110,6 +113,20 @@ class SecureGrid:
             instructions[int(msg.metadata.dst_node_id)] = (arrays, config)
         server_round = int(first[keys.CONFIG].get(keys.SERVER_ROUND, 0))
         self.flow.timeout = timeout  # each stage waits at most the round's timeout
-        self._lost = set()
-        result = secagg.secure_mean(self._grid, server_round, instructions, self.flow)
-        return SecureRound(result, names, set(self._lost))
+        sampled, lost = sorted(instructions), set()
+        while True:
+            self._lost = set()
+            result = secagg.secure_mean(self._grid, server_round, instructions, self.flow)
+            lost |= self._lost
+            online = set(self._grid.get_node_ids())
+            still = {n: v for n, v in instructions.items() if n in online and n not in lost}
+            if result.mean is not None or not 2 <= len(still) < len(instructions):
+                break
+            # Flower's workflow halts when a node leaves between its setup and key-sharing
+            # stages (the others hold no share of its key): the round starts again without it
+            log.warning("round %d: secure aggregation halted as %d node(s) left; starting it "
+                        "again with the %d still here", server_round,
+                        len(instructions) - len(still), len(still))
+            instructions = still
+        result.sampled = sampled
+        return SecureRound(result, names, lost)

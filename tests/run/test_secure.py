@@ -193,6 +193,22 @@ def test_a_node_that_drops_out_mid_protocol_leaves_the_others_mean(task_identity
     assert adapter.last_train["num_nodes"] == 2 and adapter.last_train["num_failed"] == 1
 
 
+def test_a_node_that_leaves_right_after_setup_restarts_the_round_without_it(task_identity):
+    """Node 3 answers setup only: the round runs again with nodes 1 and 2.
+
+    Flower's workflow halts there (no one holds a share of node 3's key).
+    """
+    updates = _updates()
+    grid = LoopbackGrid(_client_app(updates), silent_after={3: 1})
+    reference, merged, adapter, left_out = _run_round(grid)
+
+    expected = _expected(reference, updates, (1, 2))
+    for k in ("w", "b"):
+        assert torch.allclose(merged[k].double(), expected[k], atol=1e-4), k
+    assert left_out == [(3, "node disconnected during the round")]
+    assert adapter.last_train["num_nodes"] == 2
+
+
 def test_a_round_fails_in_one_line_when_too_few_nodes_stay(task_identity):
     grid = LoopbackGrid(_client_app(_updates()), silent_after={2: 2, 3: 2})
     with pytest.raises(Exception, match="secure aggregation halted"):
