@@ -181,6 +181,12 @@ class Strategy:
     report (FedNova's local steps), send other node data (SCAFFOLD's control variates) or
     pick among models (median, Krum, TIES) keep False."""
 
+    secure_sum: bool = False
+    """True when the merge is a function of the nodes' **sample-weighted** mean model alone
+    (perhaps then a server step), with no other reply record: secure aggregation
+    (``--secure-aggregation``, Flower's SecAgg+) reveals only that mean, and the merge gets it
+    as one model weighing all the round's samples. Unweighted means (uniform soup) keep False."""
+
     saved_extras: tuple[str, ...] = ()
     """The reply records the merge needs beside each model (Fisher's ``fisher``):
     ``--save-node-models`` keeps each as ``<name>.safetensors`` in the node's model folder,

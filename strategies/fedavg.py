@@ -60,6 +60,7 @@ class FedAvg(Strategy):
     name = "fedavg"
     description = "sample-weighted average of node models, by parameter name"
     dp_mean = True
+    secure_sum = True
     paper = ("McMahan et al. 2017, Communication-Efficient Learning of Deep Networks from "
              "Decentralized Data, arXiv:1602.05629")
 

@@ -62,6 +62,7 @@ class FedNova(FedAvg):
 
     name = "fednova"
     dp_mean = False  # see Strategy.dp_mean
+    secure_sum = False  # see Strategy.secure_sum
     description = "normalised averaging: each update divided by the node's local steps"
     paper = ("Wang et al. 2020, Tackling the Objective Inconsistency Problem in "
              "Heterogeneous Federated Optimization, arXiv:2007.07481")

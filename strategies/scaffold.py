@@ -92,6 +92,7 @@ class Scaffold(FedAvg):
 
     name = "scaffold"
     dp_mean = False  # see Strategy.dp_mean
+    secure_sum = False  # see Strategy.secure_sum
     description = "control variates correct node drift; server step size 1"
     paper = ("Karimireddy et al. 2020, SCAFFOLD: Stochastic Controlled Averaging for "
              "Federated Learning, arXiv:1910.06378")

@@ -22,6 +22,7 @@ class UniformSoup(FedAvg):
     paper = ("Wortsman et al. 2022, Model soups: averaging weights of multiple fine-tuned "
              "models improves accuracy without increasing inference time, arXiv:2203.05482")
     one_shot = True
+    secure_sum = False  # unweighted: a secure sum weighs the nodes by their samples
 
     def add(self, state_dict, weight, node="?") -> None:
         """Fold in one model with weight 1 (``weight`` is still checked)."""

@@ -161,6 +161,8 @@ def check_strategy(c: RunConfig) -> str | None:
         usable = ", ".join(n for n, k in strategies.available().items() if k.dp_mean)
         return (f"--dp-noise: {m.strategy}'s merge is not a mean of the node updates, which "
                 f"DP-FedAvg's analysis needs; use one of {usable}")
+    if m.secure_aggregation and (problem := check_secure_aggregation(c, cls)):
+        return problem
     if cls.node_rule is not None and \
             node_value(c.train, "optimizer", cls.node_defaults) not in cls.node_rule.optimizers:
         return (f"{m.strategy}'s update rule assumes {' or '.join(cls.node_rule.optimizers)} "
@@ -189,6 +191,72 @@ def check_dp_sgd(c: RunConfig, cls) -> str | None:
         if given:
             return f"--dp-sgd: {name} {why}; leave it out"
     return None
+
+
+#: Settings that need each node's update on the coordinator, refused with secure aggregation.
+_NEEDS_EACH_UPDATE = (
+    ("dp_noise", "node-level DP clips each node's update on the coordinator; a node's update "
+                 "is what --secure-aggregation hides"),
+    ("max_update_norm", "it measures each node's update, which --secure-aggregation hides"),
+    ("save_node_models", "it saves each node's model, which --secure-aggregation hides"),
+    ("compress_down", "SecAgg+ sends the round's weights as they are"),
+)
+
+
+def check_secure_aggregation(c: RunConfig, cls) -> str | None:
+    """Check a run with ``--secure-aggregation``: its strategy, what combines, SecAgg+'s values.
+
+    Strategy class ``cls`` must declare ``secure_sum``; settings that need each node's
+    update, compressed updates and exact LoRA merges are refused; the protocol's values go
+    through Flower's own checks (``SecAggPlusWorkflow``).
+    """
+    import strategies  # lazy: loads torch, which only this path needs
+
+    m, t = c.merge, c.train
+    if not cls.secure_sum:
+        usable = ", ".join(n for n, k in strategies.available().items() if k.secure_sum)
+        return (f"--secure-aggregation: {m.strategy}'s merge needs more than the nodes' "
+                f"sample-weighted mean update, all SecAgg+ reveals; use one of {usable}")
+    for name, why in _NEEDS_EACH_UPDATE:
+        if name == "dp_noise" and t.dp_sgd:  # record level: DP-SGD on the nodes, masked after
+            continue
+        if getattr(m, name) not in (None, False, 0, 0.0, "none"):
+            return f"--{name.replace('_', '-')} with --secure-aggregation: {why}; leave one out"
+    if t.compress != "none":
+        return ("--compress with --secure-aggregation: SecAgg+ quantises and masks the update "
+                "itself; leave --compress out")
+    if t.lora_rank and t.lora_merge == "exact":
+        return ("--lora-merge exact merges the nodes' products B_k A_k, not a sum of what "
+                "they send; use --lora-merge average with --secure-aggregation")
+    if c.nodes_per_round < 2:
+        return (f"--secure-aggregation needs at least 2 nodes per round (got "
+                f"{c.nodes_per_round}): raise --num-nodes or --fraction")
+    try:
+        secagg_workflow(m)
+    except ValueError as exc:
+        text = str(exc)
+        for name in ("num_shares", "reconstruction_threshold", "max_weight",
+                     "quantization_range", "modulus_range", "clipping_range"):
+            text = text.replace(f"`{name}`", f"--secagg-{name.replace('_', '-')}")
+        return text
+    return None
+
+
+def secagg_workflow(m, timeout: float | None = None):
+    """Return Flower's ``SecAggPlusWorkflow`` with a run's SecAgg+ values (``MergeConfig``).
+
+    Raises
+    ------
+    ValueError
+        Values Flower refuses.
+    """
+    from fedavg.flower_compat import secagg
+
+    return secagg.workflow(m.secagg_num_shares, m.secagg_reconstruction_threshold,
+                           max_weight=m.secagg_max_weight,
+                           clipping_range=m.secagg_clipping_range,
+                           quantization_range=m.secagg_quantization_range,
+                           modulus_range=m.secagg_modulus_range, timeout=timeout)
 
 
 def node_value(train, name: str, node_defaults) -> object:

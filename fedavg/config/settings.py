@@ -421,6 +421,20 @@ class MergeConfig:
         The delta epsilon is reported at; ``None``: ``min(1e-5, N^-1.1)`` for N nodes.
     dp_epsilon : float or None
         A privacy budget: the run trains only the rounds whose epsilon stays within it.
+    secure_aggregation : bool
+        Sum the node updates with Flower's SecAgg+ (:mod:`fedavg.run.secure`): the
+        coordinator learns only their sample-weighted mean; for strategies that need no more
+        (``fedavg strategies``).
+    secagg_num_shares, secagg_reconstruction_threshold : float
+        SecAgg+'s shares of each node's secret (a count above 1, else a share of the
+        round's nodes) and the shares that rebuild one (a count, else a share of the shares):
+        more shares tolerate more dropouts, a higher threshold resists more colluders.
+    secagg_max_weight, secagg_clipping_range : float
+        Flower's quantisation: a node's samples at most ``max_weight``; its update entries
+        times ``samples / max_weight`` within ``[-clipping_range, clipping_range]``.
+    secagg_quantization_range, secagg_modulus_range : int
+        Integers an entry is quantised to, and the modulus masks are drawn in (a power of 2
+        above the quantization range).
     swa_start : int or None
         Server-side stochastic weight averaging (:mod:`strategies.swa`): from this round on,
         the run evaluates and saves the mean of the rounds' merged models (rounds
@@ -464,6 +478,24 @@ class MergeConfig:
                                      "(default: 1e-5, or 1/N^1.1 for N nodes when smaller)")
     dp_epsilon: float | None = setting(None, "DP budget: train only the rounds "
                                        "whose epsilon stays within it (default: no budget)")
+    secure_aggregation: bool = setting(False, "Merge only the sum of the node updates, with "
+                                       "Flower's SecAgg+: the coordinator never sees one "
+                                       "node's update")
+    secagg_num_shares: float = setting(3.0, "SecAgg+: shares of each node's secret, a count "
+                                       "(> 2) or a share of the round's nodes (<= 1)")
+    secagg_reconstruction_threshold: float = setting(
+        2.0, "SecAgg+: shares that rebuild a secret, a count or a share of --secagg-num-shares "
+        "(<= 1); lower tolerates more dropouts")
+    secagg_max_weight: float = setting(1000.0, "SecAgg+: the most samples one node may weigh",
+                                       rule=positive())
+    secagg_clipping_range: float = setting(8.0, "SecAgg+: update entries times samples / "
+                                           "--secagg-max-weight are clipped to +-this",
+                                           rule=positive())
+    secagg_quantization_range: int = setting(4194304, "SecAgg+: integers an update entry is "
+                                             "quantised to", rule=positive())
+    secagg_modulus_range: int = setting(4294967296, "SecAgg+: modulus of the masks, a power "
+                                        "of 2 above --secagg-quantization-range",
+                                        rule=positive())
     swa_start: int | None = setting(None, "Average the merged models from this round on "
                                     "(server-side SWA); the average is evaluated and saved "
                                     "(default: off)")

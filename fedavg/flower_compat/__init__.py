@@ -13,7 +13,8 @@ Nothing outside this package imports ``flwr.cli``, ``flwr.proto``, ``flwr.superc
 - :mod:`~fedavg.flower_compat.fleet`: the Fleet API as a node sees it (is its key known?);
 - :mod:`~fedavg.flower_compat.tasks`: warm task workers on the runtime API;
 - :mod:`~fedavg.flower_compat.logs`: what SuperLink / SuperNode output lines mean;
-- :mod:`~fedavg.flower_compat.privacy`: the privacy accountant (node-level DP).
+- :mod:`~fedavg.flower_compat.privacy`: the privacy accountant (node-level DP);
+- :mod:`~fedavg.flower_compat.secagg`: Flower's SecAgg+ workflow and mod under the Message API.
 """
 
 from fedavg.flower_compat.checks import (

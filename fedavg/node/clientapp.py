@@ -302,7 +302,9 @@ def make_client_app(data_path, device: str = "auto") -> ClientApp:
     device : str
         ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
     """
-    app = ClientApp()
+    from fedavg.node.secure import node_mod
+
+    app = ClientApp(mods=[node_mod(require=False)])  # SecAgg+ rounds, when the run asks
 
     @app.train()
     def _train(message: Message, context: Context) -> Message:

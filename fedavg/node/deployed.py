@@ -32,6 +32,7 @@ from fedavg.config.settings import RunConfig
 from fedavg.data.load import Split, check_kind, conform, load
 from fedavg.data.shares import share_out
 from fedavg.node import keys
+from fedavg.node.secure import node_mod
 from fedavg.node.wire import TrainSettings
 from fedavg.util.errors import UserError
 
@@ -40,7 +41,8 @@ FINISHED_RUNS: set[int] = set()
 #: Run ids the coordinator has announced as failed, with the one-line reason.
 FAILED_RUNS: dict[int, str] = {}
 
-client_app = ClientApp()
+#: With Flower's ``secaggplus_mod`` for SecAgg+ rounds (:mod:`fedavg.node.secure`).
+client_app = ClientApp(mods=[node_mod()])
 
 
 def _node_setting(context: Context, key: str, default=None):

@@ -76,3 +76,10 @@ DP_SAMPLE_RATE = "dp-sample-rate"
 
 DP_STEPS = "dp-steps"
 """Reply metric with DP-SGD: the noised steps the node took this round (empty batches too)."""
+SECAGG_KEYS = "secagg-keys"
+"""Config key of a round under secure aggregation: the state-dict keys of the arrays, in the
+order Flower's legacy records carry them (those records keep no names)."""
+
+SECURE_AGGREGATION = "secure-aggregation"
+"""Node config key: ``true`` when the node sends its update only through SecAgg+
+(``fedavg node --secure-aggregation``) and refuses a round that asks for it in clear."""

@@ -24,6 +24,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 import strategies
 from fedavg.flower_compat import error_summary
 from fedavg.node import compression, keys
+from fedavg.run.secure import SecureRound
 from fedavg.util.errors import RunError
 from strategies import lora as lora_math
 
@@ -331,6 +332,8 @@ class FlowerAdapter(FlowerFedAvg):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         """Merge usable replies one at a time; report the others."""
         server_round += self.round_offset
+        if isinstance(replies, SecureRound):
+            return self._aggregate_secure(server_round, replies)
         self.merge.begin(self.reference, self.buffers, self.context)
         tally = _RoundTally()
         tally.bytes_to_nodes = self.bytes_to_nodes
@@ -349,6 +352,69 @@ class FlowerAdapter(FlowerFedAvg):
         metrics_out = MetricRecord({"train-loss": self.last_train["train_loss"],
                                     "num-nodes": tally.used})
         return ArrayRecord(merged.state_dict), metrics_out
+
+    def _aggregate_secure(self, server_round: int, replies: SecureRound):
+        """Merge a SecAgg+ round: its weighted mean update, as one reply of all its samples.
+
+        The nodes in the sum count as the round's nodes; those sampled but not in it (an
+        error, or no reply at some stage of the protocol) are reported as left out.
+        """
+        result = replies.result
+        self.merge.begin(self.reference, self.buffers, self.context)
+        tally = _RoundTally()
+        tally.bytes_to_nodes = self.bytes_to_nodes
+        tally.bytes_from_nodes = result.bytes_from_nodes
+        summed = {node for node, _, _ in result.nodes}
+        for node in result.sampled:
+            if node not in summed:
+                if node in result.errors:
+                    reason = error_summary(result.errors[node])
+                elif node in replies.lost:
+                    reason = "node disconnected during the round"
+                else:
+                    reason = "dropped out of secure aggregation (no reply at one of its stages)"
+                tally.failed += 1
+                tally.reasons.append((node, reason))
+                self.on_failure(server_round, node, reason)
+        if result.mean is None or not result.nodes:
+            raise RunError(f"round {server_round}: secure aggregation halted, too few nodes "
+                           f"stayed for its --secagg-reconstruction-threshold "
+                           f"({tally.detail()})")
+        total = float(sum(weight for _, weight, _ in result.nodes))
+        if self.dp is not None:  # record level (node level is refused): each node's steps
+            self._account_secure(server_round, result.nodes)
+        try:
+            self.merge.add_reply(replies.merged_state(self.reference), total,
+                                 node="secure-aggregate")
+        except strategies.MergeError as exc:
+            raise RunError(f"round {server_round}: {exc}") from None
+        for _, weight, metrics in result.nodes:
+            tally.add(weight, metrics)
+        merged = dataclasses.replace(self._finish_round(server_round, tally),
+                                     num_models=len(result.nodes))
+        self.last_merged = merged
+        self.last_train = tally.summary()
+        return ArrayRecord(merged.state_dict), MetricRecord(
+            {"train-loss": self.last_train["train_loss"], "num-nodes": tally.used})
+
+    def _account_secure(self, server_round: int, nodes: list) -> None:
+        """Account the DP-SGD steps each node of a secure sum reported beside it (in clear).
+
+        Raises
+        ------
+        RunError
+            A node in the sum reported none: its update cannot be left out of it.
+        """
+        for node, weight, metrics in nodes:
+            partition = metrics.get(keys.PARTITION_ID, -1)
+            name = str(partition) if isinstance(partition, int) and partition >= 0 \
+                else f"node {node}"
+            try:
+                self.dp.private({}, {}, weight, name, metrics)
+            except ValueError as exc:
+                raise RunError(f"round {server_round}: {exc}; its update is in the secure "
+                               "sum, so the round cannot be accounted") from None
+            self.dp.folded()
 
     def _hold_round(self, replies: Iterable[Message]) -> bool:
         """Whether to fold this round's replies in partition order (see the module notes)."""

@@ -24,6 +24,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.serverapp import Grid, ServerApp
 
 import strategies
+from fedavg.config.checks import secagg_workflow
 from fedavg.config.settings import RunConfig
 from fedavg.models.evaluation import evaluate, evaluation_device
 from fedavg.models.sources import first_line
@@ -38,6 +39,7 @@ from fedavg.run.lora_transport import LoraTransport
 from fedavg.run.merge_context import merge_context
 from fedavg.run.output import clear_previous_run
 from fedavg.run.resume_checks import check_same_data, check_same_model
+from fedavg.run.secure import SecureGrid
 from fedavg.util.errors import RunError, UserError
 from strategies.swa import WeightAverage
 
@@ -217,9 +219,11 @@ class ServerRun:
         settings = TrainSettings.for_run(self.config, self.prepared.meta, self.prepared.strategy)
         if self.resume_from is not None:
             self.resume_from.restore_random()  # the same node sampling as an unbroken run
+        streaming = StreamingGrid(grid, on_lost=self._lost if self.deployment else None,
+                                  stop=self.state.stop)
         self.adapter.start(
-            grid=StreamingGrid(grid, on_lost=self._lost if self.deployment else None,
-                               stop=self.state.stop),
+            grid=SecureGrid(streaming, secagg_workflow(self.config.merge))
+            if self.config.merge.secure_aggregation else streaming,
             initial_arrays=ArrayRecord(initial),
             num_rounds=self.config.merge.rounds - done,
             timeout=self.config.merge.round_timeout,

@@ -581,6 +581,10 @@ def test_cpus_per_node_out_of_range_is_one_line(invoke, value):
     (["--dp-sgd", "--dp-noise", "1", "--model", "resnet18"],
      "--dp-sgd: layer 'bn1' (BatchNorm2d) has no per-sample gradient"),
     (["--dp-sgd", "--dp-noise", "0.3", "--dp-epsilon", "1"], "--dp-epsilon 1 allows no more"),
+    (["--secure-aggregation", "--secagg-max-weight", "100"],
+     "--secagg-max-weight 100 is below the largest partition (719 samples)"),
+    (["--secure-aggregation", "--dp-noise", "1", "--dp-clip", "1"],
+     "--dp-noise with --secure-aggregation: node-level DP clips each node's update"),
 ])
 def test_privacy_and_downlink_settings_are_checked_in_one_line(invoke, args, expected):
     code, stderr = invoke("simulate", "--num-nodes", "2", "--rounds", "2", *args)

@@ -219,8 +219,12 @@ def _check_options(config: RunConfig, options: CoordinatorOptions) -> _Options:
                         "spends before the nodes report their partitions' sizes; leave the "
                         "budget out and choose --rounds (each round's line gives epsilon)")
     config, budget_note = privacy.within_budget(config, None if ckpt is None else ckpt.rounds)
+    least = 2 if config.merge.secure_aggregation else 1  # SecAgg+ sums 2 nodes or more
     per_round = (o.min_nodes_per_round if o.min_nodes_per_round is not None
-                 else max(1, -(-config.nodes_per_round // 2)))
+                 else max(least, -(-config.nodes_per_round // 2)))
+    if per_round < least:
+        raise UserError(f"--secure-aggregation needs --min-nodes-per-round of at least 2, "
+                        f"got {per_round}")
     if not 1 <= per_round <= min_nodes:
         raise UserError(f"--min-nodes-per-round must be in 1..--min-nodes ({min_nodes}), "
                         f"got {per_round}")

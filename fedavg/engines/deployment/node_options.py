@@ -59,6 +59,9 @@ class NodeOptions:
         The run's user-code ``--model`` (a file: this machine's copy); needed to run it.
     threads : int, optional
         CPU threads torch trains with (default: one per core; nodes sharing cores: fewer).
+    secure_aggregation : bool
+        Send this node's update only through Flower's SecAgg+ (:mod:`fedavg.node.secure`):
+        a run that asks for it in clear fails on this node.
     """
 
     coordinator: str = setting("127.0.0.1:9092", "host:port of `fedavg coordinator`")
@@ -80,6 +83,8 @@ class NodeOptions:
                                 "(a file: this machine's copy)")
     threads: int | None = setting(None, "CPU threads torch trains with (default: one per "
                                   "core); nodes sharing a machine: cores / nodes each")
+    secure_aggregation: bool = setting(False, "Send this node's update only through secure "
+                                       "aggregation (Flower's SecAgg+); refuse runs without it")
 
     def check(self):
         """Check every option; return the certificate folder and the model code to allow.
@@ -147,6 +152,8 @@ class NodeOptions:
                        f"num-partitions={self.num_partitions}"]
         if model is not None:
             config.append(f'model="{model}"')
+        if self.secure_aggregation:
+            config.append("secure-aggregation=true")
         return config
 
     def describe(self, threads: int, model: str | None, address: str, tls: bool) -> str:

@@ -312,6 +312,12 @@ def _prepare_and_run(config: RunConfig, ckpt, output, backend: dict[str, Any], c
                      trackers, started: float, overwrite: bool = False) -> run.RunResult:
     """Prepare the data, make the run folder, run the rounds and finish the run."""
     prepared = run.prepare(config)
+    largest = max((len(p) for p in prepared.parts), default=0)
+    if config.merge.secure_aggregation and largest > config.merge.secagg_max_weight:
+        raise UserError(f"--secagg-max-weight {config.merge.secagg_max_weight:g} is below the "
+                        f"largest partition ({largest} samples): SecAgg+ weighs a node by its "
+                        f"samples up to it, so that node would drop out; give "
+                        f"--secagg-max-weight {largest} or more")
     if config.train.dp_sgd:  # a record-level budget: the partitions' sizes are known now
         config, cut = privacy.within_budget(config, None if ckpt is None else ckpt.rounds,
                                             [len(p) for p in prepared.parts])
