@@ -222,7 +222,7 @@ def _check_options(config: RunConfig, options: CoordinatorOptions) -> _Options:
     least = 2 if config.merge.secure_aggregation else 1  # SecAgg+ sums 2 nodes or more
     per_round = (o.min_nodes_per_round if o.min_nodes_per_round is not None
                  else max(least, -(-config.nodes_per_round // 2)))
-    if per_round < least:
+    if config.merge.secure_aggregation and per_round == 1:
         raise UserError(f"--secure-aggregation needs --min-nodes-per-round of at least 2, "
                         f"got {per_round}")
     if not 1 <= per_round <= min_nodes:
