@@ -43,6 +43,7 @@ from strategies.base import (
     update_norm,
 )
 from strategies.local import NodeRule, NodeUpdate, node_rule
+from strategies.tensors import clip_update
 
 #: Entry-point group through which other installed packages add strategies.
 ENTRY_POINT_GROUP = "fedavg.strategies"
@@ -63,6 +64,7 @@ __all__ = [
     "all_options",
     "available",
     "check_compatible",
+    "clip_update",
     "first_non_finite",
     "get",
     "load_plugins",

@@ -5,6 +5,7 @@ Pure functions over state dicts (``{name: tensor}``), no Flower import.
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import torch
@@ -94,6 +95,37 @@ def update_norm(reference: StateDict, state_dict: StateDict) -> float:
             diff = state_dict[key].detach().to(torch.float64) - ref.detach().to(torch.float64)
             total += float(diff.pow(2).sum())
     return total ** 0.5 if total == total else float("inf")
+
+
+def clip_update(state: StateDict, reference: StateDict,
+                clip: float) -> tuple[dict[str, torch.Tensor], float]:
+    """Return ``reference + u * min(1, C / ||u||)`` for ``u = state - reference``, and ``||u||``.
+
+    The norm is over every floating tensor of ``state`` together (float32); integer tensors
+    take the reference's values (a node's batch counter would tell its data's size). The
+    L2 clip of node-level DP (DP-FedAvg, McMahan et al. 2018, arXiv:1710.06963), on the
+    coordinator or on the node (``--dp-clip-on node``).
+
+    Parameters
+    ----------
+    state, reference : dict of str to torch.Tensor
+        A node's model (or the part of it it sends) and the round's, which holds every key
+        of ``state`` with the same shape.
+    clip : float
+        ``C`` > 0.
+    """
+    updates = {k: state[k].detach().to(torch.float32) - reference[k].to(torch.float32)
+               for k in state if reference[k].is_floating_point()}
+    norm = math.sqrt(sum(float(u.square().sum()) for u in updates.values()))
+    scale = min(1.0, clip / norm) if norm > 0 else 1.0
+    out = {}
+    for key in state:
+        ref = reference[key]
+        if key in updates:
+            out[key] = (ref.to(torch.float32) + scale * updates[key]).to(ref.dtype)
+        else:
+            out[key] = ref
+    return out, norm
 
 
 def first_non_finite(state_dict: StateDict) -> str | None:

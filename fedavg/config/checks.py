@@ -118,6 +118,9 @@ def check_privacy(m, dp_sgd: bool = False) -> str | None:
     if dp_sgd and m.dp_clip is not None:
         return ("--dp-clip is node-level DP's; with --dp-sgd each sample's gradient is "
                 "clipped to --dp-max-grad-norm: leave --dp-clip out (one level of DP a run)")
+    if m.dp_clip_on == "node" and (dp_sgd or m.dp_clip is None or not m.dp_noise > 0):
+        return ("--dp-clip-on node has the nodes clip node-level DP's updates: give --dp-noise "
+                "z and --dp-clip C (and not --dp-sgd)")
     if dp_sgd and not m.dp_noise > 0:
         return ("--dp-sgd needs --dp-noise z, the noise multiplier of each step's clipped "
                 "gradients, e.g. --dp-noise 1.1")
@@ -161,6 +164,9 @@ def check_strategy(c: RunConfig) -> str | None:
         usable = ", ".join(n for n, k in strategies.available().items() if k.dp_mean)
         return (f"--dp-noise: {m.strategy}'s merge is not a mean of the node updates, which "
                 f"DP-FedAvg's analysis needs; use one of {usable}")
+    if m.dp_clip_on == "node" and c.train.lora_rank:
+        return ("--dp-clip-on node with --lora-rank: a node's adapters A and B do not bound "
+                "the update B A it makes; clip on the coordinator (leave --dp-clip-on out)")
     if m.secure_aggregation and (problem := check_secure_aggregation(c, cls)):
         return problem
     if cls.node_rule is not None and \
@@ -195,8 +201,8 @@ def check_dp_sgd(c: RunConfig, cls) -> str | None:
 
 #: Settings that need each node's update on the coordinator, refused with secure aggregation.
 _NEEDS_EACH_UPDATE = (
-    ("dp_noise", "node-level DP clips each node's update on the coordinator; a node's update "
-                 "is what --secure-aggregation hides"),
+    ("dp_noise", "node-level DP clipped on the coordinator needs each node's update, which "
+                 "--secure-aggregation hides: give --dp-clip-on node (the nodes clip) or"),
     ("max_update_norm", "it measures each node's update, which --secure-aggregation hides"),
     ("save_node_models", "it saves each node's model, which --secure-aggregation hides"),
     ("compress_down", "SecAgg+ sends the round's weights as they are"),
@@ -218,8 +224,8 @@ def check_secure_aggregation(c: RunConfig, cls) -> str | None:
         return (f"--secure-aggregation: {m.strategy}'s merge needs more than the nodes' "
                 f"sample-weighted mean update, all SecAgg+ reveals; use one of {usable}")
     for name, why in _NEEDS_EACH_UPDATE:
-        if name == "dp_noise" and t.dp_sgd:  # record level: DP-SGD on the nodes, masked after
-            continue
+        if name == "dp_noise" and (t.dp_sgd or m.dp_clip_on == "node"):
+            continue  # DP-SGD, or node-level DP clipped on the nodes: private before masked
         if getattr(m, name) not in (None, False, 0, 0.0, "none"):
             return f"--{name.replace('_', '-')} with --secure-aggregation: {why}; leave one out"
     if t.compress != "none":
@@ -252,8 +258,10 @@ def secagg_workflow(m, timeout: float | None = None):
     """
     from fedavg.flower_compat import secagg
 
+    # node-level DP clipped on the nodes: each weighs 1 (the count stays on the node)
+    weight_one = m.dp_noise > 0 and m.dp_clip is not None and m.dp_clip_on == "node"
     return secagg.workflow(m.secagg_num_shares, m.secagg_reconstruction_threshold,
-                           max_weight=m.secagg_max_weight,
+                           max_weight=1.0 if weight_one else m.secagg_max_weight,
                            clipping_range=m.secagg_clipping_range,
                            quantization_range=m.secagg_quantization_range,
                            modulus_range=m.secagg_modulus_range, timeout=timeout)

@@ -52,6 +52,8 @@ DOWN_CODECS = ("none", "int8")
 #: ``--lora-merge``: ``exact`` merges the nodes' products ``B_k A_k`` (:mod:`strategies.lora`),
 #: ``average`` averages ``A`` and ``B`` separately (:class:`fedavg.models.lora.LoraModel`).
 LORA_MERGES = ("exact", "average")
+#: Where node-level DP clips each node's update (``--dp-clip-on``).
+DP_CLIP_PLACES = ("coordinator", "node")
 #: Seeds are below 2**31: nodes derive their own seeds from the run's without overflow.
 MAX_SEED = 2**31
 
@@ -417,6 +419,10 @@ class MergeConfig:
         ``z * dp_max_grad_norm``.
     dp_clip : float or None
         The L2 norm each node's update is clipped to (``C``); needed with ``dp_noise``.
+    dp_clip_on : str
+        Where node-level DP clips each update (:data:`DP_CLIP_PLACES`): on the
+        ``coordinator``, or on each ``node`` before it sends its model (the coordinator then
+        never holds a raw update; with secure aggregation, only the sum of clipped ones).
     dp_delta : float or None
         The delta epsilon is reported at; ``None``: ``min(1e-5, N^-1.1)`` for N nodes.
     dp_epsilon : float or None
@@ -474,6 +480,10 @@ class MergeConfig:
                               rule=non_negative())
     dp_clip: float | None = setting(None, "Node-level DP: clip each node's update to this L2 "
                                     "norm (needed with --dp-noise)")
+    dp_clip_on: str = setting("coordinator", "Node-level DP: clip each update on the "
+                              "coordinator or on each node before it sends (the coordinator "
+                              "never holds a raw update; needed with --secure-aggregation)",
+                              rule=one_of(DP_CLIP_PLACES))
     dp_delta: float | None = setting(None, "DP: the delta epsilon is reported at "
                                      "(default: 1e-5, or 1/N^1.1 for N nodes when smaller)")
     dp_epsilon: float | None = setting(None, "DP budget: train only the rounds "

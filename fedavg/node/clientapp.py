@@ -127,7 +127,8 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
         # the round's weights quantised (--compress-down): decoded to the model's shapes
         state = compression.decode_weights(state, model.state_dict())
         model.load_state_dict(state, strict=True)
-        received = state if cfg.local.compress != "none" else None  # the update's base
+        # the update's base: for the codec, and for the clip of node-level DP on the node
+        received = state if cfg.local.compress != "none" or cfg.dp_clip > 0 else None
         del state
         rule, state_round = _begin_rule(cfg, model, message, context)
         started = time.perf_counter()
@@ -138,7 +139,8 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
                 rule.close()
     except SystemExit as exc:  # in model code: it would end the node's process (a Ray actor)
         raise RuntimeError(f"the model's code called sys.exit({exc.code!r})") from None
-    metrics = MetricRecord({keys.NUM_EXAMPLES: stats["num_examples"],
+    # node-level DP clipped here: every node weighs 1, its sample count stays on the node
+    metrics = MetricRecord({keys.NUM_EXAMPLES: 1 if cfg.dp_clip > 0 else stats["num_examples"],
                             keys.TRAIN_LOSS: stats["train_loss"],
                             keys.PARTITION_ID: partition_id,
                             keys.TRAIN_SECONDS: time.perf_counter() - started,
@@ -148,13 +150,26 @@ def run_train(message: Message, x: np.ndarray, y: np.ndarray, device: str,
     if lora_round is not None:  # W unchanged by training: kept for the next round's update
         lora_base.keep(context, model.state_dict(), model, lora_round)
         metrics[keys.LORA_BASE_ROUND] = lora_round
-    sent = encoded_reply(reply_state(model), received, cfg, context)
+    sent = encoded_reply(clipped_on_node(reply_state(model), received, cfg.dp_clip),
+                         received if cfg.local.compress != "none" else None, cfg, context)
     reply = RecordDict({keys.ARRAYS: ArrayRecord(sent), keys.METRICS: metrics})
     for key, arrays in update.arrays.items():
         reply[key] = ArrayRecord(arrays)
     if update.state is not None and context is not None:
         keep_node_state(context, cfg.method, update.state, cfg.server_round)
     return Message(reply, reply_to=message)
+
+
+def clipped_on_node(state: dict[str, torch.Tensor], received: dict[str, torch.Tensor] | None,
+                    clip: float) -> dict[str, torch.Tensor]:
+    """Return ``state`` with its update clipped to L2 ``clip`` (``--dp-clip-on node``).
+
+    ``clip`` 0: ``state`` as it is. The update is ``state`` minus the weights the node
+    received, over every floating tensor it sends (:func:`strategies.tensors.clip_update`).
+    """
+    if not clip > 0 or received is None:
+        return state
+    return strategies.clip_update(state, received, clip)[0]
 
 
 def _dp_sgd_metrics(stats: dict) -> dict:

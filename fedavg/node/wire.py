@@ -54,6 +54,9 @@ class TrainSettings:
         none), with ``method_options`` (a dict, as JSON).
     dp_noise : float
         With ``local.dp_sgd``: DP-SGD's noise multiplier (the run's ``--dp-noise``); else 0.
+    dp_clip : float
+        With node-level DP clipped on the nodes (``--dp-clip-on node``): the L2 norm the
+        node clips its update to before it sends it, reporting 1 sample; else 0.
     server_round : int
         Set by Flower's strategy on the way out (``keys.SERVER_ROUND``).
     """
@@ -67,6 +70,7 @@ class TrainSettings:
     method: str = ""
     method_options: dict = dataclasses.field(default_factory=dict)
     dp_noise: float = 0.0
+    dp_clip: float = 0.0
     server_round: int = 0
 
     _JSON = ("model", "input", "classes", "method_options")
@@ -77,6 +81,7 @@ class TrainSettings:
         return cls(model=meta["model"], input=meta["input"], classes=list(meta["classes"]),
                    seed=config.data.seed, local=config.local_training(),
                    dp_noise=config.merge.dp_noise if config.train.dp_sgd else 0.0,
+                   dp_clip=_node_clip(config),
                    **_method(strategy), **strategy.node_config)
 
     def to_record(self):
@@ -124,6 +129,7 @@ class TrainSettings:
              "a list of class names"),
             ("proximal-mu", 0 <= self.proximal_mu < math.inf, "a finite number >= 0"),
             ("method-options", isinstance(self.method_options, dict), "a JSON object"),
+            ("dp-clip", 0 <= self.dp_clip < math.inf, "a finite number >= 0"),
             ("dp-noise", 0 <= self.dp_noise <= 1000 and (self.dp_noise > 0
                                                          or not self.local.dp_sgd),
              "in (0, 1000] with dp-sgd, else 0 or more"),
@@ -157,6 +163,13 @@ def _decoded(cls, record, json_fields: tuple[str, ...] = (), skip: tuple[str, ..
             continue
         values[f.name] = _decode(key, record[key], hints[f.name], f.name in json_fields)
     return values
+
+
+def _node_clip(config) -> float:
+    """Return the clip a node applies to its update (``--dp-clip-on node``), else 0."""
+    m = config.merge
+    node_level = m.dp_noise > 0 and not config.train.dp_sgd and m.dp_clip is not None
+    return float(m.dp_clip) if node_level and m.dp_clip_on == "node" else 0.0
 
 
 def _method(strategy) -> dict[str, Any]:

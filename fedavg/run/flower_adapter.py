@@ -24,6 +24,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 import strategies
 from fedavg.flower_compat import error_summary
 from fedavg.node import compression, keys
+from fedavg.run import privacy
 from fedavg.run.secure import SecureRound
 from fedavg.util.errors import RunError
 from strategies import lora as lora_math
@@ -381,11 +382,14 @@ class FlowerAdapter(FlowerFedAvg):
                            f"stayed for its --secagg-reconstruction-threshold "
                            f"({tally.detail()})")
         total = float(sum(weight for _, weight, _ in result.nodes))
-        if self.dp is not None:  # record level (node level is refused): each node's steps
+        state = replies.merged_state(self.reference)
+        if isinstance(self.dp, privacy.NodeLevelDP):  # clipped on the nodes: noise on the mean
+            state, total = self.dp.noised_mean(state, len(result.nodes))
+            self.dp.folded()
+        elif self.dp is not None:  # record level: each node's DP-SGD steps
             self._account_secure(server_round, result.nodes)
         try:
-            self.merge.add_reply(replies.merged_state(self.reference), total,
-                                 node="secure-aggregate")
+            self.merge.add_reply(state, total, node="secure-aggregate")
         except strategies.MergeError as exc:
             raise RunError(f"round {server_round}: {exc}") from None
         for _, weight, metrics in result.nodes:

@@ -42,6 +42,10 @@ import torch
 
 from fedavg import flower_compat
 from fedavg.util.errors import UserError
+from strategies.tensors import clip_update
+
+__all__ = ["NodeLevelDP", "RecordLevelDP", "add_noise", "clip_update", "for_run",
+           "plan_note", "record_epsilon", "within_budget"]
 
 #: delta when ``--dp-delta`` is not given: 1e-5, or 1 / N^1.1 for N nodes when that is
 #: smaller (delta must stay well below 1 / N: a mechanism may expose one node with
@@ -60,33 +64,6 @@ def _quiet():
 def default_delta(num_nodes: int) -> float:
     """Return the delta a run reports epsilon at: ``min(1e-5, N^-1.1)``."""
     return min(DEFAULT_DELTA, float(num_nodes) ** -1.1)
-
-
-def clip_update(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
-                clip: float) -> tuple[dict[str, torch.Tensor], float]:
-    """Return ``reference + u * min(1, C / ||u||)`` for ``u = state - reference``, and ``||u||``.
-
-    The norm is over every floating tensor together (float32); integer tensors take the
-    reference's values (a node's batch counter would tell its data's size).
-
-    Parameters
-    ----------
-    state, reference : dict of str to torch.Tensor
-        A node's model and the round's, with the same keys and shapes.
-    clip : float
-        ``C`` > 0.
-    """
-    updates = {k: state[k].detach().to(torch.float32) - v.to(torch.float32)
-               for k, v in reference.items() if v.is_floating_point()}
-    norm = math.sqrt(sum(float(u.square().sum()) for u in updates.values()))
-    scale = min(1.0, clip / norm) if norm > 0 else 1.0
-    out = {}
-    for key, ref in reference.items():
-        if key in updates:
-            out[key] = (ref.to(torch.float32) + scale * updates[key]).to(ref.dtype)
-        else:
-            out[key] = ref
-    return out, norm
 
 
 def add_noise(state: dict[str, torch.Tensor], std: float,
@@ -120,6 +97,9 @@ class NodeLevelDP:
         The delta epsilon is reported at.
     budget : float or None
         ``--dp-epsilon``: no round starts whose release would take epsilon above it.
+    clip_on : str
+        ``coordinator``, or ``node``: each node clips its own update before it sends it
+        (the coordinator clips again, which changes nothing it received clipped).
     """
 
     clip: float
@@ -128,6 +108,7 @@ class NodeLevelDP:
     sampled: bool
     delta: float
     budget: float | None = None
+    clip_on: str = "coordinator"
     _history: list[int] = field(default_factory=list, repr=False)
     _round_sample: int = 0
     _noised: bool = False
@@ -178,6 +159,19 @@ class NodeLevelDP:
         if self._noised:
             return clipped, 1.0
         return add_noise(clipped, self.noise * self.clip, self._generator), 1.0
+
+    def noised_mean(self, mean: dict[str, torch.Tensor], used: int
+                    ) -> tuple[dict[str, torch.Tensor], float]:
+        """Return a secure sum's mean of ``used`` clipped updates as the merge takes it.
+
+        Secure aggregation reveals only ``w + sum_k clip(u_k) / used`` (the nodes clipped
+        their own updates, ``--dp-clip-on node``); the round's noise, of standard deviation
+        ``z C`` on the sum, is ``z C / used`` on that mean, which then weighs ``used``:
+        with :meth:`fill`'s zero updates the merge is ``w + (sum_k clip(u_k) + N(0, z^2
+        C^2)) / m``, as without secure aggregation.
+        """
+        return add_noise(mean, self.noise * self.clip / max(used, 1), self._generator), \
+            float(used)
 
     @property
     def round_sample(self) -> int:
@@ -243,7 +237,8 @@ class NodeLevelDP:
         relation = ("replace one node, sampled without replacement" if self.sampled
                     else "add or remove one node, no sampling amplification")
         return {"level": "node", "epsilon": self.epsilon, "delta": self.delta,
-                "noise_multiplier": self.noise, "clip": self.clip, "rounds": self.releases,
+                "noise_multiplier": self.noise, "clip": self.clip, "clip_on": self.clip_on,
+                "rounds": self.releases,
                 "accounting": f"RDP (Flower's accountant over dp-accounting), {relation}",
                 **({"budget": self.budget} if self.budget is not None else {})}
 
@@ -444,6 +439,7 @@ def for_run(config) -> NodeLevelDP | RecordLevelDP | None:
                              delta=m.dp_delta if m.dp_delta is not None else DEFAULT_DELTA)
     return NodeLevelDP(clip=float(m.dp_clip), noise=float(m.dp_noise), num_nodes=m.num_nodes,
                        sampled=config.nodes_per_round < m.num_nodes, budget=m.dp_epsilon,
+                       clip_on=m.dp_clip_on,
                        delta=m.dp_delta if m.dp_delta is not None else default_delta(m.num_nodes))
 
 

@@ -584,7 +584,10 @@ def test_cpus_per_node_out_of_range_is_one_line(invoke, value):
     (["--secure-aggregation", "--secagg-max-weight", "100"],
      "--secagg-max-weight 100 is below the largest partition (719 samples)"),
     (["--secure-aggregation", "--dp-noise", "1", "--dp-clip", "1"],
-     "--dp-noise with --secure-aggregation: node-level DP clips each node's update"),
+     "--dp-noise with --secure-aggregation: node-level DP clipped on the coordinator needs "
+     "each node's update, which --secure-aggregation hides: give --dp-clip-on node"),
+    (["--dp-clip-on", "node"], "--dp-clip-on node has the nodes clip node-level DP's updates"),
+    (["--dp-clip-on", "edge"], "--dp-clip-on must be one of coordinator, node"),
 ])
 def test_privacy_and_downlink_settings_are_checked_in_one_line(invoke, args, expected):
     code, stderr = invoke("simulate", "--num-nodes", "2", "--rounds", "2", *args)

@@ -201,3 +201,24 @@ def test_weights_without_encoded_entries_are_read_as_they_are():
     state = {"w": torch.ones(2048)}
     assert compression.decode_weights(state, state) is state
     assert compression.rebase(state, {}) is state
+
+
+def test_a_node_clipping_its_own_update_sends_it_clipped_and_weighs_one(task_identity):
+    """--dp-clip-on node: the reply is start + clip(trained - start), num-examples 1."""
+    g = np.random.default_rng(0)
+    x, y = g.random((12, 1, 8, 8), dtype=np.float32), g.integers(0, 3, 12).astype(np.int64)
+    model = build_model("mlp", (1, 8, 8), 3)
+    start = model.state_dict()
+    plain = run_train(_message(model, 1), x, y, "cpu", 0)
+    trained = plain.content.array_records[keys.ARRAYS].to_torch_state_dict()
+    norm = strategies.update_norm(start, trained)
+    clip = norm / 4
+    reply = run_train(_message(model, 1, dp_noise=1.0, dp_clip=clip, dp_clip_on="node"),
+                      x, y, "cpu", 0)
+    sent = reply.content.array_records[keys.ARRAYS].to_torch_state_dict()
+    assert strategies.update_norm(start, sent) == pytest.approx(clip, rel=1e-4)
+    for key in start:  # the same direction, a quarter of the length
+        assert torch.allclose(sent[key] - start[key], (trained[key] - start[key]) / 4,
+                              atol=1e-6), key
+    assert reply.content.metric_records[keys.METRICS][keys.NUM_EXAMPLES] == 1
+    assert plain.content.metric_records[keys.METRICS][keys.NUM_EXAMPLES] == 12

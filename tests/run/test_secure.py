@@ -106,13 +106,13 @@ class LoopbackGrid:
         return out
 
 
-def _run_round(grid, **merge):
+def _run_round(grid, dp=None, **merge):
     reference = _reference()
     left_out = []
     adapter = FlowerAdapter(strategies.get("fedavg"), reference,
                             lambda r, node, why: left_out.append((node, why)),
                             fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=3,
-                            min_evaluate_nodes=0)
+                            min_evaluate_nodes=0, dp=dp)
     config = RunConfig.from_flat({"secure-aggregation": True, "num-nodes": 3, **merge})
     streaming = StreamingGrid(grid, poll_s=0.01, node_check_s=0.0,
                               on_lost=lambda node: left_out.append((node, "lost")))
@@ -260,3 +260,41 @@ def test_strategies_that_need_only_the_weighted_mean_take_it():
     assert not {"scaffold", "fednova", "uniform-soup", "krum", "ties"} & set(secure)
     for name in ("fedavg", "fedavgm", "fedadam", "diloco"):
         RunConfig.from_flat({"secure-aggregation": True, "strategy": name}).validate()
+
+
+def test_node_level_dp_clipped_on_the_nodes_merges_their_clipped_mean_weighing_each_one(
+        task_identity):
+    """--dp-clip-on node under SecAgg+: each node clips its own update and weighs 1.
+
+    The updates' norms are about 0.7; clipped to 0.35 each is about halved. The merge is
+    ``w + sum_k clip(u_k) / 3`` whatever the nodes' samples (300, 500, 200), plus the
+    round's noise (here z = 1e-6, far below the figures checked), to SecAgg+'s step at a
+    weight of 1 (``--secagg-max-weight`` taken as 1: 16 / 2**22).
+    """
+    from fedavg.node.clientapp import clipped_on_node
+    from fedavg.run.privacy import NodeLevelDP
+
+    updates = _updates()
+    app = ClientApp(mods=[node_mod(require=True)])
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        received = message.content[keys.ARRAYS].to_torch_state_dict()
+        trained = {k: v + updates[message.metadata.dst_node_id][k] for k, v in received.items()}
+        metrics = MetricRecord({keys.NUM_EXAMPLES: 1, keys.TRAIN_LOSS: 0.5})
+        return Message(RecordDict({keys.ARRAYS: ArrayRecord(clipped_on_node(
+            trained, received, 0.35)), keys.METRICS: metrics}), reply_to=message)
+
+    dp = NodeLevelDP(clip=0.35, noise=1e-6, num_nodes=3, sampled=False, delta=1e-5,
+                     clip_on="node")
+    reference, merged, adapter, left_out = _run_round(
+        LoopbackGrid(app), dp=dp, **{"dp-noise": 1e-6, "dp-clip": 0.35, "dp-clip-on": "node"})
+    clipped = {n: strategies.clip_update({k: reference[k] + u[k] for k in u}, reference,
+                                         0.35)[0] for n, u in updates.items()}
+    for k in ("w", "b"):
+        expected = sum(clipped[n][k].double() for n in SAMPLES) / 3
+        assert torch.allclose(merged[k].double(), expected, atol=1e-4), k
+        weighted = _expected(reference, updates, SAMPLES)[k]
+        assert not torch.allclose(merged[k].double(), weighted, atol=1e-3)  # not by samples
+    assert merged["steps"].item() == 7  # an integer buffer keeps the round's value
+    assert left_out == [] and adapter.last_train["epsilon"] > 0

@@ -313,7 +313,9 @@ def _prepare_and_run(config: RunConfig, ckpt, output, backend: dict[str, Any], c
     """Prepare the data, make the run folder, run the rounds and finish the run."""
     prepared = run.prepare(config)
     largest = max((len(p) for p in prepared.parts), default=0)
-    if config.merge.secure_aggregation and largest > config.merge.secagg_max_weight:
+    weighs_one = config.merge.dp_clip_on == "node" and config.merge.dp_noise > 0
+    if config.merge.secure_aggregation and not weighs_one and \
+            largest > config.merge.secagg_max_weight:
         raise UserError(f"--secagg-max-weight {config.merge.secagg_max_weight:g} is below the "
                         f"largest partition ({largest} samples): SecAgg+ weighs a node by its "
                         f"samples up to it, so that node would drop out; give "
