@@ -1034,14 +1034,8 @@ def test_lora_adapters_across_machines_over_tls(cluster, certs, tmp_path):
         hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
         image_size=16, patch_size=4, num_channels=3)).save_pretrained(folder)
     out = tmp_path / "run"
-    coord = cluster.coordinator("--rounds", "2", "--min-nodes", "2", "--certs", certs,
-                                "--model", f"hf:{folder}", "--lora-rank", "2", "--lr", "0.1",
-                                "--output", out)
-    nodes = [cluster.node(f"node{i}", "--certs", certs, "--partition-id", i,
-                          "--num-partitions", 2, "--once") for i in range(2)]
-    assert cluster.wait(coord) == 0, cluster.log("coordinator")
-    for n in nodes:
-        assert cluster.wait(n, 60) == 0, cluster.log(n.name)
+    two_rounds_on_two_nodes(cluster, certs, out, "--model", f"hf:{folder}", "--lora-rank", "2",
+                            "--lr", "0.1")
     assert "(TLS)" in cluster.log("coordinator")
     meta = json.loads((out / "model.json").read_text())
     assert meta["model"]["lora"]["targets"] in (["query", "value"], ["q_proj", "v_proj"])
@@ -1458,17 +1452,23 @@ def test_text_across_machines_and_a_node_with_images(cluster, tmp_path):
         assert cluster.wait(n, 60) == 0, cluster.log(n.name)
 
 
-@pytest.mark.e2e
-def test_compressed_updates_across_machines(cluster, certs, tmp_path):
-    """--compress int8 across machines: the coordinator receives a quarter of the bytes."""
-    out = tmp_path / "run"
+
+def two_rounds_on_two_nodes(cluster, certs, out, *options):
+    """Run a coordinator (2 rounds, TLS, ``options``) and two --once nodes; all exit 0."""
     coord = cluster.coordinator("--rounds", "2", "--min-nodes", "2", "--certs", certs,
-                                "--compress", "int8", "--output", out)
+                                *options, "--output", out)
     nodes = [cluster.node(f"node{i}", "--certs", certs, "--partition-id", i,
                           "--num-partitions", 2, "--once") for i in range(2)]
     assert cluster.wait(coord) == 0, cluster.log("coordinator")
     for n in nodes:
         assert cluster.wait(n, 60) == 0, cluster.log(n.name)
+
+
+@pytest.mark.e2e
+def test_compressed_updates_across_machines(cluster, certs, tmp_path):
+    """--compress int8 across machines: the coordinator receives a quarter of the bytes."""
+    out = tmp_path / "run"
+    two_rounds_on_two_nodes(cluster, certs, out, "--compress", "int8")
     rounds = rounds_of(out)
     assert [r["num_nodes"] for r in rounds] == [2, 2]
     for r in rounds:  # down: the model whole; up: int8 updates (the biases as they are)
@@ -1484,14 +1484,8 @@ def test_private_rounds_with_a_quantised_downlink_across_machines(cluster, certs
     send back whole.
     """
     out = tmp_path / "run"
-    coord = cluster.coordinator("--rounds", "2", "--min-nodes", "2", "--certs", certs,
-                                "--dp-noise", "0.5", "--dp-clip", "5", "--compress-down",
-                                "int8", "--output", out)
-    nodes = [cluster.node(f"node{i}", "--certs", certs, "--partition-id", i,
-                          "--num-partitions", 2, "--once") for i in range(2)]
-    assert cluster.wait(coord) == 0, cluster.log("coordinator")
-    for n in nodes:
-        assert cluster.wait(n, 60) == 0, cluster.log(n.name)
+    two_rounds_on_two_nodes(cluster, certs, out, "--dp-noise", "0.5", "--dp-clip", "5",
+                            "--compress-down", "int8")
     rounds = rounds_of(out)
     assert [r["num_nodes"] for r in rounds] == [2, 2]
     for r in rounds:  # down: int8 weights (the biases as they are); up: the models whole
@@ -1514,13 +1508,7 @@ def test_dp_sgd_nodes_across_machines_are_accounted_by_partition(cluster, certs,
     from fedavg.run.privacy import record_epsilon
 
     out = tmp_path / "run"
-    coord = cluster.coordinator("--rounds", "2", "--min-nodes", "2", "--certs", certs,
-                                "--dp-sgd", "--dp-noise", "1", "--output", out)
-    nodes = [cluster.node(f"node{i}", "--certs", certs, "--partition-id", i,
-                          "--num-partitions", 2, "--once") for i in range(2)]
-    assert cluster.wait(coord) == 0, cluster.log("coordinator")
-    for n in nodes:
-        assert cluster.wait(n, 60) == 0, cluster.log(n.name)
+    two_rounds_on_two_nodes(cluster, certs, out, "--dp-sgd", "--dp-noise", "1")
     rounds = rounds_of(out)
     assert [r["dp_steps"] for r in rounds] == [{"0": [1 / 23, 23], "1": [1 / 23, 23]}] * 2
     assert [r["epsilon"] for r in rounds] == pytest.approx(
