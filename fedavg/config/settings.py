@@ -318,6 +318,10 @@ class ModelChoice:
         (:func:`fedavg.models.lora.default_targets`).
     lora_merge : str
         ``exact`` or ``average`` (:data:`LORA_MERGES`).
+    group_norm : bool
+        Replace the model's BatchNorm layers by GroupNorm (``min(32, C)`` groups, Opacus's
+        replacement): a model DP-SGD (``--dp-sgd``) can train, as BatchNorm has no
+        per-sample gradient.
     """
 
     model: str = setting("auto", "Model (see `fedavg models`): a name, torchvision:NAME, "
@@ -337,6 +341,8 @@ class ModelChoice:
                                        "attention query,value; else by architecture)")
     lora_merge: str = setting("exact", "exact (average of the nodes' B A products) | average "
                               "(A and B averaged apart)", rule=one_of(LORA_MERGES))
+    group_norm: bool = setting(False, "Replace the model's BatchNorm layers by GroupNorm "
+                               "(min(32, channels) groups), e.g. for --dp-sgd")
 
     def __post_init__(self) -> None:
         old = str(self.pretrained).lower()  # the flag of older configs and scripts

@@ -12,6 +12,7 @@ Builder arguments (``--model-arg``) are checked against the builder's signature 
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -301,6 +302,31 @@ class EnsembleModel(nn.Module):
         return torch.log(probs.clamp_min(1e-12))
 
 
+def with_group_norm(model: nn.Module) -> nn.Module:
+    """Return ``model`` with every BatchNorm layer replaced by GroupNorm.
+
+    Opacus's ``ModuleValidator.fix``: ``GroupNorm(min(32, C), C)`` with fresh affine
+    weights (1 and 0) for a BatchNorm of ``C`` channels; the other layers are kept, weights
+    included. Notes what it replaced on ``model.fedavg_notes``.
+    """
+    from opacus.validators import ModuleValidator
+
+    count = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if not count:
+        return model
+    notes = list(getattr(model, "fedavg_notes", []))
+    opacus_log = logging.getLogger("opacus.validators.batch_norm")
+    level = opacus_log.level
+    opacus_log.setLevel(logging.WARNING)  # its note on each replaced layer
+    try:
+        fixed = ModuleValidator.fix(model)
+    finally:
+        opacus_log.setLevel(level)
+    fixed.fedavg_notes = notes + [f"--group-norm: {count} BatchNorm layer(s) replaced by "
+                                  "GroupNorm (min(32, channels) groups)"]
+    return fixed
+
+
 @dataclass
 class ModelSpec:
     """How to rebuild the model: registry name, builder args, input shape, classes.
@@ -325,6 +351,9 @@ class ModelSpec:
     lora : LoraSpec or None
         LoRA adapters on the frozen pretrained model (:mod:`fedavg.models.lora`): every copy
         loads the pretrained base and only the adapters, head and buffers travel.
+    group_norm : bool
+        Every BatchNorm layer replaced by GroupNorm of ``min(32, C)`` groups (Opacus's
+        ``ModuleValidator.fix``), as built: a model DP-SGD can train.
     """
 
     name: str
@@ -333,17 +362,19 @@ class ModelSpec:
     args: dict[str, Any] = field(default_factory=dict)
     pretrained: str | None = None
     lora: LoraSpec | None = None
+    group_norm: bool = False
 
     @classmethod
     def resolve(cls, name: str, input_shape: tuple[int, ...], num_classes: int,
                 args: dict[str, Any] | None = None, *, pretrained: str | None = None,
-                kind: str | None = None, lora: dict[str, Any] | None = None) -> "ModelSpec":
+                kind: str | None = None, lora: dict[str, Any] | None = None,
+                group_norm: bool = False) -> "ModelSpec":
         """Return the spec of model ``name`` (``auto`` resolved, what rebuilding needs added).
 
         ``kind`` is the data's (:data:`INPUT_KINDS`): a registered model must take it.
         ``lora``: ``rank``, ``alpha``, ``dropout``, ``targets`` and ``merge`` of LoRA
         adapters (:class:`~fedavg.models.lora.LoraSpec`; head and default targets are found
-        when the model is first built, :meth:`build`).
+        when the model is first built, :meth:`build`). ``group_norm``: see the class.
 
         Raises
         ------
@@ -373,7 +404,10 @@ class ModelSpec:
                                 "weights=random), an hf: folder with model.safetensors, or a "
                                 "torchvision model with --pretrained PATH")
             spec = LoraSpec.from_dict({**lora, "base_sha256": sha})
-        return cls(name, shape, int(num_classes), args, pretrained, spec)
+        if group_norm and spec is not None:
+            raise UserError("--group-norm with --lora-rank: the adapted base is the pretrained "
+                            "model as it is; leave one out")
+        return cls(name, shape, int(num_classes), args, pretrained, spec, bool(group_norm))
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> "ModelSpec":
@@ -381,12 +415,15 @@ class ModelSpec:
         lora = spec.get("lora")
         return cls(spec["name"], tuple(spec["input_shape"]), int(spec["num_classes"]),
                    dict(spec.get("args", {})), spec.get("pretrained") if lora else None,
-                   lora=None if lora is None else LoraSpec.from_dict(lora))
+                   lora=None if lora is None else LoraSpec.from_dict(lora),
+                   group_norm=spec.get("group_norm") is True)
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain dict for JSON and the wire (``lora`` only with adapters)."""
+        """Plain dict for JSON and the wire (``lora`` only with adapters, ``group_norm`` set)."""
         out = {"name": self.name, "input_shape": list(self.input_shape),
                "num_classes": self.num_classes, "args": dict(self.args)}
+        if self.group_norm:
+            out["group_norm"] = True
         if self.lora is not None:  # every copy loads the base: where from
             out["lora"] = self.lora.as_dict()
             if self.pretrained is not None:
@@ -406,8 +443,9 @@ class ModelSpec:
             See :func:`build_model`; a base whose weights differ from the run's.
         """
         if self.lora is None:
-            return make_model(self.name, self.input_shape, self.num_classes, self.args,
-                              initial=initial, pretrained=self.pretrained)
+            model = make_model(self.name, self.input_shape, self.num_classes, self.args,
+                               initial=initial, pretrained=self.pretrained)
+            return with_group_norm(model) if self.group_norm else model
         own = base_sha256(self.name, self.pretrained)
         if self.lora.base_sha256 and own is None:
             raise UserError(f"model {self.name}: the run's pretrained weights (SHA-256 "

@@ -76,8 +76,8 @@ def unsupported_layer(model: nn.Module) -> str | None:
         trains = any(p.requires_grad for p in module.parameters(recurse=False))
         if check is not None and trains and check(module):
             return (f"layer {name!r} ({type(module).__name__}) has no per-sample gradient: "
-                    "DP-SGD needs a model without BatchNorm (GroupNorm or LayerNorm train "
-                    "privately); pick another --model")
+                    "DP-SGD needs a model without BatchNorm: give --group-norm (GroupNorm "
+                    "instead), or pick another --model")
     return None
 
 
@@ -97,6 +97,11 @@ class PrivateTraining:
         ``z``, the noise multiplier.
     max_grad_norm : float
         ``C``, each sample's gradient clip.
+    probe : torch.Tensor, optional
+        A normalised batch of two inputs: per-sample gradients are taken with Opacus's
+        hooks, unless a forward and backward pass of it fails on an in-place operation on a
+        hooked layer's output (a ResNet's ``out += identity``); then with torch's expanded
+        weights (Opacus's ``ew`` mode), which need no hooks.
 
     Raises
     ------
@@ -110,21 +115,49 @@ class PrivateTraining:
     batch_size: int
     noise: float
     max_grad_norm: float
+    probe: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        from opacus import GradSampleModule
         from opacus.optimizers import DPOptimizer
 
         if problem := unsupported_layer(self.model):
             raise UserError(problem)
+        for module in self.model.modules():  # Opacus's backward hooks take no in-place ops
+            if getattr(module, "inplace", False) is True:
+                module.inplace = False
         self.q = sample_rate(self.num_samples, self.batch_size)
         generator = torch.Generator().manual_seed(secrets.randbits(63))
         with _quiet():
-            self.module = GradSampleModule(self.model, loss_reduction="mean")
+            self.module = self._per_sample_module()
             self.private_optimizer = DPOptimizer(
                 self.optimizer, noise_multiplier=self.noise, max_grad_norm=self.max_grad_norm,
                 expected_batch_size=max(1, round(self.num_samples * self.q)),
                 loss_reduction="mean", generator=generator)
+
+    def _per_sample_module(self) -> nn.Module:
+        """Wrap the model for per-sample gradients: Opacus's hooks, else expanded weights."""
+        from opacus.grad_sample import get_gsm_class
+
+        hooked = get_gsm_class("hooks")(self.model, loss_reduction="mean")
+        if self.probe is None:
+            return hooked
+        try:
+            with quiet_hooks(self):
+                hooked(self.probe).sum().backward()
+        except RuntimeError as exc:
+            if "BackwardHookFunction" not in str(exc):
+                raise
+            hooked.cleanup()
+            self._clear()
+            return get_gsm_class("ew")(self.model, loss_reduction="mean")
+        self._clear()
+        return hooked
+
+    def _clear(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+            if hasattr(p, "grad_sample"):
+                p.grad_sample = None
 
     def batches(self, local_epochs: int, local_steps: int,
                 generator: torch.Generator) -> Iterator[torch.Tensor]:

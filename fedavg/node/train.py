@@ -146,7 +146,8 @@ def train(
     g = torch.Generator().manual_seed(seed)
     extras = _extras(model, yt, proximal_mu, rule, local.sam_rho, local.logit_adjust)
     private = PrivateTraining(model, opt, len(yt), local.batch_size, dp_noise,
-                              local.dp_max_grad_norm) if local.dp_sgd else None
+                              local.dp_max_grad_norm,
+                              normalize(xt[:2].to(device), input_spec)) if local.dp_sgd else None
     net, step_opt = (model, opt) if private is None else (private.module,
                                                           private.private_optimizer)
     smallest = 2 if _batchnorms(model) else 1  # BatchNorm cannot train on one sample

@@ -252,7 +252,8 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
         spec = ModelSpec.resolve(t.model, data.input_shape, len(data.classes),
                                  {**t.model_args, **text_model_args(data)},
                                  pretrained=t.pretrained, kind=data.kind,
-                                 lora=_lora_settings(t, strategy, data.notes))
+                                 lora=_lora_settings(t, strategy, data.notes),
+                                 group_norm=t.group_norm)
         # fail early on shapes the model cannot take; say how its inputs are adapted
         built = spec.build()
         # lazy: loads torch, which only this path needs

@@ -112,3 +112,50 @@ def test_train_reports_the_rate_and_steps_and_leaves_the_model_as_it_was_built()
     assert not model[1]._forward_hooks and not model[1]._backward_hooks
     plain = train(model, x, y, SPEC, LocalTraining(batch_size=30))
     assert "dp_sample_rate" not in plain and plain["steps"] == 3
+
+
+class _Residual(nn.Module):
+    """A ResNet block's shape: a norm layer's output added to in place (``out += x``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 1, 3, padding=1)
+        self.norm = nn.GroupNorm(1, 1)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        out = self.norm(self.conv(x))
+        out += x
+        return self.head(out.flatten(1))
+
+
+def test_an_in_place_residual_add_falls_back_to_expanded_weights_and_trains():
+    model = _Residual()
+    x = torch.randn(6, 1, 8, 8)
+    hooked = _private(model, 6, 6, 0.0, 1e6)  # no probe: Opacus's hooks, which fail here
+    with pytest.raises(RuntimeError, match="BackwardHookFunction"):
+        hooked.module(x).sum().backward()
+    hooked.close()
+    before = model.head.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.0)
+    private = dp_sgd.PrivateTraining(model, opt, 6, 6, 0.0, 1e6, probe=x[:2])
+    private.module(x).sum().backward()
+    assert model.head.weight.grad_sample.shape == (6, 10, 64)  # per sample
+    private.private_optimizer.step()
+    private.close()
+    assert not torch.equal(model.head.weight, before)
+
+
+def test_group_norm_replaces_batchnorm_in_the_spec_every_copy_builds():
+    from fedavg.models.registry import ModelSpec
+
+    spec = ModelSpec.resolve("resnet18", (3, 32, 32), 10, group_norm=True)
+    model = spec.build()
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    assert sum(isinstance(m, nn.GroupNorm) for m in model.modules()) == 20
+    assert dp_sgd.unsupported_layer(model) is None
+    assert any("20 BatchNorm layer(s) replaced by GroupNorm" in n for n in spec.check(model))
+    again = ModelSpec.from_dict(spec.as_dict())  # as model.json and the wire carry it
+    assert again.group_norm and again.build().state_dict().keys() == model.state_dict().keys()
+    plain = ModelSpec.resolve("resnet18", (3, 32, 32), 10)
+    assert "group_norm" not in plain.as_dict() and dp_sgd.unsupported_layer(plain.build())
