@@ -202,7 +202,7 @@ def check_dp_sgd(c: RunConfig, cls) -> str | None:
 #: Settings that need each node's update on the coordinator, refused with secure aggregation.
 _NEEDS_EACH_UPDATE = (
     ("dp_noise", "node-level DP clipped on the coordinator needs each node's update, which "
-                 "--secure-aggregation hides: give --dp-clip-on node (the nodes clip) or"),
+                 "--secure-aggregation hides: give --dp-clip-on node (the nodes clip), or"),
     ("max_update_norm", "it measures each node's update, which --secure-aggregation hides"),
     ("save_node_models", "it saves each node's model, which --secure-aggregation hides"),
     ("compress_down", "SecAgg+ sends the round's weights as they are"),
@@ -227,7 +227,8 @@ def check_secure_aggregation(c: RunConfig, cls) -> str | None:
         if name == "dp_noise" and (t.dp_sgd or m.dp_clip_on == "node"):
             continue  # DP-SGD, or node-level DP clipped on the nodes: private before masked
         if getattr(m, name) not in (None, False, 0, 0.0, "none"):
-            return f"--{name.replace('_', '-')} with --secure-aggregation: {why}; leave one out"
+            return (f"--{name.replace('_', '-')} with --secure-aggregation: {why}; leave one "
+                    "of them out")
     if t.compress != "none":
         return ("--compress with --secure-aggregation: SecAgg+ quantises and masks the update "
                 "itself; leave --compress out")
@@ -236,7 +237,13 @@ def check_secure_aggregation(c: RunConfig, cls) -> str | None:
                 "they send; use --lora-merge average with --secure-aggregation")
     if c.nodes_per_round < 2:
         return (f"--secure-aggregation needs at least 2 nodes per round (got "
-                f"{c.nodes_per_round}): raise --num-nodes or --fraction")
+                f"{c.nodes_per_round}): raise --num-nodes (fedavg coordinator: --min-nodes) "
+                "or --fraction")
+    most = m.secagg_modulus_range / m.secagg_quantization_range
+    if m.secagg_num_shares > 1 and m.secagg_num_shares > most:  # Flower only warns
+        return (f"--secagg-num-shares {m.secagg_num_shares:g} is above --secagg-modulus-range "
+                f"/ --secagg-quantization-range ({most:g}): the masked sum could overflow; "
+                "give fewer shares (or a share of the nodes, at most 1)")
     try:
         secagg_workflow(m)
     except ValueError as exc:

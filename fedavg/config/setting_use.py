@@ -88,10 +88,19 @@ def unused_merge_notes(merge_config) -> list[str]:
     """Say which round settings, given, do nothing with the others (noted, not refused).
 
     ``merge_config`` is a :class:`fedavg.config.settings.MergeConfig`: ``--dp-clip`` acts only
-    with ``--dp-noise`` (node-level DP clips and adds noise together). A sweep may vary
-    ``dp-noise`` over 0 with one ``dp-clip``.
+    with ``--dp-noise`` (node-level DP clips and adds noise together), SecAgg+'s values
+    (``--secagg-*``) only with ``--secure-aggregation``. A sweep may vary ``dp-noise`` over 0
+    with one ``dp-clip``, or secure aggregation on and off with one set of values.
     """
+    notes = []
     if merge_config.dp_clip is not None and not merge_config.dp_noise > 0:
-        return [f"--dp-clip {merge_config.dp_clip:g} does nothing without --dp-noise z "
-                "(node-level DP clips the updates and adds noise together)"]
-    return []
+        notes.append(f"--dp-clip {merge_config.dp_clip:g} does nothing without --dp-noise z "
+                     "(node-level DP clips the updates and adds noise together)")
+    if not merge_config.secure_aggregation:
+        default = type(merge_config)()
+        given = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(merge_config)
+                 if f.name.startswith("secagg_")
+                 and getattr(merge_config, f.name) != getattr(default, f.name)]
+        if given:
+            notes.append(f"{', '.join(given)} do(es) nothing without --secure-aggregation")
+    return notes

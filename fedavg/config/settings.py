@@ -498,10 +498,11 @@ class MergeConfig:
                                        "Flower's SecAgg+: the coordinator never sees one "
                                        "node's update")
     secagg_num_shares: float = setting(3.0, "SecAgg+: shares of each node's secret, a count "
-                                       "(> 2) or a share of the round's nodes (<= 1)")
+                                       "(> 2) or a share of the round's nodes (<= 1)",
+                                       rule=positive())
     secagg_reconstruction_threshold: float = setting(
         2.0, "SecAgg+: shares that rebuild a secret, a count or a share of --secagg-num-shares "
-        "(<= 1); lower tolerates more dropouts")
+        "(<= 1); lower tolerates more dropouts", rule=positive())
     secagg_max_weight: float = setting(1000.0, "SecAgg+: the most samples one node may weigh",
                                        rule=positive())
     secagg_clipping_range: float = setting(8.0, "SecAgg+: update entries times samples / "

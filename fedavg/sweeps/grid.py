@@ -359,12 +359,18 @@ def name_part(value: Any) -> str:
 
 
 def _validate(path: Path, names: list[str], configs: list[RunConfig]) -> None:
-    """Raise one line naming every invalid point, grouped by what is wrong with it."""
+    """Raise one line naming every invalid point, grouped by what is wrong with it.
+
+    A point whose ``--dp-epsilon`` allows no round is invalid too (as the run refuses it).
+    """
+    from fedavg.run import privacy  # lazy: loads torch, which only this path needs
+
     problems: dict[str, list[str]] = {}
     for name, config in zip(names, configs):
         try:
             config.validate()
             config.build_strategy()
+            privacy.within_budget(config)
         except UserError as exc:
             problems.setdefault(str(exc), []).append(name)
     if not problems:

@@ -158,7 +158,8 @@ def merge_models(
         checkpoint.save_merged(out, merged, meta)
         result = _result(config.merge.strategy, len(dirs), merged.info,
                          _skipped(models, dirs) + start_notes
-                         + _seed_notes([m for _, m in loaded], merged.is_ensemble, held))
+                         + _seed_notes([m for _, m in loaded], merged.is_ensemble, held)
+                         + _privacy_notes(dirs, [m for _, m in loaded]))
         if held is not None:
             ev = score(load_model(out, model=model), held, device=config.train.device)
             notes = {"notes": result.get("notes", []) + ev["notes"]} if ev["notes"] else {}
@@ -199,6 +200,17 @@ def _skipped(models: Sequence[str | Path], dirs: list[Path]) -> list[str]:
              if sub.is_dir() and not sub.name.startswith(".") and sub not in dirs]
     return [f"left out {len(empty)} folder(s) without a model.safetensors: "
             f"{', '.join(map(str, empty[:5]))}{' ...' * (len(empty) > 5)}"] if empty else []
+
+
+def _privacy_notes(dirs: list[Path], metas: list[dict[str, Any]]) -> list[str]:
+    """Say that a merge of differentially private models states no epsilon of its own."""
+    private = [str(d) for d, m in zip(dirs, metas) if isinstance(m.get("privacy"), dict)]
+    if not private:
+        return []
+    return [f"{len(private)} of the {len(dirs)} models were trained with differential "
+            f"privacy ({', '.join(private[:3])}{', ...' if len(private) > 3 else ''}); the "
+            "merged model.json states no epsilon: models that trained on the same data add "
+            "their epsilons, and one without DP has none"]
 
 
 def _seed_notes(metas: list[dict[str, Any]], ensemble: bool, held) -> list[str]:
@@ -350,7 +362,9 @@ def _input_difference(a: dict[str, Any], b: dict[str, Any],
 
 
 #: What a merged model's ``model.json`` does not take over from its first model's.
-_NOT_INHERITED = ("format", "kind", "node", "metrics", "member_weights", "members")
+#: ``privacy``: a merge of models has no guarantee of its own (its inputs may have none, or
+#: have trained on the same data, whose epsilons would add): :func:`_privacy_notes` says so.
+_NOT_INHERITED = ("format", "kind", "node", "metrics", "member_weights", "members", "privacy")
 
 
 def _merge_data(config: RunConfig, strategy, first: dict[str, Any], folder: Path):

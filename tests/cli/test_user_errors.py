@@ -587,6 +587,11 @@ def test_cpus_per_node_out_of_range_is_one_line(invoke, value):
      "--dp-noise with --secure-aggregation: node-level DP clipped on the coordinator needs "
      "each node's update, which --secure-aggregation hides: give --dp-clip-on node"),
     (["--dp-clip-on", "node"], "--dp-clip-on node has the nodes clip node-level DP's updates"),
+    (["--secure-aggregation", "--secagg-num-shares", "1e300"],
+     "--secagg-num-shares 1e+300 is above --secagg-modulus-range / "
+     "--secagg-quantization-range (1024)"),
+    (["--secure-aggregation", "--secagg-num-shares", "nan"],
+     "--secagg-num-shares must be > 0 and finite"),
     (["--dp-clip-on", "edge"], "--dp-clip-on must be one of coordinator, node"),
 ])
 def test_privacy_and_downlink_settings_are_checked_in_one_line(invoke, args, expected):

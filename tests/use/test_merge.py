@@ -638,3 +638,21 @@ def test_a_merge_on_a_full_disk_says_merge_failed_and_leaves_no_folder(tmp_path,
     assert f"merge failed: cannot write {out / 'model.safetensors'}: No space left on device" \
         in " ".join(res.output.split())
     assert not out.exists()
+
+
+def test_a_merge_of_private_models_states_no_epsilon_and_says_why(tmp_path):
+    meta = _meta()
+    private = {"level": "record", "epsilon": 3.6, "delta": 1e-5}
+    dirs = []
+    for i, extra in enumerate(({"privacy": private}, {}, {})):  # DP first: copied before
+        torch.manual_seed(i)
+        dirs.append(tmp_path / f"m{i}")
+        checkpoint.save(dirs[-1], build_model("mlp", (1, 8, 8), 10).state_dict(),
+                        {**meta, **extra, "node": {"num_examples": 10, "partition_id": i}})
+    res = merge_models(dirs[:2], tmp_path / "avg")
+    _, merged = checkpoint.load(tmp_path / "avg")
+    assert "privacy" not in merged
+    assert any("1 of the 2 models were trained with differential privacy" in n
+               and "states no epsilon" in n for n in res["notes"])
+    plain = merge_models(dirs[1:], tmp_path / "plain")
+    assert not any("differential privacy" in n for n in plain.get("notes", []))
