@@ -1496,23 +1496,3 @@ def test_private_rounds_with_a_quantised_downlink_across_machines(cluster, certs
     assert summary["privacy"]["epsilon"] == pytest.approx(rounds[1]["epsilon"])
     assert model["privacy"] == summary["privacy"] and model["privacy"]["rounds"] == 2
     assert "node-level DP" in cluster.log("coordinator")
-
-
-@pytest.mark.e2e
-def test_dp_sgd_nodes_across_machines_are_accounted_by_partition(cluster, certs, tmp_path):
-    """--dp-sgd across machines: each node trains by DP-SGD and reports its steps.
-
-    The coordinator accounts them by the nodes' partitions (digits, 2 nodes of 719 samples:
-    q = 1/23, 23 steps a round) and reports the largest node's epsilon.
-    """
-    from fedavg.run.privacy import record_epsilon
-
-    out = tmp_path / "run"
-    two_rounds_on_two_nodes(cluster, certs, out, "--dp-sgd", "--dp-noise", "1")
-    rounds = rounds_of(out)
-    assert [r["dp_steps"] for r in rounds] == [{"0": [1 / 23, 23], "1": [1 / 23, 23]}] * 2
-    assert [r["epsilon"] for r in rounds] == pytest.approx(
-        [record_epsilon(1.0, [(1 / 23, 23 * k)], 1e-5) for k in (1, 2)])
-    model = json.loads((out / "model.json").read_text())
-    assert model["privacy"]["level"] == "record" and model["privacy"]["nodes"] == 2
-    assert "record-level DP (DP-SGD on every node)" in cluster.log("coordinator")
