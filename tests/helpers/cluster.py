@@ -82,6 +82,12 @@ class Cluster:
             time.sleep(0.5)
         left = cluster_processes(self.tag)
         assert not left, f"processes left alive: {left}"
+        # a node or coordinator a test killed outright (SIGKILL) left its private folder,
+        # which the next one removes (its lock is free): the test is that next one
+        from fedavg.util.tempdirs import remove_abandoned
+
+        for prefix in ("fedavg-node-", "fedavg-coordinator-"):
+            remove_abandoned(prefix)
 
 
 def rounds_of(out):
