@@ -98,7 +98,8 @@ class PrivateTraining:
     max_grad_norm : float
         ``C``, each sample's gradient clip.
     probe : torch.Tensor, optional
-        A normalised batch of two inputs: per-sample gradients are taken with Opacus's
+        A normalised batch of two inputs made of zeros (none of the node's samples, whose
+        gradients this pass must not touch): per-sample gradients are taken with Opacus's
         hooks, unless a forward and backward pass of it fails on an in-place operation on a
         hooked layer's output (a ResNet's ``out += identity``); then with torch's expanded
         weights (Opacus's ``ew`` mode), which need no hooks.

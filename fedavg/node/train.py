@@ -145,9 +145,10 @@ def train(
     aug = augmenter(input_spec) if local.augment else None
     g = torch.Generator().manual_seed(seed)
     extras = _extras(model, yt, proximal_mu, rule, local.sam_rho, local.logit_adjust)
+    probe = torch.zeros((2, *xt.shape[1:]), dtype=xt.dtype)  # no sample of the node's
     private = PrivateTraining(model, opt, len(yt), local.batch_size, dp_noise,
                               local.dp_max_grad_norm,
-                              normalize(xt[:2].to(device), input_spec)) if local.dp_sgd else None
+                              normalize(probe.to(device), input_spec)) if local.dp_sgd else None
     net, step_opt = (model, opt) if private is None else (private.module,
                                                           private.private_optimizer)
     smallest = 2 if _batchnorms(model) else 1  # BatchNorm cannot train on one sample
