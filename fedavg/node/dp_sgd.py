@@ -74,10 +74,16 @@ def unsupported_layer(model: nn.Module) -> str | None:
     for name, module in model.named_modules():
         check = ModuleValidator.VALIDATORS.get(type(module))
         trains = any(p.requires_grad for p in module.parameters(recurse=False))
-        if check is not None and trains and check(module):
-            return (f"layer {name!r} ({type(module).__name__}) has no per-sample gradient: "
-                    "DP-SGD needs a model without BatchNorm: give --group-norm (GroupNorm "
-                    "instead), or pick another --model")
+        errors = check(module) if check is not None and trains else []
+        if not errors:
+            continue
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            advice = ("DP-SGD needs a model without BatchNorm: give --group-norm (GroupNorm "
+                      "instead), or pick another --model")
+        else:
+            said = str(errors[0]).splitlines()[0].split(". ")[0][:160]
+            advice = f"Opacus: {said}; pick another --model"
+        return f"layer {name!r} ({type(module).__name__}) has no per-sample gradient: {advice}"
     return None
 
 
@@ -139,26 +145,8 @@ class PrivateTraining:
         """Wrap the model for per-sample gradients: Opacus's hooks, else expanded weights."""
         from opacus.grad_sample import get_gsm_class
 
-        hooked = get_gsm_class("hooks")(self.model, loss_reduction="mean")
-        if self.probe is None:
-            return hooked
-        try:
-            with quiet_hooks(self):
-                hooked(self.probe).sum().backward()
-        except RuntimeError as exc:
-            if "BackwardHookFunction" not in str(exc):
-                raise
-            hooked.cleanup()
-            self._clear()
-            return get_gsm_class("ew")(self.model, loss_reduction="mean")
-        self._clear()
-        return hooked
-
-    def _clear(self) -> None:
-        for p in self.model.parameters():
-            p.grad = None
-            if hasattr(p, "grad_sample"):
-                p.grad_sample = None
+        mode = "hooks" if self.probe is None else per_sample_mode(self.model, self.probe)
+        return get_gsm_class(mode)(self.model, loss_reduction="mean")
 
     def batches(self, local_epochs: int, local_steps: int,
                 generator: torch.Generator) -> Iterator[torch.Tensor]:
@@ -171,6 +159,45 @@ class PrivateTraining:
         self.module.cleanup()
         for p in self.model.parameters():
             p.grad = None
+
+
+def per_sample_mode(model: nn.Module, probe: torch.Tensor, name: str = "") -> str:
+    """Return how Opacus takes ``model``'s per-sample gradients: ``hooks`` or ``ew``.
+
+    A forward and backward pass of ``probe`` (a normalised batch of two inputs made of
+    zeros) with Opacus's hooks, else with torch's expanded weights (a model that adds to a
+    hooked layer's output in place, as a ResNet's ``out += identity``, fails the hooks).
+    The model keeps no gradient of it.
+
+    Raises
+    ------
+    UserError
+        Neither gives per-sample gradients (a layer called without a batch dimension, one
+        Opacus has no rule for ...), naming the model and both errors.
+    """
+    from opacus.grad_sample import get_gsm_class
+
+    errors = []
+    for mode in ("hooks", "ew"):
+        wrapped = None
+        try:
+            with _quiet(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                wrapped = get_gsm_class(mode)(model, loss_reduction="mean")
+                wrapped(probe).sum().backward()
+            return mode
+        except (RuntimeError, ValueError, NotImplementedError, TypeError) as exc:
+            errors.append(f"{mode}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+        finally:
+            if wrapped is not None and hasattr(wrapped, "cleanup"):
+                wrapped.cleanup()
+            for p in model.parameters():
+                p.grad = None
+                if hasattr(p, "grad_sample"):
+                    p.grad_sample = None
+    raise UserError(f"--dp-sgd: Opacus gives no per-sample gradients for model "
+                    f"{name or type(model).__name__} ({'; '.join(errors)}): pick another "
+                    "--model")
 
 
 @contextlib.contextmanager

@@ -261,10 +261,7 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
 
         check_batch_size(built, t.batch_size)  # BatchNorm needs two samples a batch
         if t.dp_sgd:
-            from fedavg.node.dp_sgd import unsupported_layer
-
-            if problem := unsupported_layer(built):
-                raise UserError(f"--dp-sgd: {problem}")
+            _check_dp_sgd(built, spec.name, data)
         data.notes.extend(spec.check(built))
         data.notes.extend(_strategy_notes(strategy, built, config))
     meta = _metadata(config, data, spec, validation, distill_x)
@@ -274,6 +271,27 @@ def prepare(config: RunConfig, *, model: bool = True, data: LoadedData | None = 
     if grouped:
         data.notes.append(grouped)  # shown with the plan, kept in model.json
     return prepared
+
+
+def _check_dp_sgd(built, name: str, data: LoadedData) -> None:
+    """Refuse a model DP-SGD cannot train before anything starts (a probe of zeros).
+
+    Raises
+    ------
+    UserError
+        A layer without per-sample gradients (BatchNorm), or a model Opacus fails on.
+    """
+    import torch  # lazy: loads torch, which only this path needs
+
+    from fedavg.data.load import normalize
+    from fedavg.node.dp_sgd import per_sample_mode, unsupported_layer
+
+    if problem := unsupported_layer(built):
+        raise UserError(f"--dp-sgd: {problem}")
+    dtype = torch.as_tensor(data.train.x[:1]).dtype
+    probe = normalize(torch.zeros((2, *data.input_shape), dtype=dtype), data.input_spec())
+    built.train()
+    per_sample_mode(built, probe, name)
 
 
 def _lora_settings(t, strategy, notes: list[str]) -> dict | None:

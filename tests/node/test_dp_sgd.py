@@ -159,3 +159,23 @@ def test_group_norm_replaces_batchnorm_in_the_spec_every_copy_builds():
     assert again.group_norm and again.build().state_dict().keys() == model.state_dict().keys()
     plain = ModelSpec.resolve("resnet18", (3, 32, 32), 10)
     assert "group_norm" not in plain.as_dict() and dp_sgd.unsupported_layer(plain.build())
+
+
+def test_a_model_opacus_cannot_take_per_sample_gradients_of_is_refused_naming_both_ways():
+    class Bag(nn.Module):  # fastText's shape: an EmbeddingBag over token ids
+        def __init__(self):
+            super().__init__()
+            self.bag = nn.EmbeddingBag(50, 8, mode="sum")
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, ids):
+            return self.fc(self.bag(ids))
+
+    model = Bag()
+    with pytest.raises(UserError, match=r"no per-sample gradients for model bag \(hooks: .*; "
+                                        r"ew: .*embedding_bag.*\): pick another --model"):
+        dp_sgd.per_sample_mode(model, torch.zeros(2, 6, dtype=torch.long), "bag")
+    assert all(p.grad is None for p in model.parameters())  # the probe left nothing
+    linear = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    assert dp_sgd.per_sample_mode(linear, torch.zeros(2, 1, 8, 8)) == "hooks"
+    assert dp_sgd.per_sample_mode(_Residual(), torch.zeros(2, 1, 8, 8)) == "ew"
